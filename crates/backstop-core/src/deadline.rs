@@ -1,0 +1,60 @@
+use crate::HasExtensions;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The instant by which a whole logical call (every attempt and every backoff sleep) must end.
+///
+/// The deadline layer stores it in the request's extensions; the retry layer refuses to sleep
+/// past it and the attempt timeout shortens the last attempt to fit inside it. A caller that has
+/// its own, tighter deadline puts it there first: the tighter one always wins.
+///
+/// It uses tokio's clock, so tests on paused time control it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Deadline(Instant);
+
+impl Deadline {
+    /// A deadline at the given instant.
+    pub const fn at(instant: Instant) -> Self {
+        Deadline(instant)
+    }
+
+    /// A deadline `budget` from now (saturating far in the future on overflow).
+    pub fn after(budget: Duration) -> Self {
+        let now = Instant::now();
+        Deadline(
+            now.checked_add(budget)
+                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30)),
+        )
+    }
+
+    /// The instant.
+    pub const fn instant(self) -> Instant {
+        self.0
+    }
+
+    /// Time left until the deadline, zero once it has passed.
+    pub fn remaining(self) -> Duration {
+        self.0.saturating_duration_since(Instant::now())
+    }
+
+    /// Whether the deadline has passed.
+    pub fn has_passed(self) -> bool {
+        Instant::now() >= self.0
+    }
+
+    /// The deadline recorded on a request, if any.
+    pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
+        req.extensions().get::<Deadline>().copied()
+    }
+
+    /// Records this deadline on the request unless it already carries an earlier one, and
+    /// returns the deadline now in force.
+    pub fn tighten<R: HasExtensions + ?Sized>(self, req: &mut R) -> Deadline {
+        let effective = match Deadline::of(req) {
+            Some(existing) if existing <= self => existing,
+            _ => self,
+        };
+        req.extensions_mut().insert(effective);
+        effective
+    }
+}

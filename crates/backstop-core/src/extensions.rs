@@ -1,0 +1,79 @@
+/// Access to a request's or response's [`http::Extensions`].
+///
+/// Backstop keeps all per-call metadata (the [`Deadline`](crate::Deadline), the
+/// [`Dependency`](crate::Dependency), the retry history, replay-safety markers) in extensions,
+/// so every layer works on any request type that implements this trait. `http::Request` and
+/// `http::Response` do; a non-HTTP tool call needs one field:
+///
+/// ```
+/// use backstop_core::HasExtensions;
+///
+/// #[derive(Clone, Debug)]
+/// struct ToolCall {
+///     tool: String,
+///     args: String,
+///     extensions: http::Extensions,
+/// }
+///
+/// impl HasExtensions for ToolCall {
+///     fn extensions(&self) -> &http::Extensions { &self.extensions }
+///     fn extensions_mut(&mut self) -> &mut http::Extensions { &mut self.extensions }
+/// }
+/// ```
+pub trait HasExtensions {
+    /// The extensions.
+    fn extensions(&self) -> &http::Extensions;
+    /// The extensions, mutably.
+    fn extensions_mut(&mut self) -> &mut http::Extensions;
+}
+
+impl<B> HasExtensions for http::Request<B> {
+    fn extensions(&self) -> &http::Extensions {
+        http::Request::extensions(self)
+    }
+    fn extensions_mut(&mut self) -> &mut http::Extensions {
+        http::Request::extensions_mut(self)
+    }
+}
+
+impl<B> HasExtensions for http::Response<B> {
+    fn extensions(&self) -> &http::Extensions {
+        http::Response::extensions(self)
+    }
+    fn extensions_mut(&mut self) -> &mut http::Extensions {
+        http::Response::extensions_mut(self)
+    }
+}
+
+impl HasExtensions for http::Extensions {
+    fn extensions(&self) -> &http::Extensions {
+        self
+    }
+    fn extensions_mut(&mut self) -> &mut http::Extensions {
+        self
+    }
+}
+
+/// A marker in a request's extensions saying that the request may be sent more than once
+/// without a second side effect.
+///
+/// HTTP requests are replay-safe by method (RFC 9110 §9.2.2) or by an `Idempotency-Key`
+/// header; a non-HTTP tool call has neither, so the code that knows the call is safe (for
+/// example, because it attached an idempotency key the tool honours) inserts this marker.
+///
+/// ```
+/// use backstop_core::{HasExtensions, ReplaySafe};
+///
+/// let mut req = http::Request::new(());
+/// req.extensions_mut().insert(ReplaySafe);
+/// assert!(ReplaySafe::is_marked(&req));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplaySafe;
+
+impl ReplaySafe {
+    /// Whether the request carries the marker.
+    pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
+        req.extensions().get::<ReplaySafe>().is_some()
+    }
+}

@@ -1,0 +1,38 @@
+//! Shared vocabulary of the Backstop middleware.
+//!
+//! Every Backstop layer speaks about a call in the same few words, and they live here so that the
+//! layers can be used alone or together without depending on each other:
+//!
+//! - [`Outcome`]: what is known about the side effect of an attempt (not sent, unknown, completed).
+//! - [`Dependency`] and [`DependencyKey`]: which downstream service a request goes to. One name
+//!   governs the retry budget, the circuit breaker and every error message.
+//! - [`Deadline`]: the instant by which a whole logical call must be finished, carried in the
+//!   request's extensions so inner layers can see the time left.
+//! - [`HasExtensions`]: how a layer reaches those extensions. `http::Request` and `http::Response`
+//!   implement it; a non-HTTP tool call implements it with one field.
+//! - The errors Backstop's own layers produce ([`AttemptTimedOut`], [`DeadlineExceeded`]), which
+//!   classifiers recognise by walking an error's `source()` chain.
+//!
+//! ```
+//! use backstop_core::{Deadline, HasExtensions, Outcome};
+//! use std::time::Duration;
+//!
+//! let mut req = http::Request::new(());
+//! Deadline::after(Duration::from_secs(2)).tighten(&mut req);
+//! assert!(Deadline::of(&req).is_some());
+//! assert!(Outcome::Unknown.is_uncertain());
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod deadline;
+mod dependency;
+mod error;
+mod extensions;
+mod outcome;
+
+pub use deadline::Deadline;
+pub use dependency::{ByAuthority, Dependency, DependencyKey};
+pub use error::{AttemptTimedOut, BoxError, DeadlineExceeded, HumanDuration};
+pub use extensions::{HasExtensions, ReplaySafe};
+pub use outcome::Outcome;

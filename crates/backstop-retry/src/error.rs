@@ -1,0 +1,220 @@
+use crate::NotReplayable;
+use backstop_classify::Verdict;
+use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
+use std::{error::Error, fmt, time::Duration};
+
+/// Why the retry layer made no further attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// The last attempt succeeded.
+    Succeeded,
+    /// The classifier called the failure fatal: repeating the request will not help.
+    NotRetryable,
+    /// Every allowed attempt was made.
+    AttemptsExhausted {
+        /// The configured maximum.
+        max_attempts: u32,
+    },
+    /// The side effect of the last attempt is unknown and the request is not replay-safe (not
+    /// idempotent, no idempotency key), so repeating it could do it twice.
+    NotReplaySafe,
+    /// The request cannot be replayed (for example, its body exceeded the replay buffer).
+    NotReplayable(NotReplayable),
+    /// The dependency's retry budget refused the retry.
+    BudgetExhausted,
+    /// The wait before the next attempt would end at or after the deadline.
+    DeadlineTooClose {
+        /// The wait that was needed.
+        wait: Duration,
+        /// The time that was left.
+        left: Duration,
+    },
+}
+
+impl StopReason {
+    fn describe(&self, f: &mut fmt::Formatter<'_>, dependency: &Dependency) -> fmt::Result {
+        match self {
+            StopReason::Succeeded => f.write_str("it succeeded"),
+            StopReason::NotRetryable => f.write_str("the failure is not one that retrying can fix"),
+            StopReason::AttemptsExhausted { max_attempts } => {
+                write!(f, "gave up after the maximum of {max_attempts} attempts")
+            }
+            StopReason::NotReplaySafe => f.write_str(
+                "not retried because the request is not idempotent and carries no idempotency key",
+            ),
+            StopReason::NotReplayable(r) => write!(f, "not retried because {r}"),
+            StopReason::BudgetExhausted => write!(f, "retry budget exhausted for {dependency}"),
+            StopReason::DeadlineTooClose { wait, left } => write!(
+                f,
+                "not retried because the next attempt could not start before the deadline \
+                 (it had to wait {}, {} was left)",
+                HumanDuration(*wait),
+                HumanDuration(*left)
+            ),
+        }
+    }
+}
+
+/// One attempt, as the retry layer saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    /// The classifier's verdict.
+    pub verdict: Verdict,
+    /// How long the attempt took.
+    pub took: Duration,
+    /// The wait before the next attempt, when there was one.
+    pub wait: Option<Duration>,
+}
+
+/// What the retry layer did for one logical call.
+///
+/// Put in a response's extensions whenever more than one attempt was made or a retryable
+/// response is returned because the layer stopped; carried by every [`RetryError`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetryHistory {
+    /// The dependency.
+    pub dependency: Dependency,
+    /// Every attempt, in order.
+    pub attempts: Vec<AttemptRecord>,
+    /// From the call to the end of the last attempt.
+    pub elapsed: Duration,
+    /// Why no further attempt was made.
+    pub stopped: StopReason,
+}
+
+impl RetryHistory {
+    /// The history recorded on a response, if any.
+    pub fn of<R: backstop_core::HasExtensions + ?Sized>(res: &R) -> Option<&RetryHistory> {
+        res.extensions().get::<RetryHistory>()
+    }
+}
+
+/// A logical call that ended in an error, after the retry layer did what it safely could.
+///
+/// Its `Display` is written to be handed to an agent's model as it is: it names the dependency,
+/// the attempts and the time spent, the last cause, why no further attempt was made, and what
+/// is known about the side effect (with what to do about it). `source()` is the last cause.
+#[derive(Debug)]
+pub struct RetryError {
+    history: RetryHistory,
+    outcome: Outcome,
+    retry_after: Option<Duration>,
+    cause: BoxError,
+}
+
+impl RetryError {
+    pub(crate) fn new(history: RetryHistory, verdict: Verdict, cause: BoxError) -> Self {
+        RetryError {
+            outcome: verdict.outcome(),
+            retry_after: verdict.retry_after(),
+            history,
+            cause,
+        }
+    }
+
+    /// The dependency.
+    pub fn dependency(&self) -> &Dependency {
+        &self.history.dependency
+    }
+
+    /// How many attempts were made.
+    pub fn attempts(&self) -> u32 {
+        u32::try_from(self.history.attempts.len()).unwrap_or(u32::MAX)
+    }
+
+    /// From the call to the end of the last attempt.
+    pub fn elapsed(&self) -> Duration {
+        self.history.elapsed
+    }
+
+    /// What is known about the side effect of the last attempt. If any attempt's outcome was
+    /// unknown, so is the call's: see [`RetryError::side_effect`].
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+
+    /// What is known about the side effect of the call as a whole: unknown if any attempt's
+    /// was, else that of the last attempt.
+    pub fn side_effect(&self) -> Outcome {
+        if self
+            .history
+            .attempts
+            .iter()
+            .any(|a| a.verdict.outcome() == Outcome::Unknown)
+        {
+            Outcome::Unknown
+        } else {
+            self.outcome
+        }
+    }
+
+    /// Why no further attempt was made.
+    pub fn stop_reason(&self) -> &StopReason {
+        &self.history.stopped
+    }
+
+    /// The delay the dependency asked for on its last answer, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// The full history.
+    pub fn history(&self) -> &RetryHistory {
+        &self.history
+    }
+
+    /// The last cause.
+    pub fn cause(&self) -> &(dyn Error + Send + Sync + 'static) {
+        &*self.cause
+    }
+
+    /// Takes the last cause out.
+    pub fn into_cause(self) -> BoxError {
+        self.cause
+    }
+}
+
+impl fmt::Display for RetryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.attempts();
+        write!(
+            f,
+            "call to {} failed after {} attempt{} in {}: {}; ",
+            self.history.dependency,
+            n,
+            if n == 1 { "" } else { "s" },
+            HumanDuration(self.history.elapsed),
+            self.cause
+        )?;
+        self.history.stopped.describe(f, &self.history.dependency)?;
+        let side_effect = self.side_effect();
+        write!(f, "; {}", side_effect.guidance())?;
+        if let (Some(after), Outcome::NotSent) = (self.retry_after, side_effect) {
+            write!(f, " (the dependency asked to wait {})", HumanDuration(after))?;
+        }
+        Ok(())
+    }
+}
+
+impl Error for RetryError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(&*self.cause)
+    }
+}
+
+/// An invalid retry configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidRetryConfig {
+    pub(crate) reason: &'static str,
+}
+
+impl fmt::Display for InvalidRetryConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.reason)
+    }
+}
+
+impl Error for InvalidRetryConfig {}

@@ -1,0 +1,277 @@
+use crate::{
+    CloneRequest, HttpReplay, InvalidRetryConfig, NoBudget, Replay, RetryBudget,
+    future::ResponseFuture,
+};
+use backstop_backoff::{Backoff, RngSource};
+use backstop_classify::{Classify, HttpClassifier};
+use backstop_core::{BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions};
+use std::{
+    fmt,
+    sync::Arc,
+    task::{Context, Poll},
+};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// The default number of attempts: one call and two retries.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+
+/// The mark the outermost retry layer puts in a request's extensions. A retry layer that finds
+/// it makes exactly one attempt and leaves retrying to the outer one.
+///
+/// Any other retrying code can honour it too: if a request carries it, someone outside is
+/// already retrying.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetryScope;
+
+pub(crate) struct Policy<C, P, K> {
+    pub(crate) classifier: C,
+    pub(crate) replay: P,
+    pub(crate) key: K,
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: Backoff,
+    pub(crate) rng: RngSource,
+    pub(crate) budget: Arc<dyn RetryBudget>,
+}
+
+/// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
+/// shares the RNG source and the budget.
+#[derive(Clone)]
+pub struct RetryLayer<C, P = CloneRequest, K = Dependency> {
+    classifier: C,
+    replay: P,
+    key: K,
+    max_attempts: u32,
+    backoff: Backoff,
+    rng: RngSource,
+    budget: Arc<dyn RetryBudget>,
+}
+
+impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug> fmt::Debug for RetryLayer<C, P, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLayer")
+            .field("classifier", &self.classifier)
+            .field("replay", &self.replay)
+            .field("dependency", &self.key)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff", &self.backoff)
+            .field("budget", &self.budget)
+            .finish()
+    }
+}
+
+impl<C> RetryLayer<C> {
+    /// Retries with `classifier`, replaying requests by `Clone`, for one dependency named
+    /// `"the dependency"` until [`dependency`](Self::dependency) names it. Three attempts, full
+    /// jitter from 200 ms up to 5 s, no budget.
+    pub fn new(classifier: C) -> Self {
+        RetryLayer {
+            classifier,
+            replay: CloneRequest,
+            key: Dependency::new("the dependency"),
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            backoff: Backoff::default(),
+            rng: RngSource::from_entropy(),
+            budget: Arc::new(NoBudget),
+        }
+    }
+}
+
+impl RetryLayer<HttpClassifier, HttpReplay, ByAuthority> {
+    /// Retries HTTP requests: the default [`HttpClassifier`], [`HttpReplay`], and one
+    /// dependency per URI authority unless [`dependency`](Self::dependency) names it.
+    pub fn http() -> Self {
+        RetryLayer::new(HttpClassifier::new())
+            .replay(HttpReplay)
+            .dependency_key(ByAuthority)
+    }
+}
+
+impl<C, P, K> RetryLayer<C, P, K> {
+    /// Replaces the classifier.
+    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K> {
+        RetryLayer {
+            classifier,
+            replay: self.replay,
+            key: self.key,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            rng: self.rng,
+            budget: self.budget,
+        }
+    }
+
+    /// Replaces how requests are replayed.
+    pub fn replay<P2>(self, replay: P2) -> RetryLayer<C, P2, K> {
+        RetryLayer {
+            classifier: self.classifier,
+            replay,
+            key: self.key,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            rng: self.rng,
+            budget: self.budget,
+        }
+    }
+
+    /// Names the one dependency every request goes to.
+    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency> {
+        self.dependency_key(name.into())
+    }
+
+    /// Derives the dependency from each request. A [`Dependency`] already in the request's
+    /// extensions (put there by the caller) wins.
+    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2> {
+        RetryLayer {
+            classifier: self.classifier,
+            replay: self.replay,
+            key,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            rng: self.rng,
+            budget: self.budget,
+        }
+    }
+
+    /// The most attempts per logical call, the first one included (3 by default). Zero is
+    /// rejected: a call is always attempted once.
+    pub fn max_attempts(mut self, n: u32) -> Result<Self, InvalidRetryConfig> {
+        if n == 0 {
+            return Err(InvalidRetryConfig {
+                reason: "max_attempts must be at least 1 (the first attempt counts)",
+            });
+        }
+        self.max_attempts = n;
+        Ok(self)
+    }
+
+    /// The backoff between attempts when the dependency gives no `Retry-After`.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// Where the jitter comes from; seed it for reproducible tests and simulations.
+    #[must_use]
+    pub fn rng(mut self, rng: RngSource) -> Self {
+        self.rng = rng;
+        self
+    }
+
+    /// The per-dependency retry budget.
+    #[must_use]
+    pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The configured maximum attempts.
+    pub fn get_max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+}
+
+impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
+    type Service = Retry<S, C, P, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Retry {
+            inner,
+            policy: Arc::new(Policy {
+                classifier: self.classifier.clone(),
+                replay: self.replay.clone(),
+                key: self.key.clone(),
+                max_attempts: self.max_attempts,
+                backoff: self.backoff,
+                rng: self.rng.clone(),
+                budget: self.budget.clone(),
+            }),
+        }
+    }
+}
+
+/// Retries failed attempts of a call when it is safe and useful; see the crate docs.
+///
+/// `Clone`: clones share the policy, the RNG source and the budget.
+pub struct Retry<S, C, P = CloneRequest, K = Dependency> {
+    inner: S,
+    policy: Arc<Policy<C, P, K>>,
+}
+
+impl<S: Clone, C, P, K> Clone for Retry<S, C, P, K> {
+    fn clone(&self) -> Self {
+        Retry {
+            inner: self.inner.clone(),
+            policy: self.policy.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, C, P, K> fmt::Debug for Retry<S, C, P, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .field("max_attempts", &self.policy.max_attempts)
+            .field("backoff", &self.policy.backoff)
+            .finish()
+    }
+}
+
+impl<S, C, P, K> Retry<S, C, P, K> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, Req, C, P, K> Service<Req> for Retry<S, C, P, K>
+where
+    S: Service<Req> + Clone,
+    S::Error: Into<BoxError>,
+    S::Response: HasExtensions,
+    Req: HasExtensions,
+    C: Classify<Req, S::Response, S::Error>,
+    P: Replay<Req>,
+    K: DependencyKey<Req>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, Req, C, P, K>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        if req.extensions().get::<RetryScope>().is_some() {
+            // An outer retry layer owns retrying: one attempt here.
+            return ResponseFuture::passthrough(self.inner.call(req));
+        }
+        let policy = self.policy.clone();
+        let dependency = match Dependency::of(&req) {
+            Some(d) => d.clone(),
+            None => {
+                let d = policy.key.dependency(&req);
+                req.extensions_mut().insert(d.clone());
+                d
+            }
+        };
+        req.extensions_mut().insert(RetryScope);
+        policy.budget.deposit(&dependency);
+        let deadline = Deadline::of(&req);
+
+        // The readied service makes the first attempt; the clone stays behind for the next call.
+        let clone = self.inner.clone();
+        let svc = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::start(policy, svc, req, dependency, deadline)
+    }
+}

@@ -1,0 +1,81 @@
+//! The one retry layer.
+//!
+//! Retries turn a transient failure into a success, and an unsafe retry turns a lost reply into
+//! a second refund. This layer retries only when all of these hold:
+//!
+//! - the [classifier](backstop_classify::Classify) calls the attempt retryable (a timeout, a
+//!   reset, a 429 or 5xx; never a validation error);
+//! - the side effect of the attempt is known not to have happened, **or** the request is
+//!   replay-safe (an idempotent method, an idempotency key, a [`ReplaySafe`] marker): a timeout
+//!   means *unknown*, not *failed*;
+//! - attempts are left (3 by default: one call and two retries);
+//! - the wait (the server's `Retry-After`, else the [backoff](backstop_backoff::Backoff), full
+//!   jitter from 200 ms up to 5 s) ends before the request's [`Deadline`];
+//! - the dependency's [`RetryBudget`] allows another retry;
+//! - the request can be replayed ([`Replay`]): any `Clone` request, or an `http::Request` whose
+//!   body can be replayed (`Full<Bytes>`, or a body buffered by [`BufferBodyLayer`] up to a
+//!   limit).
+//!
+//! **Retries happen in exactly one place.** The first retry layer a request passes marks it
+//! ([`RetryScope`]); every retry layer further in sees the mark and makes a single attempt, so
+//! three nested stacks against a failing dependency make 3 attempts, not 27.
+//!
+//! When it stops, it says why. A retryable *response* that could not be retried is returned as
+//! it is (HTTP callers expect the response) with a [`RetryHistory`] in its extensions; an
+//! *error* becomes a [`RetryError`] naming the dependency, the attempts, the time spent, the last
+//! cause, why it stopped and what is known of the side effect, in words a model can act on.
+//!
+//! ```
+//! use backstop_retry::RetryLayer;
+//! use backstop_backoff::{Backoff, RngSource};
+//! use backstop_core::BoxError;
+//! use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::Full;
+//! use bytes::Bytes;
+//! use tower::{Layer, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let calls = Arc::new(AtomicU32::new(0));
+//! let seen = calls.clone();
+//! // A dependency that is busy twice, then answers.
+//! let flaky = service_fn(move |_req: Request<Full<Bytes>>| {
+//!     let n = seen.fetch_add(1, Ordering::SeqCst);
+//!     async move {
+//!         let status = if n < 2 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+//!         Ok::<_, BoxError>(Response::builder().status(status).body(()).unwrap())
+//!     }
+//! });
+//! let svc = RetryLayer::http()
+//!     .dependency("search-api")
+//!     .rng(RngSource::seeded(1))
+//!     .layer(flaky);
+//! let res = svc.oneshot(Request::get("http://search.local/q").body(Full::default()).unwrap()).await.unwrap();
+//! assert_eq!(res.status(), StatusCode::OK);
+//! assert_eq!(calls.load(Ordering::SeqCst), 3);
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod body;
+mod budget;
+mod error;
+mod future;
+mod layer;
+mod replay;
+
+pub use backstop_core::{Deadline, Dependency, ReplaySafe};
+pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
+pub use budget::{NoBudget, RetryBudget};
+pub use error::{AttemptRecord, InvalidRetryConfig, RetryError, RetryHistory, StopReason};
+pub use future::ResponseFuture;
+pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer, RetryScope};
+pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
+
+/// Future types.
+pub mod futures {
+    pub use crate::body::BufferBodyFuture;
+    pub use crate::future::ResponseFuture;
+}

@@ -1,0 +1,252 @@
+use backstop_core::{
+    AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
+};
+use pin_project::pin_project;
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll, ready},
+    time::Duration,
+};
+use tokio::time::{Instant, Sleep, sleep_until};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// Applies [`AttemptTimeout`] to a service.
+#[derive(Clone, Debug)]
+pub struct AttemptTimeoutLayer {
+    limit: Duration,
+    dependency: Option<Dependency>,
+}
+
+impl AttemptTimeoutLayer {
+    /// Each attempt may take at most `limit` (or the time left before the request's
+    /// [`Deadline`], when that is shorter).
+    pub const fn new(limit: Duration) -> Self {
+        AttemptTimeoutLayer {
+            limit,
+            dependency: None,
+        }
+    }
+
+    /// The dependency named in errors when the request does not name one in its extensions.
+    #[must_use]
+    pub fn dependency(mut self, name: impl Into<Dependency>) -> Self {
+        self.dependency = Some(name.into());
+        self
+    }
+
+    /// The configured limit.
+    pub fn limit(&self) -> Duration {
+        self.limit
+    }
+}
+
+impl<S> Layer<S> for AttemptTimeoutLayer {
+    type Service = AttemptTimeout<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        AttemptTimeout {
+            inner,
+            limit: self.limit,
+            dependency: self.dependency.clone(),
+        }
+    }
+}
+
+/// Fails an attempt that takes longer than its limit with [`AttemptTimedOut`] (outcome
+/// unknown), or with [`DeadlineExceeded`] when the request's deadline was the tighter limit.
+#[derive(Clone, Debug)]
+pub struct AttemptTimeout<S> {
+    inner: S,
+    limit: Duration,
+    dependency: Option<Dependency>,
+}
+
+impl<S> AttemptTimeout<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, limit: Duration) -> Self {
+        AttemptTimeout {
+            inner,
+            limit,
+            dependency: None,
+        }
+    }
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, Req> Service<Req> for AttemptTimeout<S>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    Req: HasExtensions,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = AttemptFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let dependency = Dependency::of(&req).or(self.dependency.as_ref()).cloned();
+        let now = Instant::now();
+        let mut limit = self.limit;
+        let mut by_deadline = false;
+        if let Some(deadline) = Deadline::of(&req) {
+            let left = deadline.instant().saturating_duration_since(now);
+            if left <= limit {
+                limit = left;
+                by_deadline = true;
+            }
+        }
+        if by_deadline && limit.is_zero() {
+            return AttemptFuture {
+                state: State::Failed {
+                    error: Some(DeadlineExceeded::new(dependency, Outcome::NotSent).into()),
+                },
+            };
+        }
+        let at = now.checked_add(limit).unwrap_or(now + Duration::from_secs(86_400 * 365));
+        AttemptFuture {
+            state: State::Running {
+                inner: self.inner.call(req),
+                sleep: sleep_until(at),
+                limit,
+                by_deadline,
+                dependency,
+            },
+        }
+    }
+}
+
+/// Response future of [`AttemptTimeout`].
+#[pin_project]
+#[derive(Debug)]
+pub struct AttemptFuture<F> {
+    #[pin]
+    state: State<F>,
+}
+
+#[pin_project(project = StateProj)]
+#[derive(Debug)]
+enum State<F> {
+    Running {
+        #[pin]
+        inner: F,
+        #[pin]
+        sleep: Sleep,
+        limit: Duration,
+        by_deadline: bool,
+        dependency: Option<Dependency>,
+    },
+    Failed {
+        error: Option<BoxError>,
+    },
+}
+
+impl<F, T, E> Future for AttemptFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Running {
+                inner,
+                sleep,
+                limit,
+                by_deadline,
+                dependency,
+            } => {
+                // The response wins a tie with the timer.
+                if let Poll::Ready(r) = inner.poll(cx) {
+                    return Poll::Ready(r.map_err(Into::into));
+                }
+                ready!(sleep.poll(cx));
+                let dependency = dependency.take();
+                Poll::Ready(Err(if *by_deadline {
+                    DeadlineExceeded::new(dependency, Outcome::Unknown).into()
+                } else {
+                    AttemptTimedOut::new(dependency, *limit).into()
+                }))
+            }
+            StateProj::Failed { error } => Poll::Ready(Err(error
+                .take()
+                .expect("AttemptFuture polled after completion"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::{ServiceExt, service_fn};
+
+    fn slow(delay: Duration) -> impl Service<http::Request<()>, Response = &'static str, Error = BoxError, Future: Send> + Clone {
+        service_fn(move |_req: http::Request<()>| async move {
+            tokio::time::sleep(delay).await;
+            Ok::<_, BoxError>("done")
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fast_attempts_pass() {
+        let svc = AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(slow(Duration::from_millis(999)));
+        assert_eq!(svc.oneshot(http::Request::new(())).await.unwrap(), "done");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_attempts_time_out_with_an_unknown_outcome() {
+        let start = Instant::now();
+        let svc = AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(slow(Duration::from_secs(5)));
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(Dependency::new("search-api"));
+        let err = svc.oneshot(req).await.unwrap_err();
+        let t = err.downcast_ref::<AttemptTimedOut>().expect("AttemptTimedOut");
+        assert_eq!(t.dependency().unwrap().as_str(), "search-api");
+        assert_eq!(t.outcome(), Outcome::Unknown);
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_shortens_the_attempt() {
+        let start = Instant::now();
+        let svc = AttemptTimeoutLayer::new(Duration::from_secs(10)).layer(slow(Duration::from_secs(60)));
+        let mut req = http::Request::new(());
+        Deadline::after(Duration::from_secs(3)).tighten(&mut req);
+        let err = svc.oneshot(req).await.unwrap_err();
+        let d = err.downcast_ref::<DeadlineExceeded>().expect("DeadlineExceeded");
+        assert_eq!(d.outcome(), Outcome::Unknown);
+        assert_eq!(start.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_passed_deadline_is_not_sent() {
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = calls.clone();
+        let inner = service_fn(move |_req: http::Request<()>| {
+            c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Ok::<_, BoxError>(()) }
+        });
+        let svc = AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(inner);
+        let mut req = http::Request::new(());
+        Deadline::at(Instant::now()).tighten(&mut req);
+        let err = svc.oneshot(req).await.unwrap_err();
+        assert_eq!(err.downcast_ref::<DeadlineExceeded>().unwrap().outcome(), Outcome::NotSent);
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+}

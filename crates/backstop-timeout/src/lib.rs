@@ -1,0 +1,57 @@
+//! Timeouts everywhere: a per-attempt timeout and an overall deadline.
+//!
+//! Without a timeout one hung connection holds a call, and everything waiting on it, forever.
+//! Two limits work together:
+//!
+//! - [`DeadlineLayer`] bounds the whole logical call, every attempt and every backoff sleep. It
+//!   records a [`Deadline`] in the request's extensions; a deadline the caller already put there
+//!   wins when it is tighter, so a call never outlives its caller. A request whose deadline has
+//!   already passed fails at once without reaching the inner service.
+//! - [`AttemptTimeoutLayer`] bounds one attempt. It reads the deadline and uses
+//!   `min(attempt timeout, time left)`, so the last attempt ends exactly at the deadline instead
+//!   of being cut off from outside with no verdict.
+//!
+//! Choose the attempt timeout from the dependency's observed latency (a high percentile plus
+//! margin, for example p99 1.2 s -> 3 s), not from hope. A timed-out attempt's side effect is
+//! *unknown*, never "failed": the errors say so ([`AttemptTimedOut`], [`DeadlineExceeded`]).
+//!
+//! Neither layer bounds `poll_ready`: readiness is the inner service's backpressure and is
+//! passed through untouched (as tower's `Timeout` does); put a load-shed or buffer layer
+//! outside if readiness itself can hang.
+//!
+//! ```
+//! use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
+//! use backstop_core::{AttemptTimedOut, BoxError};
+//! use std::time::Duration;
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let hangs = service_fn(|_req: http::Request<()>| async {
+//!     tokio::time::sleep(Duration::from_secs(3600)).await;
+//!     Ok::<_, BoxError>("never")
+//! });
+//! let svc = ServiceBuilder::new()
+//!     .layer(DeadlineLayer::new(Duration::from_secs(10)))
+//!     .layer(AttemptTimeoutLayer::new(Duration::from_secs(2)).dependency("carrier-api"))
+//!     .service(hangs);
+//! let err = svc.oneshot(http::Request::new(())).await.unwrap_err();
+//! assert!(err.is::<AttemptTimedOut>());
+//! assert_eq!(err.to_string(), "carrier-api did not reply within the 2 s attempt timeout");
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod attempt;
+mod deadline;
+
+pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
+pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
+pub use deadline::{DeadlineLayer, WithDeadline};
+
+/// Future types.
+pub mod future {
+    pub use crate::attempt::AttemptFuture;
+    pub use crate::deadline::DeadlineFuture;
+}

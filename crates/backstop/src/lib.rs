@@ -1,0 +1,2 @@
+//! tmp
+#![forbid(unsafe_code)]
