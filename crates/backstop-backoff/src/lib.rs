@@ -227,7 +227,10 @@ mod tests {
         let e = Backoff::full_jitter(Duration::ZERO, DEFAULT_CAP).unwrap_err();
         assert_eq!(e.to_string(), "backoff base must be greater than zero");
         let e = Backoff::decorrelated_jitter(DEFAULT_CAP, DEFAULT_BASE).unwrap_err();
-        assert!(e.to_string().contains("must not be less than its base"), "{e}");
+        assert!(
+            e.to_string().contains("must not be less than its base"),
+            "{e}"
+        );
         assert!(Backoff::exponential(MS, MS).is_ok());
     }
 
@@ -237,7 +240,17 @@ mod tests {
         let mut rng = RngSource::seeded(1).rng();
         let mut s = b.schedule();
         let got: Vec<_> = (0..6).map(|_| s.next_delay(&mut rng)).collect();
-        assert_eq!(got, [100 * MS, 200 * MS, 400 * MS, 800 * MS, 1_000 * MS, 1_000 * MS]);
+        assert_eq!(
+            got,
+            [
+                100 * MS,
+                200 * MS,
+                400 * MS,
+                800 * MS,
+                1_000 * MS,
+                1_000 * MS
+            ]
+        );
         // Huge exponents saturate instead of overflowing.
         assert_eq!(b.bound(u32::MAX), 1_000 * MS);
     }

@@ -83,7 +83,12 @@ pub fn classify_error(error: &(dyn Error + 'static)) -> Option<Verdict> {
 }
 
 fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
-    let retry = |outcome| Some(Verdict::Retryable { outcome, after: None });
+    let retry = |outcome| {
+        Some(Verdict::Retryable {
+            outcome,
+            after: None,
+        })
+    };
     if e.is::<AttemptTimedOut>() {
         return retry(Outcome::Unknown);
     }
@@ -151,7 +156,10 @@ mod tests {
         let refused = Wrapper(Box::new(Wrapper(Box::new(io::Error::from(
             io::ErrorKind::ConnectionRefused,
         )))));
-        assert_eq!(classify_error(&refused).unwrap().outcome(), Outcome::NotSent);
+        assert_eq!(
+            classify_error(&refused).unwrap().outcome(),
+            Outcome::NotSent
+        );
     }
 
     #[test]

@@ -224,21 +224,29 @@ mod tests {
         for s in [408, 429, 503] {
             assert_eq!(
                 classify(&c, &res(s)),
-                Verdict::Retryable { outcome: Outcome::NotSent, after: None },
+                Verdict::Retryable {
+                    outcome: Outcome::NotSent,
+                    after: None
+                },
                 "{s}"
             );
         }
         for s in [500, 502, 504] {
             assert_eq!(
                 classify(&c, &res(s)),
-                Verdict::Retryable { outcome: Outcome::Unknown, after: None },
+                Verdict::Retryable {
+                    outcome: Outcome::Unknown,
+                    after: None
+                },
                 "{s}"
             );
         }
         for s in [400, 401, 403, 404, 409, 422, 501, 505, 511, 599] {
             assert_eq!(
                 classify(&c, &res(s)),
-                Verdict::Fatal { outcome: Outcome::Completed },
+                Verdict::Fatal {
+                    outcome: Outcome::Completed
+                },
                 "{s}"
             );
         }
@@ -257,14 +265,33 @@ mod tests {
     #[test]
     fn retry_after_is_read_and_capped() {
         let c = HttpClassifier::new().max_retry_after(Duration::from_secs(10));
-        let r = Response::builder().status(429).header("retry-after", "3").body(()).unwrap();
+        let r = Response::builder()
+            .status(429)
+            .header("retry-after", "3")
+            .body(())
+            .unwrap();
         assert_eq!(classify(&c, &r).retry_after(), Some(Duration::from_secs(3)));
-        let r = Response::builder().status(503).header("retry-after", "3600").body(()).unwrap();
-        assert_eq!(classify(&c, &r).retry_after(), Some(Duration::from_secs(10)));
-        let r = Response::builder().status(503).header("retry-after", "tomorrow").body(()).unwrap();
+        let r = Response::builder()
+            .status(503)
+            .header("retry-after", "3600")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            classify(&c, &r).retry_after(),
+            Some(Duration::from_secs(10))
+        );
+        let r = Response::builder()
+            .status(503)
+            .header("retry-after", "tomorrow")
+            .body(())
+            .unwrap();
         assert_eq!(classify(&c, &r).retry_after(), None);
         // Retry-After on a fatal response does not make it retryable.
-        let r = Response::builder().status(400).header("retry-after", "1").body(()).unwrap();
+        let r = Response::builder()
+            .status(400)
+            .header("retry-after", "1")
+            .body(())
+            .unwrap();
         assert!(!classify(&c, &r).is_retryable());
     }
 
@@ -279,7 +306,10 @@ mod tests {
             .header("retry-after", "Sun, 06 Nov 1994 08:49:47 GMT")
             .body(())
             .unwrap();
-        assert_eq!(classify(&c, &r).retry_after(), Some(Duration::from_secs(10)));
+        assert_eq!(
+            classify(&c, &r).retry_after(),
+            Some(Duration::from_secs(10))
+        );
     }
 
     #[test]
@@ -293,15 +323,25 @@ mod tests {
             let r = Request::builder().method(m).body(()).unwrap();
             assert!(!c.request_is_replay_safe(&r), "{m}");
         }
-        let keyed = Request::post("/").header("Idempotency-Key", "k1").body(()).unwrap();
+        let keyed = Request::post("/")
+            .header("Idempotency-Key", "k1")
+            .body(())
+            .unwrap();
         assert!(c.request_is_replay_safe(&keyed));
-        let empty = Request::post("/").header("Idempotency-Key", "").body(()).unwrap();
+        let empty = Request::post("/")
+            .header("Idempotency-Key", "")
+            .body(())
+            .unwrap();
         assert!(!c.request_is_replay_safe(&empty));
         let mut marked = Request::post("/").body(()).unwrap();
         marked.extensions_mut().insert(ReplaySafe);
         assert!(c.request_is_replay_safe(&marked));
-        let custom = HttpClassifier::new().idempotency_header(HeaderName::from_static("x-request-key"));
-        let r = Request::post("/").header("x-request-key", "a").body(()).unwrap();
+        let custom =
+            HttpClassifier::new().idempotency_header(HeaderName::from_static("x-request-key"));
+        let r = Request::post("/")
+            .header("x-request-key", "a")
+            .body(())
+            .unwrap();
         assert!(custom.request_is_replay_safe(&r));
         assert!(!custom.request_is_replay_safe(&keyed));
     }
@@ -311,9 +351,20 @@ mod tests {
         let c = HttpClassifier::new();
         let refused: BoxError = Box::new(io::Error::from(io::ErrorKind::ConnectionRefused));
         let v = Classify::<Request<()>, Response<()>, _>::classify(&c, Err(&refused));
-        assert_eq!(v, Verdict::Retryable { outcome: Outcome::NotSent, after: None });
+        assert_eq!(
+            v,
+            Verdict::Retryable {
+                outcome: Outcome::NotSent,
+                after: None
+            }
+        );
         let odd: BoxError = "something else".into();
         let v = Classify::<Request<()>, Response<()>, _>::classify(&c, Err(&odd));
-        assert_eq!(v, Verdict::Fatal { outcome: Outcome::Unknown });
+        assert_eq!(
+            v,
+            Verdict::Fatal {
+                outcome: Outcome::Unknown
+            }
+        );
     }
 }

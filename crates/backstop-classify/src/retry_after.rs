@@ -51,7 +51,11 @@ pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime, max: Duration) ->
 /// assert_eq!(parse_retry_after_value(&date, now, max), Some(Duration::from_secs(60)));
 /// assert_eq!(parse_retry_after_value(&HeaderValue::from_static("-1"), now, max), None);
 /// ```
-pub fn parse_retry_after_value(value: &HeaderValue, now: SystemTime, max: Duration) -> Option<Duration> {
+pub fn parse_retry_after_value(
+    value: &HeaderValue,
+    now: SystemTime,
+    max: Duration,
+) -> Option<Duration> {
     let text = value.to_str().ok()?.trim_matches([' ', '\t']);
     if text.is_empty() {
         return None;
@@ -125,10 +129,16 @@ mod tests {
     fn duplicate_headers_are_ambiguous() {
         let mut h = HeaderMap::new();
         h.append(RETRY_AFTER, HeaderValue::from_static("1"));
-        assert_eq!(parse_retry_after(&h, now(), Duration::MAX), Some(Duration::from_secs(1)));
+        assert_eq!(
+            parse_retry_after(&h, now(), Duration::MAX),
+            Some(Duration::from_secs(1))
+        );
         h.append(RETRY_AFTER, HeaderValue::from_static("100"));
         assert_eq!(parse_retry_after(&h, now(), Duration::MAX), None);
-        assert_eq!(parse_retry_after(&HeaderMap::new(), now(), Duration::MAX), None);
+        assert_eq!(
+            parse_retry_after(&HeaderMap::new(), now(), Duration::MAX),
+            None
+        );
     }
 
     #[test]

@@ -42,7 +42,9 @@ impl Outcome {
             Outcome::Unknown => {
                 "the request may or may not have taken effect; check its status before repeating it"
             }
-            Outcome::Completed => "the dependency answered, so repeating the same request will not help",
+            Outcome::Completed => {
+                "the dependency answered, so repeating the same request will not help"
+            }
         }
     }
 }

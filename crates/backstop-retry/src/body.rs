@@ -108,9 +108,9 @@ where
                 match ready!(Pin::new(rest).poll_frame(cx)) {
                     None => Poll::Ready(None),
                     Some(Err(e)) => Poll::Ready(Some(Err(e.into()))),
-                    Some(Ok(frame)) => Poll::Ready(Some(Ok(frame.map_data(|mut d| {
-                        d.copy_to_bytes(d.remaining())
-                    })))),
+                    Some(Ok(frame)) => Poll::Ready(Some(Ok(
+                        frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
+                    ))),
                 }
             }
         }
@@ -228,6 +228,8 @@ where
     }
 }
 
+// Boxing the request parts to shrink the reading state would cost an allocation per call.
+#[allow(clippy::large_enum_variant)]
 #[pin_project(project = BufProj)]
 enum BufState<S, B>
 where

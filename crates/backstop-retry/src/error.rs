@@ -187,13 +187,17 @@ impl fmt::Display for RetryError {
             n,
             if n == 1 { "" } else { "s" },
             HumanDuration(self.history.elapsed),
-            self.cause
+            CauseChain(&*self.cause)
         )?;
         self.history.stopped.describe(f, &self.history.dependency)?;
         let side_effect = self.side_effect();
         write!(f, "; {}", side_effect.guidance())?;
         if let (Some(after), Outcome::NotSent) = (self.retry_after, side_effect) {
-            write!(f, " (the dependency asked to wait {})", HumanDuration(after))?;
+            write!(
+                f,
+                " (the dependency asked to wait {})",
+                HumanDuration(after)
+            )?;
         }
         Ok(())
     }
@@ -202,6 +206,27 @@ impl fmt::Display for RetryError {
 impl Error for RetryError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         Some(&*self.cause)
+    }
+}
+
+/// An error followed by each source whose text it does not already include, joined by `: `
+/// (hyper-util's "client error (SendRequest)" alone does not tell a model what happened).
+struct CauseChain<'a>(&'a (dyn Error + 'static));
+
+impl fmt::Display for CauseChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut shown = self.0.to_string();
+        f.write_str(&shown)?;
+        let mut next = self.0.source();
+        while let Some(e) = next {
+            let text = e.to_string();
+            if !shown.contains(&text) {
+                write!(f, ": {text}")?;
+                shown = text;
+            }
+            next = e.source();
+        }
+        Ok(())
     }
 }
 

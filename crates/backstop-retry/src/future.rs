@@ -309,25 +309,24 @@ where
                         .template
                         .as_ref()
                         .expect("only a replayable request is retried");
-                    let req = match call.policy.replay.replay(template) {
-                        Ok(req) => req,
-                        Err(why) => {
-                            this.state.set(State::Done);
-                            let verdict = call
-                                .history
-                                .last()
-                                .map(|a| a.verdict)
-                                .unwrap_or(Verdict::Fatal {
-                                    outcome: Outcome::NotSent,
-                                });
-                            let history = call.history(StopReason::NotReplayable(why.clone()));
-                            return Poll::Ready(Err(Box::new(RetryError::new(
-                                history,
-                                verdict,
-                                Box::new(why),
-                            ))));
-                        }
-                    };
+                    let req =
+                        match call.policy.replay.replay(template) {
+                            Ok(req) => req,
+                            Err(why) => {
+                                this.state.set(State::Done);
+                                let verdict = call.history.last().map(|a| a.verdict).unwrap_or(
+                                    Verdict::Fatal {
+                                        outcome: Outcome::NotSent,
+                                    },
+                                );
+                                let history = call.history(StopReason::NotReplayable(why.clone()));
+                                return Poll::Ready(Err(Box::new(RetryError::new(
+                                    history,
+                                    verdict,
+                                    Box::new(why),
+                                ))));
+                            }
+                        };
                     call.attempt += 1;
                     call.attempt_started = Instant::now();
                     let fut = call.svc.call(req);

@@ -40,8 +40,11 @@ enum Step {
 #[derive(Clone)]
 struct Script {
     steps: Arc<Vec<Step>>,
-    seen: Arc<Mutex<Vec<(Instant, Option<String>)>>>,
+    seen: Arc<Mutex<Vec<Arrival>>>,
 }
+
+/// When an attempt arrived, and the idempotency key it carried.
+type Arrival = (Instant, Option<String>);
 
 impl Script {
     fn new(steps: &[Step]) -> Self {
@@ -57,7 +60,12 @@ impl Script {
         self.seen.lock().unwrap().iter().map(|s| s.0).collect()
     }
     fn keys(&self) -> Vec<Option<String>> {
-        self.seen.lock().unwrap().iter().map(|s| s.1.clone()).collect()
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.1.clone())
+            .collect()
     }
     fn service(&self) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone {
         let this = self.clone();
@@ -78,25 +86,26 @@ impl Script {
                         .body("body")
                         .unwrap()),
                     Step::Refused => Err(io::Error::from(io::ErrorKind::ConnectionRefused).into()),
-                    Step::TimedOut => Err(AttemptTimedOut::new(None, Duration::from_secs(1)).into()),
+                    Step::TimedOut => {
+                        Err(AttemptTimedOut::new(None, Duration::from_secs(1)).into())
+                    }
                 }
             }
         })
     }
 }
 
-fn layer() -> RetryLayer<
-    backstop_classify::HttpClassifier,
-    backstop_retry::HttpReplay,
-    Dependency,
-> {
+fn layer() -> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpReplay, Dependency>
+{
     RetryLayer::http()
         .dependency("carrier-api")
         .rng(RngSource::seeded(42))
 }
 
 fn get() -> Req {
-    Request::get("http://carrier.local/labels/1").body(Full::default()).unwrap()
+    Request::get("http://carrier.local/labels/1")
+        .body(Full::default())
+        .unwrap()
 }
 
 fn post() -> Req {
@@ -107,7 +116,8 @@ fn post() -> Req {
 
 fn keyed_post() -> Req {
     let mut r = post();
-    r.headers_mut().insert("idempotency-key", "k-4812".parse().unwrap());
+    r.headers_mut()
+        .insert("idempotency-key", "k-4812".parse().unwrap());
     r
 }
 
@@ -118,7 +128,11 @@ fn retry_error(e: BoxError) -> Box<RetryError> {
 #[tokio::test(start_paused = true)]
 async fn retries_503_three_times_then_returns_the_last_response_with_its_history() {
     let script = Script::new(&[Step::Status(503)]);
-    let res = layer().layer(script.service()).oneshot(get()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(get())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(script.attempts(), 3);
     let h = RetryHistory::of(&res).expect("history on the response");
@@ -132,16 +146,27 @@ async fn retries_503_three_times_then_returns_the_last_response_with_its_history
 #[tokio::test(start_paused = true)]
 async fn recovers_after_transient_failures() {
     let script = Script::new(&[Step::Status(502), Step::Refused, Step::Status(200)]);
-    let res = layer().layer(script.service()).oneshot(get()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(get())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(script.attempts(), 3);
-    assert_eq!(RetryHistory::of(&res).unwrap().stopped, StopReason::Succeeded);
+    assert_eq!(
+        RetryHistory::of(&res).unwrap().stopped,
+        StopReason::Succeeded
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_first_attempt_success_records_nothing() {
     let script = Script::new(&[Step::Status(200)]);
-    let res = layer().layer(script.service()).oneshot(get()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(get())
+        .await
+        .unwrap();
     assert!(RetryHistory::of(&res).is_none());
     assert_eq!(script.attempts(), 1);
 }
@@ -149,16 +174,27 @@ async fn a_first_attempt_success_records_nothing() {
 #[tokio::test(start_paused = true)]
 async fn never_retries_a_400() {
     let script = Script::new(&[Step::Status(400), Step::Status(200)]);
-    let res = layer().layer(script.service()).oneshot(keyed_post()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(keyed_post())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert_eq!(script.attempts(), 1);
-    assert_eq!(RetryHistory::of(&res).unwrap().stopped, StopReason::NotRetryable);
+    assert_eq!(
+        RetryHistory::of(&res).unwrap().stopped,
+        StopReason::NotRetryable
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn honours_retry_after_instead_of_the_backoff() {
     let script = Script::new(&[Step::StatusAfter(429, "2"), Step::Status(200)]);
-    let res = layer().layer(script.service()).oneshot(post()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(post())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     let t = script.times();
     assert_eq!(t[1] - t[0], Duration::from_secs(2));
@@ -186,20 +222,38 @@ async fn waits_follow_the_seeded_full_jitter_schedule() {
 #[tokio::test(start_paused = true)]
 async fn an_unknown_outcome_is_not_retried_for_a_post_without_a_key() {
     let script = Script::new(&[Step::TimedOut, Step::Status(200)]);
-    let err = layer().layer(script.service()).oneshot(post()).await.unwrap_err();
-    assert_eq!(script.attempts(), 1, "a lost reply to a POST must not be repeated");
+    let err = layer()
+        .layer(script.service())
+        .oneshot(post())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        script.attempts(),
+        1,
+        "a lost reply to a POST must not be repeated"
+    );
     let err = retry_error(err);
     assert_eq!(err.stop_reason(), &StopReason::NotReplaySafe);
     assert_eq!(err.outcome(), Outcome::Unknown);
     let text = err.to_string();
-    assert!(text.contains("not idempotent and carries no idempotency key"), "{text}");
-    assert!(text.contains("check its status before repeating it"), "{text}");
+    assert!(
+        text.contains("not idempotent and carries no idempotency key"),
+        "{text}"
+    );
+    assert!(
+        text.contains("check its status before repeating it"),
+        "{text}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_unknown_outcome_is_retried_with_the_same_key() {
     let script = Script::new(&[Step::TimedOut, Step::Status(500), Step::Status(201)]);
-    let res = layer().layer(script.service()).oneshot(keyed_post()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(keyed_post())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
     assert_eq!(script.keys(), vec![Some("k-4812".to_owned()); 3]);
 }
@@ -207,16 +261,27 @@ async fn an_unknown_outcome_is_retried_with_the_same_key() {
 #[tokio::test(start_paused = true)]
 async fn a_500_to_a_post_without_a_key_is_not_retried() {
     let script = Script::new(&[Step::Status(500), Step::Status(200)]);
-    let res = layer().layer(script.service()).oneshot(post()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(post())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(script.attempts(), 1);
-    assert_eq!(RetryHistory::of(&res).unwrap().stopped, StopReason::NotReplaySafe);
+    assert_eq!(
+        RetryHistory::of(&res).unwrap().stopped,
+        StopReason::NotReplaySafe
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_refused_connection_is_retried_even_for_a_post() {
     let script = Script::new(&[Step::Refused, Step::Status(201)]);
-    let res = layer().layer(script.service()).oneshot(post()).await.unwrap();
+    let res = layer()
+        .layer(script.service())
+        .oneshot(post())
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::CREATED);
     assert_eq!(script.attempts(), 2);
 }
@@ -225,7 +290,12 @@ async fn a_refused_connection_is_retried_even_for_a_post() {
 async fn errors_name_dependency_attempts_time_cause_and_outcome() {
     let script = Script::new(&[Step::Refused]);
     let backoff = Backoff::constant(Duration::from_millis(250));
-    let err = layer().backoff(backoff).layer(script.service()).oneshot(get()).await.unwrap_err();
+    let err = layer()
+        .backoff(backoff)
+        .layer(script.service())
+        .oneshot(get())
+        .await
+        .unwrap_err();
     let err = retry_error(err);
     assert_eq!(err.attempts(), 3);
     assert_eq!(err.elapsed(), Duration::from_millis(500));
@@ -247,7 +317,11 @@ async fn stops_at_once_when_the_wait_would_overrun_the_deadline() {
     Deadline::after(Duration::from_secs(10)).tighten(&mut req);
     let res = layer().layer(script.service()).oneshot(req).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(start.elapsed(), Duration::ZERO, "it must not sleep towards the deadline");
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "it must not sleep towards the deadline"
+    );
     match &RetryHistory::of(&res).unwrap().stopped {
         StopReason::DeadlineTooClose { wait, left } => {
             assert_eq!(*wait, Duration::from_secs(30));
@@ -301,14 +375,23 @@ async fn the_budget_is_consulted_before_each_retry() {
     assert_eq!(budget.withdrawals.load(Ordering::SeqCst), 2);
     let err = retry_error(err);
     assert_eq!(err.stop_reason(), &StopReason::BudgetExhausted);
-    assert!(err.to_string().contains("retry budget exhausted for carrier-api"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("retry budget exhausted for carrier-api"),
+        "{err}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_fatal_error_does_not_touch_the_budget() {
     let budget = Arc::new(Counting::default());
     let script = Script::new(&[Step::Status(422)]);
-    layer().budget(budget.clone()).layer(script.service()).oneshot(post()).await.unwrap();
+    layer()
+        .budget(budget.clone())
+        .layer(script.service())
+        .oneshot(post())
+        .await
+        .unwrap();
     assert_eq!(budget.withdrawals.load(Ordering::SeqCst), 0);
 }
 
@@ -370,7 +453,9 @@ async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
         StreamBody::new(futures_lite_iter(frames))
     };
 
-    let small = Request::put("http://carrier.local/x").body(stream(&[b"abc", b"def"])).unwrap();
+    let small = Request::put("http://carrier.local/x")
+        .body(stream(&[b"abc", b"def"]))
+        .unwrap();
     let res = svc.clone().oneshot(small).await.unwrap();
     assert_eq!(RetryHistory::of(&res).unwrap().attempts.len(), 3);
     assert_eq!(bodies.lock().unwrap().len(), 3);
@@ -381,7 +466,10 @@ async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
         .body(stream(&[b"0123456789", b"0123456789", b"tail"]))
         .unwrap();
     let res = svc.oneshot(big).await.unwrap();
-    assert_eq!(*bodies.lock().unwrap(), vec![Bytes::from_static(b"01234567890123456789tail")]);
+    assert_eq!(
+        *bodies.lock().unwrap(),
+        vec![Bytes::from_static(b"01234567890123456789tail")]
+    );
     match &RetryHistory::of(&res).unwrap().stopped {
         StopReason::NotReplayable(why) => {
             assert!(why.reason().contains("16-byte replay buffer"), "{why}")
@@ -512,7 +600,11 @@ async fn a_request_that_cannot_be_copied_is_sent_once() {
     };
     let err = retry_error(svc.oneshot(call).await.unwrap_err());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
-    assert!(err.to_string().contains("not retried because the tool call holds a one-shot stream"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("not retried because the tool call holds a one-shot stream"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,1 +1,240 @@
-//! tmp
+//! Loopback HTTP servers whose behaviour a test scripts: answer, answer late, hang, or commit
+//! the effect and then drop the connection without a reply (the lost-reply case).
+//!
+//! Every server binds `127.0.0.1:0` and stops when its [`TestServer`] is dropped. Nothing here
+//! talks to any other address.
+//!
+//! ```
+//! use backstop_testkit::{Action, TestServer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let server = TestServer::start(|_seen| Action::status(503)).await;
+//! assert!(server.url("/x").starts_with("http://127.0.0.1:"));
+//! assert_eq!(server.requests(), 0);
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use hyper_util::rt::TokioIo;
+use std::{
+    convert::Infallible,
+    fmt,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tokio::{net::TcpListener, task::JoinSet};
+
+/// One request as the server saw it.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    /// 0 for the first request the server received.
+    pub index: usize,
+    /// The method.
+    pub method: Method,
+    /// The path and query.
+    pub path: String,
+    /// The headers.
+    pub headers: HeaderMap,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+impl Seen {
+    /// A header's value as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// What the server does with a request.
+#[derive(Debug)]
+pub enum Action {
+    /// Answer.
+    Respond(Response<Full<Bytes>>),
+    /// Answer after a delay.
+    Delay(Duration, Response<Full<Bytes>>),
+    /// Never answer (until the client goes away or the server stops).
+    Hang,
+    /// Close the connection without a reply. The handler has done whatever it does first, so
+    /// this is the case of a reply lost after the effect was committed.
+    DropReply,
+}
+
+impl Action {
+    /// An empty response with `status`.
+    pub fn status(status: u16) -> Action {
+        Action::Respond(response(status, &[], ""))
+    }
+
+    /// A response with a status, headers and body.
+    pub fn respond(status: u16, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Action {
+        Action::Respond(response(status, headers, body))
+    }
+}
+
+/// Builds a response.
+pub fn response(
+    status: u16,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
+    let mut b = Response::builder().status(StatusCode::from_u16(status).expect("valid status"));
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    b.body(Full::new(body.into())).expect("valid response")
+}
+
+type Handler = dyn Fn(&Seen) -> Action + Send + Sync;
+
+/// A running loopback server; stops when dropped.
+pub struct TestServer {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    tasks: JoinSet<()>,
+}
+
+impl fmt::Debug for TestServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TestServer")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+#[derive(Debug)]
+struct Dropped;
+impl fmt::Display for Dropped {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("reply dropped on purpose")
+    }
+}
+impl std::error::Error for Dropped {}
+
+impl TestServer {
+    /// Starts a server on `127.0.0.1` with a free port; `handler` decides each answer.
+    pub async fn start<F>(handler: F) -> TestServer
+    where
+        F: Fn(&Seen) -> Action + Send + Sync + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("local addr");
+        let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let handler: Arc<Handler> = Arc::new(handler);
+        let mut tasks = JoinSet::new();
+        let log = seen.clone();
+        tasks.spawn(async move {
+            let mut conns = JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let handler = handler.clone();
+                let log = log.clone();
+                conns.spawn(async move {
+                    let svc = service_fn(move |req: hyper::Request<Incoming>| {
+                        let handler = handler.clone();
+                        let log = log.clone();
+                        async move { serve(req, &*handler, &log).await }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+                // Reap finished connections so a long run does not grow.
+                while conns.try_join_next().is_some() {}
+            }
+        });
+        TestServer { addr, seen, tasks }
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://127.0.0.1:PORT{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// How many requests arrived.
+    pub fn requests(&self) -> usize {
+        self.seen.lock().expect("lock").len()
+    }
+
+    /// Every request that arrived, in order.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().expect("lock").clone()
+    }
+
+    /// Stops the server and closes its connections.
+    pub fn stop(mut self) {
+        self.tasks.abort_all();
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.tasks.abort_all();
+    }
+}
+
+async fn serve(
+    req: hyper::Request<Incoming>,
+    handler: &Handler,
+    log: &Mutex<Vec<Seen>>,
+) -> Result<Response<Full<Bytes>>, Dropped> {
+    let (parts, body) = req.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let seen = {
+        let mut log = log.lock().expect("lock");
+        let seen = Seen {
+            index: log.len(),
+            method: parts.method,
+            path: parts
+                .uri
+                .path_and_query()
+                .map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
+            headers: parts.headers,
+            body,
+        };
+        log.push(seen.clone());
+        seen
+    };
+    match handler(&seen) {
+        Action::Respond(r) => Ok(r),
+        Action::Delay(d, r) => {
+            tokio::time::sleep(d).await;
+            Ok(r)
+        }
+        Action::Hang => {
+            let never = std::future::pending::<Infallible>().await;
+            match never {}
+        }
+        Action::DropReply => Err(Dropped),
+    }
+}
+
+/// A loopback address on which nothing listens (connections to it are refused).
+pub async fn refused_addr() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    drop(listener);
+    addr
+}

@@ -118,7 +118,9 @@ where
                 },
             };
         }
-        let at = now.checked_add(limit).unwrap_or(now + Duration::from_secs(86_400 * 365));
+        let at = now
+            .checked_add(limit)
+            .unwrap_or(now + Duration::from_secs(86_400 * 365));
         AttemptFuture {
             state: State::Running {
                 inner: self.inner.call(req),
@@ -196,7 +198,10 @@ mod tests {
     use super::*;
     use tower::{ServiceExt, service_fn};
 
-    fn slow(delay: Duration) -> impl Service<http::Request<()>, Response = &'static str, Error = BoxError, Future: Send> + Clone {
+    fn slow(
+        delay: Duration,
+    ) -> impl Service<http::Request<()>, Response = &'static str, Error = BoxError, Future: Send> + Clone
+    {
         service_fn(move |_req: http::Request<()>| async move {
             tokio::time::sleep(delay).await;
             Ok::<_, BoxError>("done")
@@ -205,18 +210,22 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn fast_attempts_pass() {
-        let svc = AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(slow(Duration::from_millis(999)));
+        let svc = AttemptTimeoutLayer::new(Duration::from_secs(1))
+            .layer(slow(Duration::from_millis(999)));
         assert_eq!(svc.oneshot(http::Request::new(())).await.unwrap(), "done");
     }
 
     #[tokio::test(start_paused = true)]
     async fn slow_attempts_time_out_with_an_unknown_outcome() {
         let start = Instant::now();
-        let svc = AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(slow(Duration::from_secs(5)));
+        let svc =
+            AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(slow(Duration::from_secs(5)));
         let mut req = http::Request::new(());
         req.extensions_mut().insert(Dependency::new("search-api"));
         let err = svc.oneshot(req).await.unwrap_err();
-        let t = err.downcast_ref::<AttemptTimedOut>().expect("AttemptTimedOut");
+        let t = err
+            .downcast_ref::<AttemptTimedOut>()
+            .expect("AttemptTimedOut");
         assert_eq!(t.dependency().unwrap().as_str(), "search-api");
         assert_eq!(t.outcome(), Outcome::Unknown);
         assert_eq!(start.elapsed(), Duration::from_secs(1));
@@ -225,11 +234,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_deadline_shortens_the_attempt() {
         let start = Instant::now();
-        let svc = AttemptTimeoutLayer::new(Duration::from_secs(10)).layer(slow(Duration::from_secs(60)));
+        let svc =
+            AttemptTimeoutLayer::new(Duration::from_secs(10)).layer(slow(Duration::from_secs(60)));
         let mut req = http::Request::new(());
         Deadline::after(Duration::from_secs(3)).tighten(&mut req);
         let err = svc.oneshot(req).await.unwrap_err();
-        let d = err.downcast_ref::<DeadlineExceeded>().expect("DeadlineExceeded");
+        let d = err
+            .downcast_ref::<DeadlineExceeded>()
+            .expect("DeadlineExceeded");
         assert_eq!(d.outcome(), Outcome::Unknown);
         assert_eq!(start.elapsed(), Duration::from_secs(3));
     }
@@ -246,7 +258,10 @@ mod tests {
         let mut req = http::Request::new(());
         Deadline::at(Instant::now()).tighten(&mut req);
         let err = svc.oneshot(req).await.unwrap_err();
-        assert_eq!(err.downcast_ref::<DeadlineExceeded>().unwrap().outcome(), Outcome::NotSent);
+        assert_eq!(
+            err.downcast_ref::<DeadlineExceeded>().unwrap().outcome(),
+            Outcome::NotSent
+        );
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 }

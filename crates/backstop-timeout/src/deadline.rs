@@ -162,9 +162,11 @@ where
                     return Poll::Ready(r.map_err(Into::into));
                 }
                 ready!(sleep.poll(cx));
-                Poll::Ready(Err(
-                    DeadlineExceeded::new(dependency.take(), Outcome::Unknown).into()
-                ))
+                Poll::Ready(Err(DeadlineExceeded::new(
+                    dependency.take(),
+                    Outcome::Unknown,
+                )
+                .into()))
             }
             StateProj::Failed { error } => Poll::Ready(Err(error
                 .take()
@@ -179,7 +181,8 @@ mod tests {
     use tokio::time::Instant;
     use tower::{ServiceExt, service_fn};
 
-    fn echo_deadline() -> impl Service<http::Request<()>, Response = Option<Deadline>, Error = BoxError> + Clone {
+    fn echo_deadline()
+    -> impl Service<http::Request<()>, Response = Option<Deadline>, Error = BoxError> + Clone {
         service_fn(|req: http::Request<()>| async move { Ok::<_, BoxError>(Deadline::of(&req)) })
     }
 
@@ -196,12 +199,14 @@ mod tests {
         let now = Instant::now();
         let svc = DeadlineLayer::new(Duration::from_secs(10)).layer(echo_deadline());
         let mut req = http::Request::new(());
-        req.extensions_mut().insert(Deadline::at(now + Duration::from_secs(2)));
+        req.extensions_mut()
+            .insert(Deadline::at(now + Duration::from_secs(2)));
         let seen = svc.clone().oneshot(req).await.unwrap().unwrap();
         assert_eq!(seen.instant(), now + Duration::from_secs(2));
 
         let mut req = http::Request::new(());
-        req.extensions_mut().insert(Deadline::at(now + Duration::from_secs(60)));
+        req.extensions_mut()
+            .insert(Deadline::at(now + Duration::from_secs(60)));
         let seen = svc.oneshot(req).await.unwrap().unwrap();
         assert_eq!(seen.instant(), now + Duration::from_secs(10));
     }
@@ -228,7 +233,10 @@ mod tests {
         });
         let svc = DeadlineLayer::new(Duration::from_millis(1500)).layer(hang);
         let err = svc.oneshot(http::Request::new(())).await.unwrap_err();
-        assert_eq!(err.downcast_ref::<DeadlineExceeded>().unwrap().outcome(), Outcome::Unknown);
+        assert_eq!(
+            err.downcast_ref::<DeadlineExceeded>().unwrap().outcome(),
+            Outcome::Unknown
+        );
         assert_eq!(start.elapsed(), Duration::from_millis(1500));
     }
 }
