@@ -1,5 +1,5 @@
 use crate::Verdict;
-use backstop_core::{AttemptTimedOut, BoxError, DeadlineExceeded, Outcome};
+use backstop_core::{AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome};
 use std::{error::Error, io};
 
 /// Views an error as `&dyn Error` so that its `source()` chain can be walked.
@@ -41,7 +41,7 @@ macro_rules! as_error_for {
     )*};
 }
 
-as_error_for!(io::Error, AttemptTimedOut, DeadlineExceeded);
+as_error_for!(io::Error, AttemptTimedOut, DeadlineExceeded, CircuitOpen);
 
 #[cfg(feature = "hyper")]
 as_error_for!(hyper::Error);
@@ -63,6 +63,7 @@ impl AsError for std::convert::Infallible {
 /// |---|---|---|
 /// | [`AttemptTimedOut`] | retryable | unknown |
 /// | [`DeadlineExceeded`] | fatal (no time left) | as recorded |
+/// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
 /// | hyper: request cancelled before it was written | retryable | not sent |
 /// | hyper: connection closed before the reply completed, read timeout | retryable | unknown |
@@ -91,6 +92,11 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     };
     if e.is::<AttemptTimedOut>() {
         return retry(Outcome::Unknown);
+    }
+    if e.is::<CircuitOpen>() {
+        return Some(Verdict::Fatal {
+            outcome: Outcome::NotSent,
+        });
     }
     if let Some(d) = e.downcast_ref::<DeadlineExceeded>() {
         return Some(Verdict::Fatal {
@@ -167,6 +173,17 @@ mod tests {
         let t = AttemptTimedOut::new(None, Duration::from_secs(1));
         assert_eq!(classify_error(&t).unwrap().outcome(), Outcome::Unknown);
         assert!(classify_error(&t).unwrap().is_retryable());
+        let open = backstop_core::CircuitOpen::new(
+            "carrier-api".into(),
+            backstop_core::CircuitState::Open,
+            None,
+        );
+        assert_eq!(
+            classify_error(&open),
+            Some(Verdict::Fatal {
+                outcome: Outcome::NotSent
+            })
+        );
         let d = DeadlineExceeded::new(None, Outcome::NotSent);
         assert_eq!(
             classify_error(&d),

@@ -137,6 +137,96 @@ impl fmt::Display for DeadlineExceeded {
 
 impl Error for DeadlineExceeded {}
 
+/// Why a circuit breaker refused a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CircuitState {
+    /// The dependency failed repeatedly; calls fail fast until the cooldown ends.
+    Open,
+    /// The cooldown ended and trial calls are in flight; other calls fail fast until a trial
+    /// succeeds.
+    HalfOpen,
+    /// An operator isolated the dependency; calls fail fast until it is reset.
+    Isolated,
+}
+
+/// A circuit breaker failed the call at once, without sending it.
+///
+/// The side effect is [`Outcome::NotSent`], and the retry layer does not retry it: the point of
+/// an open circuit is that nobody calls the dependency for a while.
+#[derive(Clone, Debug)]
+pub struct CircuitOpen {
+    dependency: Dependency,
+    state: CircuitState,
+    retry_in: Option<Duration>,
+}
+
+impl CircuitOpen {
+    /// A refusal for `dependency` in `state`; `retry_in` is the time until the next trial call,
+    /// when known.
+    pub fn new(dependency: Dependency, state: CircuitState, retry_in: Option<Duration>) -> Self {
+        CircuitOpen {
+            dependency,
+            state,
+            retry_in,
+        }
+    }
+
+    /// The dependency.
+    pub fn dependency(&self) -> &Dependency {
+        &self.dependency
+    }
+
+    /// The breaker's state.
+    pub fn state(&self) -> CircuitState {
+        self.state
+    }
+
+    /// The time until a trial call may go through, when known.
+    pub fn retry_in(&self) -> Option<Duration> {
+        self.retry_in
+    }
+
+    /// Always [`Outcome::NotSent`].
+    pub fn outcome(&self) -> Outcome {
+        Outcome::NotSent
+    }
+}
+
+impl fmt::Display for CircuitOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = &self.dependency;
+        match self.state {
+            CircuitState::Open => {
+                write!(f, "{d} is unavailable (circuit open); do not retry now")?;
+                match self.retry_in {
+                    // Whole seconds, rounded up: "try again in 27 s" must not be too early.
+                    Some(t) if t >= Duration::from_secs(1) => {
+                        let secs = t.as_secs() + u64::from(t.subsec_nanos() > 0);
+                        write!(
+                            f,
+                            "; try again in {}",
+                            HumanDuration(Duration::from_secs(secs))
+                        )
+                    }
+                    Some(t) => write!(f, "; try again in {}", HumanDuration(t)),
+                    None => f.write_str("; try again later"),
+                }
+            }
+            CircuitState::HalfOpen => write!(
+                f,
+                "{d} is unavailable (circuit half-open, a trial call is in progress); \
+                 do not retry now; try again in a few seconds"
+            ),
+            CircuitState::Isolated => write!(
+                f,
+                "{d} is unavailable (circuit isolated by an operator); do not retry now; tell the user"
+            ),
+        }
+    }
+}
+
+impl Error for CircuitOpen {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,6 +246,26 @@ mod tests {
         for (d, want) in cases {
             assert_eq!(HumanDuration(d).to_string(), want);
         }
+    }
+
+    #[test]
+    fn circuit_open_messages_tell_the_model_what_to_do() {
+        let e = CircuitOpen::new(
+            "carrier-api".into(),
+            CircuitState::Open,
+            Some(Duration::from_millis(26_200)),
+        );
+        assert_eq!(
+            e.to_string(),
+            "carrier-api is unavailable (circuit open); do not retry now; try again in 27 s"
+        );
+        let e = CircuitOpen::new("billing-api".into(), CircuitState::Isolated, None);
+        assert!(
+            e.to_string().ends_with("do not retry now; tell the user"),
+            "{e}"
+        );
+        let e = CircuitOpen::new("x".into(), CircuitState::HalfOpen, None);
+        assert!(e.to_string().contains("trial call is in progress"), "{e}");
     }
 
     #[test]

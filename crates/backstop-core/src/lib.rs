@@ -10,7 +10,8 @@
 //!   request's extensions so inner layers can see the time left.
 //! - [`HasExtensions`]: how a layer reaches those extensions. `http::Request` and `http::Response`
 //!   implement it; a non-HTTP tool call implements it with one field.
-//! - The errors Backstop's own layers produce ([`AttemptTimedOut`], [`DeadlineExceeded`]), which
+//! - The errors Backstop's own layers produce ([`AttemptTimedOut`], [`DeadlineExceeded`],
+//!   [`CircuitOpen`]), which
 //!   classifiers recognise by walking an error's `source()` chain.
 //!
 //! ```
@@ -33,6 +34,8 @@ mod outcome;
 
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
-pub use error::{AttemptTimedOut, BoxError, DeadlineExceeded, HumanDuration};
+pub use error::{
+    AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, HumanDuration,
+};
 pub use extensions::{HasExtensions, ReplaySafe};
 pub use outcome::Outcome;

@@ -12,14 +12,23 @@
 //!   backoff sleeps, always inside the caller's own deadline.
 //! - [`retry`]: the one retry layer. A timeout means *unknown*, so a request that is not
 //!   replay-safe (a POST without an idempotency key) is not repeated after one.
+//! - [`budget`]: retries per dependency stay within 10 % of requests (plus 1 per second), so an
+//!   outage is not multiplied by the retry count.
+//! - [`breaker`]: a circuit breaker per dependency that fails fast with an honest message
+//!   ("carrier-api is unavailable (circuit open); do not retry now; try again in 27 s").
 //!
-//! Stack them in this order, outermost first: deadline, retry, attempt timeout, the client.
+//! Stack them in this order, outermost first: deadline, retry (with the budget), breaker,
+//! attempt timeout, the client. The budget and the breaker follow the dependency the retry
+//! layer names, so one name governs both.
 //!
 //! ```
 //! use backstop::{
+//!     breaker::{Breaker, BreakerLayer},
+//!     budget::Budget,
 //!     retry::RetryLayer,
 //!     timeout::{AttemptTimeoutLayer, DeadlineLayer},
 //! };
+//! use std::sync::Arc;
 //! use bytes::Bytes;
 //! use http_body_util::Full;
 //! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
@@ -29,10 +38,15 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), backstop::BoxError> {
 //! # let server = backstop_testkit::TestServer::start(|_| backstop_testkit::Action::status(200)).await;
+//! // One budget and one breaker for the whole process: every stack shares their state.
+//! let budget = Budget::default();
+//! let breaker = Breaker::default();
+//!
 //! let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
 //! let carrier = ServiceBuilder::new()
 //!     .layer(DeadlineLayer::new(Duration::from_secs(10)))
-//!     .layer(RetryLayer::http().dependency("carrier-api"))
+//!     .layer(RetryLayer::http().dependency("carrier-api").budget(Arc::new(budget.clone())))
+//!     .layer(BreakerLayer::http(breaker.clone()))
 //!     .layer(AttemptTimeoutLayer::new(Duration::from_secs(3)))
 //!     .service(client);
 //!
@@ -47,7 +61,7 @@
 
 #[doc(inline)]
 pub use backstop_core::{
-    BoxError, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,
+    BoxError, CircuitOpen, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,
 };
 
 /// Classification of attempts: [`Verdict`](classify::Verdict), [`Classify`](classify::Classify),
@@ -73,6 +87,24 @@ pub mod timeout {
 pub mod retry {
     #[doc(inline)]
     pub use backstop_retry::*;
+}
+
+/// The per-dependency retry budget.
+pub mod budget {
+    #[doc(inline)]
+    pub use backstop_budget::*;
+}
+
+/// The per-dependency circuit breaker.
+pub mod breaker {
+    #[doc(inline)]
+    pub use backstop_breaker::*;
+}
+
+/// Per-dependency shared state: the bounded registry and sliding counters.
+pub mod state {
+    #[doc(inline)]
+    pub use backstop_state::*;
 }
 
 /// The vocabulary every layer shares.

@@ -1,0 +1,468 @@
+use crate::{BreakerConfig, InvalidBreaker};
+use backstop_core::{CircuitOpen, CircuitState, Dependency};
+use backstop_state::{Registry, SlidingCount};
+use std::{
+    fmt,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+use tokio::time::Instant;
+
+const CLOSED: u8 = 0;
+const OPEN: u8 = 1;
+const HALF_OPEN: u8 = 2;
+const ISOLATED: u8 = 3;
+
+/// A circuit's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum State {
+    /// Calls flow.
+    Closed,
+    /// Calls fail fast.
+    Open,
+    /// Trial calls flow; the rest fail fast.
+    HalfOpen,
+    /// Isolated by an operator: calls fail fast until [`Breaker::reset`].
+    Isolated,
+}
+
+impl State {
+    fn from_u8(v: u8) -> State {
+        match v {
+            CLOSED => State::Closed,
+            OPEN => State::Open,
+            HALF_OPEN => State::HalfOpen,
+            _ => State::Isolated,
+        }
+    }
+
+    /// `closed`, `open`, `half_open` or `isolated`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Closed => "closed",
+            State::Open => "open",
+            State::HalfOpen => "half_open",
+            State::Isolated => "isolated",
+        }
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A change of a circuit's state, as reported to the `on_transition` hook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// The dependency.
+    pub dependency: Dependency,
+    /// The state before.
+    pub from: State,
+    /// The state after.
+    pub to: State,
+    /// How long it stays open, for a transition to [`State::Open`].
+    pub cooldown: Option<Duration>,
+}
+
+/// What a circuit has counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CircuitStats {
+    /// The state.
+    pub state: State,
+    /// Calls counted in the failure-ratio window (0 when the ratio rule is off).
+    pub calls: u64,
+    /// Failures counted in the window.
+    pub failures: u64,
+    /// Failures in a row.
+    pub consecutive_failures: u32,
+    /// Time until the next trial call, while open.
+    pub retry_in: Option<Duration>,
+}
+
+/// One dependency's circuit.
+pub(crate) struct Circuit {
+    dependency: Dependency,
+    state: AtomicU8,
+    /// Bumped on every transition; a permit from an older generation no longer counts.
+    generation: AtomicU64,
+    /// Milliseconds since the breaker's origin.
+    open_until: AtomicU64,
+    consecutive: AtomicU32,
+    calls: Option<SlidingCount>,
+    failures: Option<SlidingCount>,
+    trials_left: AtomicU32,
+    /// Opens in a row without a successful trial, for the growing cooldown.
+    opens: AtomicU32,
+    transition: Mutex<()>,
+}
+
+/// What a finished call tells the circuit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Signal {
+    Success,
+    Failure,
+    /// Not sent, or cancelled: counts for nothing.
+    Ignore,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Normal,
+    Trial,
+}
+
+/// Admission to make one call; reports its result, or gives a trial slot back when dropped.
+pub(crate) struct Permit {
+    breaker: Arc<Inner>,
+    circuit: Arc<Circuit>,
+    kind: Kind,
+    generation: u64,
+    done: bool,
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("dependency", &self.circuit.dependency)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl Permit {
+    pub(crate) fn record(mut self, signal: Signal) {
+        self.done = true;
+        self.breaker
+            .record(&self.circuit, self.kind, self.generation, signal);
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.done {
+            // Cancelled: no failure, and a trial gives its slot back.
+            self.breaker
+                .record(&self.circuit, self.kind, self.generation, Signal::Ignore);
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) config: BreakerConfig,
+    circuits: Registry<Circuit>,
+    origin: Instant,
+}
+
+/// Per-dependency circuits. `Clone`: clones share every circuit, so one `Breaker` given to
+/// several stacks governs them together.
+#[derive(Clone)]
+pub struct Breaker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Breaker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Breaker")
+            .field("config", &self.inner.config)
+            .field("dependencies", &self.inner.circuits.len())
+            .finish()
+    }
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Breaker::new(BreakerConfig::default()).expect("the default configuration is valid")
+    }
+}
+
+impl Breaker {
+    /// A breaker with `config`, or why the configuration is invalid.
+    pub fn new(config: BreakerConfig) -> Result<Self, InvalidBreaker> {
+        config.validate()?;
+        let ratio = config.failure_ratio.is_some();
+        let window = config.window;
+        let circuits = Registry::new(config.max_dependencies, move |dep: &Dependency| Circuit {
+            dependency: dep.clone(),
+            state: AtomicU8::new(CLOSED),
+            generation: AtomicU64::new(0),
+            open_until: AtomicU64::new(0),
+            consecutive: AtomicU32::new(0),
+            calls: ratio.then(|| SlidingCount::new(window, 10)),
+            failures: ratio.then(|| SlidingCount::new(window, 10)),
+            trials_left: AtomicU32::new(0),
+            opens: AtomicU32::new(0),
+            transition: Mutex::new(()),
+        });
+        Ok(Breaker {
+            inner: Arc::new(Inner {
+                config,
+                circuits,
+                origin: Instant::now(),
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BreakerConfig {
+        &self.inner.config
+    }
+
+    /// The state of `dependency`'s circuit (closed if it was never used).
+    pub fn state(&self, dependency: &Dependency) -> State {
+        self.stats(dependency).state
+    }
+
+    /// What `dependency`'s circuit has counted.
+    pub fn stats(&self, dependency: &Dependency) -> CircuitStats {
+        let Some(c) = self.inner.circuits.get_tracked(dependency) else {
+            return CircuitStats {
+                state: State::Closed,
+                calls: 0,
+                failures: 0,
+                consecutive_failures: 0,
+                retry_in: None,
+            };
+        };
+        let now = Instant::now();
+        let state = State::from_u8(c.state.load(Ordering::Acquire));
+        CircuitStats {
+            state,
+            calls: c.calls.as_ref().map_or(0, |w| w.sum(now)),
+            failures: c.failures.as_ref().map_or(0, |w| w.sum(now)),
+            consecutive_failures: c.consecutive.load(Ordering::Acquire),
+            retry_in: (state == State::Open).then(|| {
+                let until = c.open_until.load(Ordering::Acquire);
+                Duration::from_millis(until.saturating_sub(self.inner.now_ms()))
+            }),
+        }
+    }
+
+    /// Opens `dependency`'s circuit until [`reset`](Self::reset): every call fails fast.
+    pub fn isolate(&self, dependency: &Dependency) {
+        let c = self.inner.circuits.get(dependency);
+        self.inner.transition(&c, None, ISOLATED, None);
+    }
+
+    /// Closes `dependency`'s circuit and forgets its failures.
+    pub fn reset(&self, dependency: &Dependency) {
+        if let Some(c) = self.inner.circuits.get_tracked(dependency) {
+            self.inner.transition(&c, None, CLOSED, None);
+        }
+    }
+
+    /// How many dependencies have a circuit of their own.
+    pub fn tracked(&self) -> usize {
+        self.inner.circuits.len()
+    }
+
+    pub(crate) fn acquire(&self, dependency: &Dependency) -> Result<Permit, CircuitOpen> {
+        let circuit = self.inner.circuits.get(dependency);
+        self.inner.acquire(&self.inner, circuit, dependency)
+    }
+}
+
+impl Inner {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(
+            Instant::now()
+                .saturating_duration_since(self.origin)
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX)
+    }
+
+    fn acquire(
+        &self,
+        this: &Arc<Inner>,
+        circuit: Arc<Circuit>,
+        dependency: &Dependency,
+    ) -> Result<Permit, CircuitOpen> {
+        let permit = |kind, generation| Permit {
+            breaker: this.clone(),
+            circuit: circuit.clone(),
+            kind,
+            generation,
+            done: false,
+        };
+        loop {
+            match circuit.state.load(Ordering::Acquire) {
+                CLOSED => {
+                    let generation = circuit.generation.load(Ordering::Acquire);
+                    return Ok(permit(Kind::Normal, generation));
+                }
+                OPEN => {
+                    let generation = circuit.generation.load(Ordering::Acquire);
+                    let now = self.now_ms();
+                    let until = circuit.open_until.load(Ordering::Acquire);
+                    if now < until {
+                        return Err(CircuitOpen::new(
+                            dependency.clone(),
+                            CircuitState::Open,
+                            Some(Duration::from_millis(until - now)),
+                        ));
+                    }
+                    // The cooldown is over: let trials through (unless the circuit changed since).
+                    self.transition(&circuit, Some(OPEN), HALF_OPEN, Some(generation));
+                }
+                HALF_OPEN => {
+                    let generation = circuit.generation.load(Ordering::Acquire);
+                    let took = circuit
+                        .trials_left
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| t.checked_sub(1))
+                        .is_ok();
+                    if took {
+                        return Ok(permit(Kind::Trial, generation));
+                    }
+                    return Err(CircuitOpen::new(
+                        dependency.clone(),
+                        CircuitState::HalfOpen,
+                        None,
+                    ));
+                }
+                _ => {
+                    return Err(CircuitOpen::new(
+                        dependency.clone(),
+                        CircuitState::Isolated,
+                        None,
+                    ));
+                }
+            }
+        }
+    }
+
+    fn record(&self, c: &Arc<Circuit>, kind: Kind, generation: u64, signal: Signal) {
+        let current = c.generation.load(Ordering::Acquire) == generation;
+        match (kind, signal) {
+            (Kind::Trial, Signal::Ignore) => {
+                if current && c.state.load(Ordering::Acquire) == HALF_OPEN {
+                    c.trials_left.fetch_add(1, Ordering::AcqRel);
+                }
+            }
+            (Kind::Normal, Signal::Ignore) => {}
+            (Kind::Trial, Signal::Success) => {
+                if current {
+                    self.transition(c, Some(HALF_OPEN), CLOSED, Some(generation));
+                }
+            }
+            (Kind::Trial, Signal::Failure) => {
+                if current {
+                    self.transition(c, Some(HALF_OPEN), OPEN, Some(generation));
+                }
+            }
+            (Kind::Normal, Signal::Success) => {
+                if !current {
+                    return;
+                }
+                if c.consecutive.load(Ordering::Relaxed) != 0 {
+                    c.consecutive.store(0, Ordering::Release);
+                }
+                if let Some(calls) = &c.calls {
+                    calls.add(Instant::now(), 1);
+                }
+            }
+            (Kind::Normal, Signal::Failure) => {
+                if !current {
+                    return;
+                }
+                let run = c.consecutive.fetch_add(1, Ordering::AcqRel) + 1;
+                let cfg = &self.config;
+                let mut trip = cfg.consecutive_failures.is_some_and(|n| run >= n);
+                if let (Some(calls), Some(failures), Some(ratio)) =
+                    (&c.calls, &c.failures, cfg.failure_ratio)
+                {
+                    let now = Instant::now();
+                    calls.add(now, 1);
+                    failures.add(now, 1);
+                    let n = calls.sum(now);
+                    if n >= u64::from(cfg.minimum_calls)
+                        && failures.sum(now) as f64 >= ratio * n as f64
+                    {
+                        trip = true;
+                    }
+                }
+                if trip {
+                    self.transition(c, Some(CLOSED), OPEN, Some(generation));
+                }
+            }
+        }
+    }
+
+    /// Moves `c` to `to` if it is in `from` (any state when `None`) and, when given, still in
+    /// `generation`. Serialised per circuit; never held across an `.await`.
+    fn transition(&self, c: &Circuit, from: Option<u8>, to: u8, generation: Option<u64>) {
+        let guard = c.transition.lock().unwrap_or_else(|p| p.into_inner());
+        let was = c.state.load(Ordering::Acquire);
+        if from.is_some_and(|f| f != was)
+            || generation.is_some_and(|g| g != c.generation.load(Ordering::Acquire))
+        {
+            return;
+        }
+        let mut cooldown = None;
+        match to {
+            OPEN => {
+                let opens = c.opens.fetch_add(1, Ordering::AcqRel);
+                let grown = self
+                    .config
+                    .cooldown
+                    .saturating_mul(2u32.saturating_pow(opens.min(31)))
+                    .min(self.config.max_cooldown);
+                let until = self
+                    .now_ms()
+                    .saturating_add(u64::try_from(grown.as_millis()).unwrap_or(u64::MAX));
+                c.open_until.store(until, Ordering::Release);
+                cooldown = Some(grown);
+            }
+            HALF_OPEN => {
+                c.trials_left
+                    .store(self.config.trial_calls, Ordering::Release);
+            }
+            CLOSED => {
+                c.opens.store(0, Ordering::Release);
+            }
+            _ => {}
+        }
+        // A new state starts with clean counts.
+        c.consecutive.store(0, Ordering::Release);
+        if let Some(w) = &c.calls {
+            w.reset();
+        }
+        if let Some(w) = &c.failures {
+            w.reset();
+        }
+        c.generation.fetch_add(1, Ordering::AcqRel);
+        c.state.store(to, Ordering::Release);
+        drop(guard);
+
+        let t = Transition {
+            dependency: c.dependency.clone(),
+            from: State::from_u8(was),
+            to: State::from_u8(to),
+            cooldown,
+        };
+        match t.to {
+            State::Open | State::Isolated => tracing::warn!(
+                target: "backstop::breaker",
+                dependency = %t.dependency,
+                from = t.from.as_str(),
+                to = t.to.as_str(),
+                cooldown_ms = cooldown.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                "circuit state changed"
+            ),
+            _ => tracing::info!(
+                target: "backstop::breaker",
+                dependency = %t.dependency,
+                from = t.from.as_str(),
+                to = t.to.as_str(),
+                "circuit state changed"
+            ),
+        }
+        if let Some(hook) = &self.config.on_transition {
+            hook(&t);
+        }
+    }
+}

@@ -1,0 +1,590 @@
+//! The breaker's state machine on paused time, its fail-fast path, and its place under the
+//! retry layer.
+
+use backstop_backoff::{Backoff, RngSource};
+use backstop_breaker::{
+    Breaker, BreakerConfig, BreakerLayer, CircuitOpen, CircuitState, State, Transition,
+};
+use backstop_budget::Budget;
+use backstop_core::{AttemptTimedOut, Dependency};
+use backstop_retry::{RetryError, RetryLayer, StopReason};
+use http::{Request, Response};
+use std::{
+    future::Future,
+    io,
+    pin::pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, AtomicUsize, Ordering},
+    },
+    task::{Context, Poll, Waker},
+    time::Duration,
+};
+use tokio::time::{Instant, advance};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+/// What the dependency answers. `Hang` never answers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Answer {
+    Ok,
+    Status(u16),
+    Timeout,
+    Slow(Duration),
+    Hang,
+}
+
+/// A dependency whose answer the test switches, counting the calls that reach it.
+#[derive(Clone)]
+struct Dep {
+    answer: Arc<Mutex<Answer>>,
+    calls: Arc<AtomicUsize>,
+}
+
+type Req = Request<()>;
+type Res = Response<()>;
+
+impl Dep {
+    fn new(a: Answer) -> Self {
+        Dep {
+            answer: Arc::new(Mutex::new(a)),
+            calls: Arc::default(),
+        }
+    }
+    fn set(&self, a: Answer) {
+        *self.answer.lock().unwrap() = a;
+    }
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+    fn service(
+        &self,
+    ) -> impl Service<Req, Response = Res, Error = io::Error, Future: Send> + Clone + Send + use<>
+    {
+        let this = self.clone();
+        service_fn(move |_req: Req| {
+            this.calls.fetch_add(1, Ordering::SeqCst);
+            let a = *this.answer.lock().unwrap();
+            async move {
+                match a {
+                    Answer::Ok => Ok(Response::new(())),
+                    Answer::Status(s) => Ok(Response::builder().status(s).body(()).unwrap()),
+                    Answer::Timeout => Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        AttemptTimedOut::new(None, Duration::from_secs(1)),
+                    )),
+                    Answer::Slow(d) => {
+                        tokio::time::sleep(d).await;
+                        Ok(Response::new(()))
+                    }
+                    Answer::Hang => std::future::pending().await,
+                }
+            }
+        })
+    }
+}
+
+fn carrier() -> Dependency {
+    Dependency::new("carrier-api")
+}
+
+/// The transitions a hook saw, as (from, to).
+type Seen = Arc<Mutex<Vec<(State, State)>>>;
+
+fn recorder() -> (Seen, impl Fn(&Transition) + Send + Sync + 'static) {
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    (seen, move |t: &Transition| {
+        assert_eq!(t.dependency.as_str(), "carrier-api");
+        s.lock().unwrap().push((t.from, t.to));
+    })
+}
+
+async fn call<S>(svc: &S) -> Result<Res, backstop_core::BoxError>
+where
+    S: Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone,
+{
+    svc.clone().oneshot(Request::new(())).await
+}
+
+fn open_error(e: backstop_core::BoxError) -> CircuitOpen {
+    e.downcast_ref::<CircuitOpen>()
+        .cloned()
+        .unwrap_or_else(|| panic!("not CircuitOpen: {e}"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_dependency() {
+    let (transitions, hook) = recorder();
+    let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+
+    for _ in 0..5 {
+        assert_eq!(call(&svc).await.unwrap().status(), 503);
+    }
+    assert_eq!(breaker.state(&carrier()), State::Open);
+    let before = dep.calls();
+    let start = Instant::now();
+    for _ in 0..100 {
+        let e = open_error(call(&svc).await.unwrap_err());
+        assert_eq!(e.state(), CircuitState::Open);
+    }
+    assert_eq!(
+        dep.calls(),
+        before,
+        "an open circuit never calls the dependency"
+    );
+    assert_eq!(start.elapsed(), Duration::ZERO, "and never waits");
+
+    advance(Duration::from_secs(3)).await;
+    let e = call(&svc).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "carrier-api is unavailable (circuit open); do not retry now; try again in 27 s"
+    );
+    assert_eq!(
+        *transitions.lock().unwrap(),
+        vec![(State::Closed, State::Open)]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_cooldown() {
+    let (transitions, hook) = recorder();
+    let config = BreakerConfig::default()
+        .consecutive_failures(2)
+        .cooldown(Duration::from_secs(10))
+        .cooldown_growth(Duration::from_secs(25))
+        .on_transition(hook);
+    let breaker = Breaker::new(config).unwrap();
+    let dep = Dep::new(Answer::Status(500));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+
+    call(&svc).await.unwrap();
+    call(&svc).await.unwrap();
+    assert_eq!(
+        breaker.stats(&carrier()).retry_in,
+        Some(Duration::from_secs(10))
+    );
+    advance(Duration::from_secs(10)).await;
+    // The trial fails: open again, for 20 s this time.
+    assert_eq!(call(&svc).await.unwrap().status(), 500);
+    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(
+        breaker.stats(&carrier()).retry_in,
+        Some(Duration::from_secs(20))
+    );
+    advance(Duration::from_secs(20)).await;
+    call(&svc).await.unwrap();
+    // Growth stops at the maximum.
+    assert_eq!(
+        breaker.stats(&carrier()).retry_in,
+        Some(Duration::from_secs(25))
+    );
+    advance(Duration::from_secs(25)).await;
+    dep.set(Answer::Ok);
+    call(&svc).await.unwrap();
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+    // After closing, the cooldown starts from the beginning again.
+    dep.set(Answer::Status(500));
+    call(&svc).await.unwrap();
+    call(&svc).await.unwrap();
+    assert_eq!(
+        breaker.stats(&carrier()).retry_in,
+        Some(Duration::from_secs(10))
+    );
+
+    use State::*;
+    assert_eq!(
+        *transitions.lock().unwrap(),
+        vec![
+            (Closed, Open),
+            (Open, HalfOpen),
+            (HalfOpen, Open),
+            (Open, HalfOpen),
+            (HalfOpen, Open),
+            (Open, HalfOpen),
+            (HalfOpen, Closed),
+            (Closed, Open),
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn half_open_admits_exactly_the_trial_calls_and_fails_the_rest_fast() {
+    let breaker = Breaker::new(
+        BreakerConfig::default()
+            .consecutive_failures(1)
+            .trial_calls(3),
+    )
+    .unwrap();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    call(&svc).await.unwrap();
+    advance(Duration::from_secs(30)).await;
+
+    dep.set(Answer::Slow(Duration::from_secs(1)));
+    let before = dep.calls();
+    let mut callers = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let svc = svc.clone();
+        callers.spawn(async move { call(&svc).await.map(|r| r.status().as_u16()) });
+    }
+    let (mut ok, mut busy) = (0, 0);
+    while let Some(r) = callers.join_next().await {
+        match r.unwrap() {
+            Ok(200) => ok += 1,
+            Err(e) => {
+                assert_eq!(open_error(e).state(), CircuitState::HalfOpen);
+                busy += 1;
+            }
+            Ok(other) => panic!("{other}"),
+        }
+    }
+    assert_eq!((ok, busy), (3, 7));
+    assert_eq!(dep.calls() - before, 3);
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+}
+
+fn poll_once<F: Future>(f: std::pin::Pin<&mut F>) -> Poll<F::Output> {
+    f.poll(&mut Context::from_waker(Waker::noop()))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_trial_gives_its_slot_back() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    call(&svc).await.unwrap();
+    advance(Duration::from_secs(30)).await;
+
+    dep.set(Answer::Hang);
+    for _ in 0..3 {
+        // The trial is admitted, hangs, and its caller gives up (drops the future).
+        let mut s = svc.clone();
+        let fut = s.call(Request::new(()));
+        let mut fut = pin!(fut);
+        assert!(poll_once(fut.as_mut()).is_pending());
+        assert_eq!(breaker.state(&carrier()), State::HalfOpen);
+        // While it is in flight, other calls fail fast.
+        assert_eq!(
+            open_error(call(&svc).await.unwrap_err()).state(),
+            CircuitState::HalfOpen
+        );
+    }
+    // Each cancelled trial released its slot: the next call is admitted, and its success closes.
+    dep.set(Answer::Ok);
+    assert_eq!(call(&svc).await.unwrap().status(), 200);
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+    let s = breaker.stats(&carrier());
+    assert_eq!(
+        (s.consecutive_failures, s.failures),
+        (0, 0),
+        "a cancellation is no failure"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_call_while_closed_is_no_failure() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    let dep = Dep::new(Answer::Hang);
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    for _ in 0..10 {
+        let mut s = svc.clone();
+        let fut = s.call(Request::new(()));
+        let mut fut = pin!(fut);
+        assert!(poll_once(fut.as_mut()).is_pending());
+    }
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
+    let breaker = Breaker::new(BreakerConfig::default()).unwrap();
+    let dep = Dep::new(Answer::Ok);
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    // Alternate success and failure: never 5 in a row.
+    for i in 0..19 {
+        dep.set(if i % 2 == 1 {
+            Answer::Timeout
+        } else {
+            Answer::Ok
+        });
+        let _ = call(&svc).await;
+        assert_eq!(breaker.state(&carrier()), State::Closed, "call {i}");
+    }
+    let s = breaker.stats(&carrier());
+    assert_eq!((s.calls, s.failures), (19, 9));
+    // The 20th call fails: 10 failures of 20 calls is 50 %.
+    dep.set(Answer::Timeout);
+    let _ = call(&svc).await;
+    assert_eq!(breaker.state(&carrier()), State::Open);
+}
+
+#[tokio::test(start_paused = true)]
+async fn old_failures_leave_the_window() {
+    let breaker = Breaker::new(BreakerConfig::default().no_consecutive_rule()).unwrap();
+    let dep = Dep::new(Answer::Status(502));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    for _ in 0..15 {
+        call(&svc).await.unwrap();
+    }
+    advance(Duration::from_secs(31)).await;
+    dep.set(Answer::Ok);
+    for _ in 0..10 {
+        call(&svc).await.unwrap();
+    }
+    dep.set(Answer::Status(502));
+    for _ in 0..5 {
+        call(&svc).await.unwrap();
+    }
+    // 5 failures in the last 15 calls (the first 15 failures left the window).
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn client_errors_are_successes_for_the_breaker() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
+    let dep = Dep::new(Answer::Status(400));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    for status in [400, 404, 409, 422, 400, 401, 403, 400] {
+        dep.set(Answer::Status(status));
+        call(&svc).await.unwrap();
+    }
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.stats(&carrier()).failures, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_calls_count_as_failures_when_configured() {
+    let config = BreakerConfig::default()
+        .consecutive_failures(3)
+        .slow_call(Duration::from_millis(500));
+    let breaker = Breaker::new(config).unwrap();
+    let dep = Dep::new(Answer::Slow(Duration::from_millis(400)));
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    for _ in 0..5 {
+        call(&svc).await.unwrap();
+    }
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+    dep.set(Answer::Slow(Duration::from_millis(600)));
+    for _ in 0..3 {
+        call(&svc).await.unwrap();
+    }
+    assert_eq!(breaker.state(&carrier()), State::Open);
+}
+
+#[tokio::test(start_paused = true)]
+async fn isolate_and_reset_by_hand() {
+    let (transitions, hook) = recorder();
+    let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
+    let dep = Dep::new(Answer::Ok);
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    breaker.isolate(&carrier());
+    let e = call(&svc).await.unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("(circuit isolated by an operator); do not retry now; tell the user"),
+        "{e}"
+    );
+    advance(Duration::from_secs(3600)).await;
+    assert_eq!(
+        open_error(call(&svc).await.unwrap_err()).state(),
+        CircuitState::Isolated
+    );
+    assert_eq!(dep.calls(), 0);
+    breaker.reset(&carrier());
+    call(&svc).await.unwrap();
+    assert_eq!(
+        *transitions.lock().unwrap(),
+        vec![
+            (State::Closed, State::Isolated),
+            (State::Isolated, State::Closed)
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_dependency_has_its_own_circuit_and_stacks_share_one_breaker() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    let down = Dep::new(Answer::Status(503));
+    let up = Dep::new(Answer::Ok);
+    let carrier_a = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(down.service());
+    let carrier_b = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(up.service());
+    let billing = BreakerLayer::http(breaker.clone())
+        .dependency("billing-api")
+        .layer(up.service());
+    call(&carrier_a).await.unwrap();
+    // Another stack naming the same dependency sees the open circuit.
+    assert!(call(&carrier_b).await.unwrap_err().is::<CircuitOpen>());
+    call(&billing).await.unwrap();
+    assert_eq!(breaker.tracked(), 2);
+}
+
+#[test]
+fn invalid_configurations_are_rejected() {
+    for (config, needle) in [
+        (
+            BreakerConfig::default().consecutive_failures(0),
+            "consecutive_failures",
+        ),
+        (
+            BreakerConfig::default().failure_ratio(1.5, 10, Duration::from_secs(1)),
+            "failure_ratio",
+        ),
+        (
+            BreakerConfig::default().failure_ratio(0.5, 0, Duration::from_secs(1)),
+            "minimum_calls",
+        ),
+        (
+            BreakerConfig::default().cooldown(Duration::ZERO),
+            "cooldown",
+        ),
+        (BreakerConfig::default().trial_calls(0), "trial_calls"),
+        (
+            BreakerConfig::default()
+                .no_consecutive_rule()
+                .no_ratio_rule(),
+            "a rule to open on",
+        ),
+        (
+            BreakerConfig::default()
+                .cooldown(Duration::from_secs(10))
+                .cooldown_growth(Duration::from_secs(5)),
+            "cooldown_growth",
+        ),
+    ] {
+        let e = Breaker::new(config).unwrap_err();
+        assert!(e.to_string().contains(needle), "{e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_tasks_hammering_one_dependency_lose_no_count() {
+    let breaker = Breaker::new(
+        BreakerConfig::default()
+            .no_consecutive_rule()
+            .failure_ratio(0.9, 1_000_000, Duration::from_secs(3600)),
+    )
+    .unwrap();
+    let dep = Dep::new(Answer::Ok);
+    let svc = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    let failing = Dep::new(Answer::Status(503));
+    let bad = BreakerLayer::http(breaker.clone())
+        .dependency("carrier-api")
+        .layer(failing.service());
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let (svc, bad) = (svc.clone(), bad.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..2_000 {
+                if (i + t) % 4 == 0 {
+                    call(&bad).await.unwrap();
+                } else {
+                    call(&svc).await.unwrap();
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let s = breaker.stats(&carrier());
+    assert_eq!(s.state, State::Closed);
+    assert_eq!(s.calls, 16_000);
+    assert_eq!(s.failures, 4_000);
+    assert_eq!(dep.calls() + failing.calls(), 16_000);
+}
+
+/// The breaker inside the retry layer: each attempt counts, an open circuit is not retried, and
+/// the budget and the breaker follow the same dependency name.
+#[tokio::test(start_paused = true)]
+async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(4)).unwrap();
+    let budget = Budget::default();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = RetryLayer::http()
+        .dependency("carrier-api")
+        .backoff(Backoff::constant(Duration::from_millis(100)))
+        .rng(RngSource::seeded(9))
+        .budget(Arc::new(budget.clone()))
+        .layer(BreakerLayer::http(breaker.clone()).layer(dep.service()));
+
+    // Call 1: three attempts, three failures. Call 2: the fourth attempt opens the circuit,
+    // the fifth is refused by it and the retry layer stops.
+    assert_eq!(call(&svc).await.unwrap().status(), 503);
+    let e = call(&svc).await.unwrap_err();
+    assert_eq!(dep.calls(), 4);
+    let e = e.downcast::<RetryError>().unwrap();
+    assert_eq!(e.attempts(), 2);
+    assert_eq!(e.stop_reason(), &StopReason::NotRetryable);
+    assert!(e.cause().is::<CircuitOpen>());
+    assert!(
+        e.to_string()
+            .contains("carrier-api is unavailable (circuit open); do not retry now"),
+        "{e}"
+    );
+
+    // Later calls fail fast: one attempt, no wait, nothing reaches the dependency.
+    let start = Instant::now();
+    let e = call(&svc)
+        .await
+        .unwrap_err()
+        .downcast::<RetryError>()
+        .unwrap();
+    assert_eq!(e.attempts(), 1);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(dep.calls(), 4);
+    // The breaker's circuit and the budget's account are both "carrier-api".
+    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(budget.stats(&carrier()).requests, 3);
+    assert_eq!(budget.stats(&carrier()).retries, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn per_authority_circuits_when_no_name_is_given() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = BreakerLayer::http(breaker.clone()).layer(dep.service());
+    svc.clone()
+        .oneshot(Request::get("http://a.example/x").body(()).unwrap())
+        .await
+        .unwrap();
+    let e = svc
+        .clone()
+        .oneshot(Request::get("http://a.example/y").body(()).unwrap())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().starts_with("a.example is unavailable"), "{e}");
+    svc.oneshot(Request::get("http://b.example/x").body(()).unwrap())
+        .await
+        .unwrap();
+    let calls = AtomicU32::new(dep.calls() as u32);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}

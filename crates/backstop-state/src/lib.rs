@@ -1,0 +1,41 @@
+//! Per-dependency shared state: a bounded [`Registry`] and lock-free [`SlidingCount`]ers.
+//!
+//! The retry budget and the circuit breaker keep their state per dependency, shared by every
+//! clone of a service and every stack that uses the same budget or breaker. Two pieces make that
+//! cheap and safe:
+//!
+//! - [`Registry`] maps a [`Dependency`] to its state. It is sharded (a lookup takes one shard's
+//!   read lock, never held across an `.await`) and **bounded**: past `max` dependencies, every new
+//!   name shares one overflow entry instead of growing memory, so requests to a million distinct
+//!   hosts cannot exhaust it. Entries are never evicted.
+//! - [`SlidingCount`] counts events over a sliding window in buckets. Each bucket is one
+//!   `AtomicU64` holding the bucket's epoch and count together, so an increment is one
+//!   compare-and-swap and no update is lost when a bucket rolls over.
+//!
+//! ```
+//! use backstop_state::{Registry, SlidingCount};
+//! use backstop_core::Dependency;
+//! use std::time::Duration;
+//! use tokio::time::Instant;
+//!
+//! let registry = Registry::new(2, |_dep: &Dependency| {
+//!     SlidingCount::new(Duration::from_secs(10), 10)
+//! });
+//! let now = Instant::now();
+//! registry.get(&Dependency::new("carrier-api")).add(now, 3);
+//! assert_eq!(registry.get(&Dependency::new("carrier-api")).sum(now), 3);
+//! registry.get(&Dependency::new("billing-api"));
+//! // The bound is reached: a third name shares the overflow entry.
+//! registry.get(&Dependency::new("a-third-host"));
+//! assert_eq!(registry.len(), 2);
+//! assert!(registry.is_overflowing(&Dependency::new("a-third-host")));
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod registry;
+mod window;
+
+pub use backstop_core::Dependency;
+pub use registry::Registry;
+pub use window::SlidingCount;

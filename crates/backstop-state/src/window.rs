@@ -1,0 +1,174 @@
+use std::{
+    fmt,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+use tokio::time::Instant;
+
+const COUNT_BITS: u32 = 40;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+const EPOCH_MASK: u64 = (1 << (64 - COUNT_BITS)) - 1;
+
+/// Counts events over a sliding window, in buckets, without locks.
+///
+/// The window is `buckets` buckets of `window / buckets` each; an event counts until its bucket
+/// falls out of the window, so the window slides in steps of one bucket. Each bucket packs its
+/// epoch (which bucket-period it belongs to) and its count into one `AtomicU64`: an increment is
+/// a compare-and-swap loop that either adds to the current period or starts a new one, so no
+/// increment is ever lost to a rollover.
+pub struct SlidingCount {
+    buckets: Box<[AtomicU64]>,
+    width_nanos: u64,
+    origin: Instant,
+}
+
+impl fmt::Debug for SlidingCount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlidingCount")
+            .field("buckets", &self.buckets.len())
+            .field("bucket_width", &Duration::from_nanos(self.width_nanos))
+            .finish()
+    }
+}
+
+impl SlidingCount {
+    /// A counter over `window`, in `buckets` buckets (at least one; the bucket width at least
+    /// one millisecond).
+    pub fn new(window: Duration, buckets: usize) -> Self {
+        let buckets = buckets.max(1);
+        let width = (window.as_nanos() / buckets as u128).max(1_000_000);
+        SlidingCount {
+            buckets: (0..buckets).map(|_| AtomicU64::new(0)).collect(),
+            width_nanos: u64::try_from(width).unwrap_or(u64::MAX),
+            origin: Instant::now(),
+        }
+    }
+
+    /// The window length.
+    pub fn window(&self) -> Duration {
+        Duration::from_nanos(self.width_nanos.saturating_mul(self.buckets.len() as u64))
+    }
+
+    fn period(&self, now: Instant) -> u64 {
+        let since = now.saturating_duration_since(self.origin).as_nanos();
+        u64::try_from(since / u128::from(self.width_nanos)).unwrap_or(u64::MAX)
+    }
+
+    fn slot(&self, period: u64) -> &AtomicU64 {
+        &self.buckets[(period % self.buckets.len() as u64) as usize]
+    }
+
+    /// Adds `n` events at `now`.
+    pub fn add(&self, now: Instant, n: u64) {
+        let period = self.period(now);
+        let epoch = period & EPOCH_MASK;
+        let slot = self.slot(period);
+        let mut current = slot.load(Ordering::Relaxed);
+        loop {
+            let next = if current >> COUNT_BITS == epoch {
+                (current & !COUNT_MASK) | ((current & COUNT_MASK).saturating_add(n) & COUNT_MASK)
+            } else {
+                (epoch << COUNT_BITS) | (n & COUNT_MASK)
+            };
+            match slot.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => return,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Removes one event added at `now`, if its bucket is still current and non-empty
+    /// (used to undo a tentative increment).
+    pub fn remove_one(&self, now: Instant) {
+        let period = self.period(now);
+        let epoch = period & EPOCH_MASK;
+        let slot = self.slot(period);
+        let mut current = slot.load(Ordering::Relaxed);
+        while current >> COUNT_BITS == epoch && current & COUNT_MASK > 0 {
+            match slot.compare_exchange_weak(
+                current,
+                current - 1,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// The events counted in the window ending at `now`.
+    pub fn sum(&self, now: Instant) -> u64 {
+        let period = self.period(now);
+        let n = self.buckets.len() as u64;
+        self.buckets
+            .iter()
+            .map(|b| {
+                let v = b.load(Ordering::Acquire);
+                let age = (period & EPOCH_MASK).wrapping_sub(v >> COUNT_BITS) & EPOCH_MASK;
+                if age < n { v & COUNT_MASK } else { 0 }
+            })
+            .sum()
+    }
+
+    /// Forgets every event.
+    pub fn reset(&self) {
+        for b in self.buckets.iter() {
+            b.store(EPOCH_MASK << COUNT_BITS, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[tokio::test(start_paused = true)]
+    async fn events_leave_the_window() {
+        let c = SlidingCount::new(Duration::from_secs(10), 10);
+        let t0 = Instant::now();
+        c.add(t0, 5);
+        c.add(t0 + Duration::from_millis(4_500), 2);
+        assert_eq!(c.sum(t0 + Duration::from_secs(5)), 7);
+        assert_eq!(c.sum(t0 + Duration::from_millis(9_999)), 7);
+        // The first bucket (0 s..1 s) leaves after 10 s; the one of 4 s..5 s after 14 s.
+        assert_eq!(c.sum(t0 + Duration::from_secs(10)), 2);
+        assert_eq!(c.sum(t0 + Duration::from_millis(13_999)), 2);
+        assert_eq!(c.sum(t0 + Duration::from_secs(14)), 0);
+        // A bucket reused after a full turn starts from zero.
+        c.add(t0 + Duration::from_secs(20), 1);
+        assert_eq!(c.sum(t0 + Duration::from_secs(20)), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn remove_one_undoes_and_reset_forgets() {
+        let c = SlidingCount::new(Duration::from_secs(1), 4);
+        let t = Instant::now();
+        c.add(t, 2);
+        c.remove_one(t);
+        assert_eq!(c.sum(t), 1);
+        c.reset();
+        assert_eq!(c.sum(t), 0);
+        c.add(t, 1);
+        assert_eq!(c.sum(t), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn no_increment_is_lost_under_contention() {
+        let c = Arc::new(SlidingCount::new(Duration::from_secs(3600), 10));
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let c = c.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..50_000 {
+                    c.add(Instant::now(), 1);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(c.sum(Instant::now()), 400_000);
+    }
+}
