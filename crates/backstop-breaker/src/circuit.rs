@@ -1,4 +1,5 @@
-use crate::{BreakerConfig, InvalidBreaker};
+use crate::BreakerConfig;
+use backstop_core::InvalidConfig;
 use backstop_core::{CircuitOpen, CircuitState, Dependency};
 use backstop_state::{Registry, SlidingCount};
 use std::{
@@ -182,7 +183,7 @@ impl Default for Breaker {
 
 impl Breaker {
     /// A breaker with `config`, or why the configuration is invalid.
-    pub fn new(config: BreakerConfig) -> Result<Self, InvalidBreaker> {
+    pub fn new(config: BreakerConfig) -> Result<Self, InvalidConfig> {
         config.validate()?;
         let ratio = config.failure_ratio.is_some();
         let window = config.window;

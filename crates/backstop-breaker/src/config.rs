@@ -1,5 +1,6 @@
 use crate::Transition;
-use std::{error::Error, fmt, sync::Arc, time::Duration};
+use backstop_core::InvalidConfig;
+use std::{fmt, sync::Arc, time::Duration};
 
 pub(crate) type Hook = Arc<dyn Fn(&Transition) + Send + Sync>;
 
@@ -142,8 +143,8 @@ impl BreakerConfig {
         self.cooldown
     }
 
-    pub(crate) fn validate(&self) -> Result<(), InvalidBreaker> {
-        let bad = |reason| Err(InvalidBreaker { reason });
+    pub(crate) fn validate(&self) -> Result<(), InvalidConfig> {
+        let bad = |reason: &'static str| Err(InvalidConfig::new(reason));
         if self.consecutive_failures.is_none() && self.failure_ratio.is_none() {
             return bad(
                 "breaker needs a rule to open on: set consecutive_failures or failure_ratio",
@@ -178,17 +179,3 @@ impl BreakerConfig {
         Ok(())
     }
 }
-
-/// An invalid breaker configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InvalidBreaker {
-    reason: &'static str,
-}
-
-impl fmt::Display for InvalidBreaker {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.reason)
-    }
-}
-
-impl Error for InvalidBreaker {}

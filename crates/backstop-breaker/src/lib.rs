@@ -76,7 +76,8 @@ mod circuit;
 mod config;
 mod layer;
 
+pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
 pub use circuit::{Breaker, CircuitStats, State, Transition};
-pub use config::{BreakerConfig, InvalidBreaker};
+pub use config::BreakerConfig;
 pub use layer::{BreakerLayer, CircuitBreaker, ResponseFuture};

@@ -49,9 +49,10 @@
 #![deny(missing_docs)]
 
 use backstop_core::Dependency;
+pub use backstop_core::InvalidConfig;
 use backstop_retry::RetryBudget;
 use backstop_state::{Registry, SlidingCount};
-use std::{error::Error, fmt, sync::Arc, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 use tokio::time::Instant;
 
 /// The number of buckets each sliding window is cut into.
@@ -107,8 +108,8 @@ impl BudgetConfig {
         self
     }
 
-    fn validate(&self) -> Result<(), InvalidBudget> {
-        let bad = |reason| Err(InvalidBudget { reason });
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        let bad = |reason: &'static str| Err(InvalidConfig::new(reason));
         if !self.ratio.is_finite() || self.ratio < 0.0 {
             return bad("budget ratio must be a finite number of at least 0 (0.1 means 10 %)");
         }
@@ -124,20 +125,6 @@ impl BudgetConfig {
         Ok(())
     }
 }
-
-/// An invalid budget configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InvalidBudget {
-    reason: &'static str,
-}
-
-impl fmt::Display for InvalidBudget {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.reason)
-    }
-}
-
-impl Error for InvalidBudget {}
 
 struct Account {
     requests: SlidingCount,
@@ -179,7 +166,7 @@ pub struct BudgetStats {
 
 impl Budget {
     /// A budget with `config`, or why the configuration is invalid.
-    pub fn new(config: BudgetConfig) -> Result<Self, InvalidBudget> {
+    pub fn new(config: BudgetConfig) -> Result<Self, InvalidConfig> {
         config.validate()?;
         let window = config.window;
         let floor = config.min_retries_per_sec * window.as_secs_f64();

@@ -137,6 +137,37 @@ impl fmt::Display for DeadlineExceeded {
 
 impl Error for DeadlineExceeded {}
 
+/// A configuration that Backstop refuses to build, with the setting to change.
+///
+/// Returned when a layer, budget or breaker is built, never as a panic at run time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidConfig {
+    reason: std::borrow::Cow<'static, str>,
+}
+
+impl InvalidConfig {
+    /// An invalid configuration; `reason` names the setting and what it must be (lowercase, no
+    /// trailing period).
+    pub fn new(reason: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        InvalidConfig {
+            reason: reason.into(),
+        }
+    }
+
+    /// The reason.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for InvalidConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl Error for InvalidConfig {}
+
 /// Why a circuit breaker refused a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CircuitState {

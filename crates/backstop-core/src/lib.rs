@@ -36,6 +36,7 @@ pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, HumanDuration,
+    InvalidConfig,
 };
 pub use extensions::{HasExtensions, ReplaySafe};
 pub use outcome::Outcome;

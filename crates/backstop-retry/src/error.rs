@@ -229,17 +229,3 @@ impl fmt::Display for CauseChain<'_> {
         Ok(())
     }
 }
-
-/// An invalid retry configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InvalidRetryConfig {
-    pub(crate) reason: &'static str,
-}
-
-impl fmt::Display for InvalidRetryConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.reason)
-    }
-}
-
-impl Error for InvalidRetryConfig {}

@@ -1,10 +1,9 @@
-use crate::{
-    CloneRequest, HttpReplay, InvalidRetryConfig, NoBudget, Replay, RetryBudget,
-    future::ResponseFuture,
-};
+use crate::{CloneRequest, HttpReplay, NoBudget, Replay, RetryBudget, future::ResponseFuture};
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
-use backstop_core::{BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions};
+use backstop_core::{
+    BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
+};
 use std::{
     fmt,
     sync::Arc,
@@ -135,11 +134,11 @@ impl<C, P, K> RetryLayer<C, P, K> {
 
     /// The most attempts per logical call, the first one included (3 by default). Zero is
     /// rejected: a call is always attempted once.
-    pub fn max_attempts(mut self, n: u32) -> Result<Self, InvalidRetryConfig> {
+    pub fn max_attempts(mut self, n: u32) -> Result<Self, InvalidConfig> {
         if n == 0 {
-            return Err(InvalidRetryConfig {
-                reason: "max_attempts must be at least 1 (the first attempt counts)",
-            });
+            return Err(InvalidConfig::new(
+                "max_attempts must be at least 1 (the first attempt counts)",
+            ));
         }
         self.max_attempts = n;
         Ok(self)

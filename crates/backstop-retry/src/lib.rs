@@ -66,10 +66,10 @@ mod future;
 mod layer;
 mod replay;
 
-pub use backstop_core::{Deadline, Dependency, ReplaySafe};
+pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
 pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
 pub use budget::{NoBudget, RetryBudget};
-pub use error::{AttemptRecord, InvalidRetryConfig, RetryError, RetryHistory, StopReason};
+pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer, RetryScope};
 pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
