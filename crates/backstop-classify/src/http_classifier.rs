@@ -31,6 +31,7 @@ const DEFAULT_MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// |---|---|---|
 /// | 408, 429, 503 | retryable | not sent: the server refused before acting |
 /// | 500, 502, 504 | retryable | unknown: the server (or its upstream) may have acted |
+/// | 409 with `Retry-After` (a request with the same idempotency key is in flight) | retryable | not sent |
 /// | other 4xx, 501, 505 and above | fatal | completed |
 /// | 1xx, 2xx, 3xx | success | completed |
 ///
@@ -146,7 +147,18 @@ impl HttpClassifier {
 
     /// Classifies a response by its status and `Retry-After` header.
     pub fn classify_response<B>(&self, res: &Response<B>) -> Verdict {
-        let outcome = match self.status_class(res.status()) {
+        let code = res.status().as_u16();
+        let has_retry_after = res.headers().contains_key(http::header::RETRY_AFTER);
+        // The IETF Idempotency-Key draft answers 409 while a request with the same key is still
+        // running; with a Retry-After it means "not processed, come back": retry it (unless the
+        // user configured 409 explicitly).
+        let class =
+            if code == 409 && has_retry_after && self.overrides[usize::from(code - 100)] == 0 {
+                StatusClass::RetryRefused
+            } else {
+                self.status_class(res.status())
+            };
+        let outcome = match class {
             StatusClass::Success => return Verdict::Success,
             StatusClass::Fatal => {
                 return Verdict::Fatal {
@@ -156,7 +168,7 @@ impl HttpClassifier {
             StatusClass::RetryRefused => Outcome::NotSent,
             StatusClass::RetryUnknown => Outcome::Unknown,
         };
-        let after = if res.headers().contains_key(http::header::RETRY_AFTER) {
+        let after = if has_retry_after {
             parse_retry_after(res.headers(), (self.clock)(), self.max_retry_after)
         } else {
             None
@@ -293,6 +305,26 @@ mod tests {
             .body(())
             .unwrap();
         assert!(!classify(&c, &r).is_retryable());
+    }
+
+    #[test]
+    fn a_409_with_retry_after_is_an_in_flight_duplicate_to_retry() {
+        let c = HttpClassifier::new();
+        let busy = Response::builder()
+            .status(409)
+            .header("retry-after", "1")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            classify(&c, &busy),
+            Verdict::Retryable {
+                outcome: Outcome::NotSent,
+                after: Some(Duration::from_secs(1))
+            }
+        );
+        assert!(!classify(&c, &res(409)).is_retryable());
+        let strict = HttpClassifier::new().status(StatusCode::CONFLICT, StatusClass::Fatal);
+        assert!(!classify(&strict, &busy).is_retryable());
     }
 
     #[test]

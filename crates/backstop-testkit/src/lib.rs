@@ -157,6 +157,48 @@ impl TestServer {
         TestServer { addr, seen, tasks }
     }
 
+    /// Serves a tower service (for example, a handler behind Backstop's replay layer) on
+    /// `127.0.0.1` with a free port. [`TestServer::requests`] stays 0: the service counts for
+    /// itself.
+    pub async fn serve<S, B>(svc: S) -> TestServer
+    where
+        S: tower_service::Service<hyper::Request<Incoming>, Response = Response<B>>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("local addr");
+        let mut tasks = JoinSet::new();
+        tasks.spawn(async move {
+            let mut conns = JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let svc = hyper_util::service::TowerToHyperService::new(svc.clone());
+                conns.spawn(async move {
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+                while conns.try_join_next().is_some() {}
+            }
+        });
+        TestServer {
+            addr,
+            seen: Arc::default(),
+            tasks,
+        }
+    }
+
     /// The server's address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
@@ -237,4 +279,87 @@ pub async fn refused_addr() -> SocketAddr {
     let addr = listener.local_addr().expect("local addr");
     drop(listener);
     addr
+}
+
+/// A `redis-server` of the test's own on a free loopback port, stopped when dropped.
+///
+/// It keeps nothing on disk. Needs `redis-server` on the `PATH`.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<std::process::Child>,
+    port: u16,
+}
+
+impl RedisServer {
+    /// Starts one and waits until it answers `PING`.
+    pub async fn start() -> RedisServer {
+        let port = refused_addr().await.port();
+        let mut server = RedisServer { child: None, port };
+        server.launch().await;
+        server
+    }
+
+    async fn launch(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed to run the Redis tests");
+        self.child = Some(child);
+        for _ in 0..200 {
+            if self.ping().await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!(
+            "redis-server on port {} did not start within 5 s",
+            self.port
+        );
+    }
+
+    async fn ping(&self) -> bool {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await else {
+            return false;
+        };
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").await.is_ok()
+            && s.read_exact(&mut buf).await.is_ok()
+            && &buf == b"+PONG\r\n"
+    }
+
+    /// `redis://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Stops it (the data is gone).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port, empty.
+    pub async fn restart(&mut self) {
+        self.stop();
+        self.launch().await;
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }

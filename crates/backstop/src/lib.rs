@@ -16,9 +16,13 @@
 //!   outage is not multiplied by the retry count.
 //! - [`breaker`]: a circuit breaker per dependency that fails fast with an honest message
 //!   ("carrier-api is unavailable (circuit open); do not retry now; try again in 27 s").
+//! - [`idempotency`]: one key per intended action, derived deterministically and sent on every
+//!   attempt, which makes a POST replay-safe.
+//! - [`replay`]: the server side of the same contract: a layer that runs a keyed request once
+//!   and replays its stored result to every repeat.
 //!
-//! Stack them in this order, outermost first: deadline, retry (with the budget), breaker,
-//! attempt timeout, the client. The budget and the breaker follow the dependency the retry
+//! Stack them in this order, outermost first: idempotency key, deadline, retry (with the
+//! budget), breaker, attempt timeout, the client. The budget and the breaker follow the dependency the retry
 //! layer names, so one name governs both.
 //!
 //! ```
@@ -105,6 +109,19 @@ pub mod breaker {
 pub mod state {
     #[doc(inline)]
     pub use backstop_state::*;
+}
+
+/// Idempotency keys on the client: derivation and injection once per logical call.
+pub mod idempotency {
+    #[doc(inline)]
+    pub use backstop_idempotency::*;
+}
+
+/// Server-side replay of stored results for repeated keys (in memory, or on Redis with the
+/// `redis` feature).
+pub mod replay {
+    #[doc(inline)]
+    pub use backstop_replay::*;
 }
 
 /// The vocabulary every layer shares.

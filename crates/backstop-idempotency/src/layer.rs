@@ -1,0 +1,324 @@
+use crate::{ActionContext, IdempotencyKey, KeyFormat};
+use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe};
+use backstop_retry::RetryScope;
+use http::{HeaderName, Method, Request};
+use pin_project::pin_project;
+use rand::{TryRng, rngs::SysRng};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// A non-HTTP tool call that can carry an idempotency key.
+///
+/// ```
+/// use backstop_idempotency::{IdempotencyKey, KeyedRequest};
+///
+/// struct ToolCall { tool: String, key: Option<IdempotencyKey> }
+///
+/// impl KeyedRequest for ToolCall {
+///     fn needs_key(&self) -> bool { !self.tool.starts_with("get_") }
+///     fn idempotency_key(&self) -> Option<&IdempotencyKey> { self.key.as_ref() }
+///     fn set_idempotency_key(&mut self, key: IdempotencyKey) { self.key = Some(key) }
+/// }
+/// ```
+pub trait KeyedRequest {
+    /// Whether repeating this call could repeat a side effect (a write tool), so it needs a key
+    /// to be retried after a lost reply.
+    fn needs_key(&self) -> bool;
+    /// The key the call carries, if any.
+    fn idempotency_key(&self) -> Option<&IdempotencyKey>;
+    /// Attaches a key.
+    fn set_idempotency_key(&mut self, key: IdempotencyKey);
+}
+
+/// Where a request carries its key: decides whether it needs one, whether it has one, and puts
+/// it there.
+pub trait Inject<Req> {
+    /// Whether the request needs a key (it is not replay-safe without one).
+    fn needs_key(&self, req: &Req) -> bool;
+    /// Whether the request already carries a key; an existing key is never overwritten.
+    fn has_key(&self, req: &Req) -> bool;
+    /// Puts `key` on the request.
+    fn inject(&self, req: &mut Req, key: &IdempotencyKey);
+}
+
+/// Keys in an HTTP header (`Idempotency-Key` by default), for methods that are not idempotent
+/// (POST, PATCH and every method outside RFC 9110's idempotent set).
+#[derive(Clone, Debug)]
+pub struct HttpKeys {
+    header: HeaderName,
+    format: KeyFormat,
+}
+
+impl Default for HttpKeys {
+    fn default() -> Self {
+        HttpKeys {
+            header: HeaderName::from_static("idempotency-key"),
+            format: KeyFormat::Plain,
+        }
+    }
+}
+
+impl<B> Inject<Request<B>> for HttpKeys {
+    fn needs_key(&self, req: &Request<B>) -> bool {
+        !matches!(
+            *req.method(),
+            Method::GET
+                | Method::HEAD
+                | Method::OPTIONS
+                | Method::TRACE
+                | Method::PUT
+                | Method::DELETE
+        )
+    }
+    fn has_key(&self, req: &Request<B>) -> bool {
+        req.headers().contains_key(&self.header)
+    }
+    fn inject(&self, req: &mut Request<B>, key: &IdempotencyKey) {
+        req.headers_mut()
+            .insert(self.header.clone(), key.header_value(self.format));
+    }
+}
+
+/// Keys on a non-HTTP tool call, through [`KeyedRequest`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ToolKeys;
+
+impl<Req: KeyedRequest> Inject<Req> for ToolKeys {
+    fn needs_key(&self, req: &Req) -> bool {
+        req.needs_key()
+    }
+    fn has_key(&self, req: &Req) -> bool {
+        req.idempotency_key().is_some()
+    }
+    fn inject(&self, req: &mut Req, key: &IdempotencyKey) {
+        req.set_idempotency_key(key.clone());
+    }
+}
+
+/// The last source of a key, when the request carries none and its extensions hold neither a
+/// key nor an [`ActionContext`].
+pub trait MakeKey<Req> {
+    /// A key for this logical call, or `None` to send it without one (it will then not be
+    /// retried after a lost reply).
+    fn make_key(&self, req: &Req) -> Option<IdempotencyKey>;
+}
+
+/// A random 128-bit key per logical call, from the operating system's generator. It protects
+/// the retries of one call; it cannot recognise a model calling the same tool twice, which needs
+/// a derived key ([`ActionContext`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RandomKey;
+
+impl<Req> MakeKey<Req> for RandomKey {
+    fn make_key(&self, _req: &Req) -> Option<IdempotencyKey> {
+        let mut bytes = [0u8; 16];
+        SysRng.try_fill_bytes(&mut bytes).ok()?;
+        IdempotencyKey::new(hex::encode(bytes)).ok()
+    }
+}
+
+/// Never makes a key: only keys the caller or the runtime provided are used.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoKey;
+
+impl<Req> MakeKey<Req> for NoKey {
+    fn make_key(&self, _req: &Req) -> Option<IdempotencyKey> {
+        None
+    }
+}
+
+impl<Req, F> MakeKey<Req> for F
+where
+    F: Fn(&Req) -> Option<IdempotencyKey>,
+{
+    fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
+        self(req)
+    }
+}
+
+/// Attaches an idempotency key to every request that needs one, once per logical call.
+///
+/// Place it **outside** the retry layer, so the key exists before the first attempt and every
+/// attempt replays it. Sources, in order:
+///
+/// 1. a key already on the request (never overwritten);
+/// 2. an [`IdempotencyKey`] in the request's extensions (an agent runtime put it there);
+/// 3. an [`ActionContext`] in the extensions, from which the key is derived;
+/// 4. the generator ([`RandomKey`] by default).
+///
+/// A keyed request is marked [`ReplaySafe`] and the key is also put in its extensions. If the
+/// layer finds itself inside a retry layer and would have to generate a key, it fails the call
+/// with an [`InvalidConfig`] error instead: a key generated per attempt is exactly the bug an
+/// idempotency key exists to prevent.
+#[derive(Clone, Debug)]
+pub struct IdempotencyLayer<I, G = RandomKey> {
+    inject: I,
+    make: G,
+}
+
+impl IdempotencyLayer<HttpKeys> {
+    /// Keys in the `Idempotency-Key` header, plain format, random keys as the last resort.
+    pub fn http() -> Self {
+        IdempotencyLayer {
+            inject: HttpKeys::default(),
+            make: RandomKey,
+        }
+    }
+
+    /// The header name (`Idempotency-Key` by default).
+    #[must_use]
+    pub fn header(mut self, name: HeaderName) -> Self {
+        self.inject.header = name;
+        self
+    }
+
+    /// The header value's format ([`KeyFormat::Plain`] by default).
+    #[must_use]
+    pub fn format(mut self, format: KeyFormat) -> Self {
+        self.inject.format = format;
+        self
+    }
+}
+
+impl IdempotencyLayer<ToolKeys> {
+    /// Keys on non-HTTP tool calls ([`KeyedRequest`]), random keys as the last resort.
+    pub fn tool_calls() -> Self {
+        IdempotencyLayer {
+            inject: ToolKeys,
+            make: RandomKey,
+        }
+    }
+}
+
+impl<I, G> IdempotencyLayer<I, G> {
+    /// Replaces the last-resort generator ([`NoKey`] to never invent one).
+    pub fn generator<G2>(self, make: G2) -> IdempotencyLayer<I, G2> {
+        IdempotencyLayer {
+            inject: self.inject,
+            make,
+        }
+    }
+}
+
+impl<S, I: Clone, G: Clone> Layer<S> for IdempotencyLayer<I, G> {
+    type Service = SetIdempotencyKey<S, I, G>;
+    fn layer(&self, inner: S) -> Self::Service {
+        SetIdempotencyKey {
+            inner,
+            inject: self.inject.clone(),
+            make: self.make.clone(),
+        }
+    }
+}
+
+/// See [`IdempotencyLayer`].
+#[derive(Clone, Debug)]
+pub struct SetIdempotencyKey<S, I, G> {
+    inner: S,
+    inject: I,
+    make: G,
+}
+
+impl<S, I, G> SetIdempotencyKey<S, I, G> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, Req, I, G> Service<Req> for SetIdempotencyKey<S, I, G>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    Req: HasExtensions,
+    I: Inject<Req>,
+    G: MakeKey<Req>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = KeyFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        if !self.inject.needs_key(&req) {
+            return KeyFuture::Inner(self.inner.call(req));
+        }
+        if self.inject.has_key(&req) {
+            req.extensions_mut().insert(ReplaySafe);
+            return KeyFuture::Inner(self.inner.call(req));
+        }
+        let ext = req.extensions();
+        let key = match ext.get::<IdempotencyKey>() {
+            Some(k) => Some(k.clone()),
+            None => match ext.get::<ActionContext>() {
+                Some(action) => Some(action.key()),
+                None if ext.get::<RetryScope>().is_some() => {
+                    return KeyFuture::Misplaced(Some(InvalidConfig::new(
+                        "the idempotency layer must be placed outside the retry layer: inside it, \
+                         each attempt would get a new key and a lost reply could be acted on twice",
+                    )));
+                }
+                None => self.make.make_key(&req),
+            },
+        };
+        if let Some(key) = key {
+            self.inject.inject(&mut req, &key);
+            let ext = req.extensions_mut();
+            ext.insert(key);
+            ext.insert(ReplaySafe);
+        }
+        KeyFuture::Inner(self.inner.call(req))
+    }
+}
+
+/// Response future of [`SetIdempotencyKey`].
+#[pin_project(project = KeyFutureProj)]
+pub enum KeyFuture<F> {
+    /// The inner service's future.
+    Inner(#[pin] F),
+    /// The layer is misplaced; the call fails with this error.
+    Misplaced(Option<InvalidConfig>),
+}
+
+impl<F> fmt::Debug for KeyFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyFuture::Inner(_) => f.write_str("KeyFuture::Inner"),
+            KeyFuture::Misplaced(e) => f.debug_tuple("KeyFuture::Misplaced").field(e).finish(),
+        }
+    }
+}
+
+impl<F, T, E> Future for KeyFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            KeyFutureProj::Inner(f) => f.poll(cx).map_err(Into::into),
+            KeyFutureProj::Misplaced(e) => Poll::Ready(Err(e
+                .take()
+                .expect("KeyFuture polled after completion")
+                .into())),
+        }
+    }
+}

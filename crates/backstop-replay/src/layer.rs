@@ -1,0 +1,800 @@
+use crate::{
+    body::PrefixedBody,
+    problem::{BodyError, ReplayResponseBody, full, problem},
+    store::{Claim, Fingerprint, ReplayStore, StoredResponse},
+};
+use backstop_core::{BoxError, HumanDuration, InvalidConfig};
+use bytes::{Bytes, BytesMut};
+use http::{
+    HeaderName, HeaderValue, Method, Request, Response, StatusCode, header, request::Parts,
+};
+use http_body::Body;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use sha2::{Digest, Sha256};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+use tokio::task::JoinHandle;
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// The request body type the protected service receives.
+pub type ReplayRequestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BodyError>;
+
+/// The authenticated principal (tenant, user) a request acts for, put in the request's
+/// extensions by the authentication middleware that runs before the replay layer.
+///
+/// Stored results are scoped by it: one principal can never receive another's stored response,
+/// even with the same key. It must come from authentication, never from a header the client
+/// chooses.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Principal(pub String);
+
+type PrincipalFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type BusinessFn = dyn Fn(&Parts, &Bytes) -> Option<String> + Send + Sync;
+type StorePolicy = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+struct Config {
+    store: Arc<dyn ReplayStore>,
+    header: HeaderName,
+    methods: Vec<Method>,
+    require_key: bool,
+    principal: Arc<PrincipalFn>,
+    business_key: Option<Arc<BusinessFn>>,
+    max_request_body: usize,
+    max_stored_body: usize,
+    ttl: Duration,
+    lease: Duration,
+    store_status: Arc<StorePolicy>,
+    allow_headers: Vec<HeaderName>,
+    fail_open: bool,
+}
+
+/// Makes non-idempotent endpoints safe to call twice; see the crate docs.
+#[derive(Clone)]
+pub struct ReplayLayer {
+    cfg: Arc<Config>,
+}
+
+impl fmt::Debug for ReplayLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.cfg;
+        f.debug_struct("ReplayLayer")
+            .field("store", &c.store)
+            .field("header", &c.header)
+            .field("methods", &c.methods)
+            .field("require_key", &c.require_key)
+            .field("max_request_body", &c.max_request_body)
+            .field("max_stored_body", &c.max_stored_body)
+            .field("ttl", &c.ttl)
+            .field("lease", &c.lease)
+            .field("fail_open", &c.fail_open)
+            .finish()
+    }
+}
+
+/// By default a response is stored unless its status says the request was refused before it
+/// ran (408, 425, 429, 503): those are worth retrying with the same key.
+fn default_store_status(s: StatusCode) -> bool {
+    !matches!(s.as_u16(), 408 | 425 | 429 | 503)
+}
+
+fn default_principal(parts: &Parts) -> Option<String> {
+    parts.extensions.get::<Principal>().map(|p| p.0.clone())
+}
+
+impl ReplayLayer {
+    /// A replay layer over `store` with the defaults: keys required on POST and PATCH in the
+    /// `Idempotency-Key` header, results kept 24 h, claims leased for 30 s (renewed while the
+    /// handler runs), request and stored response bodies up to 1 MiB.
+    pub fn new(store: impl ReplayStore) -> Self {
+        Self::with_store(Arc::new(store))
+    }
+
+    /// The same, with a shared store.
+    pub fn with_store(store: Arc<dyn ReplayStore>) -> Self {
+        ReplayLayer {
+            cfg: Arc::new(Config {
+                store,
+                header: HeaderName::from_static("idempotency-key"),
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: true,
+                principal: Arc::new(default_principal),
+                business_key: None,
+                max_request_body: 1 << 20,
+                max_stored_body: 1 << 20,
+                ttl: Duration::from_secs(24 * 60 * 60),
+                lease: Duration::from_secs(30),
+                store_status: Arc::new(default_store_status),
+                allow_headers: [
+                    "content-type",
+                    "content-language",
+                    "content-location",
+                    "location",
+                    "etag",
+                    "last-modified",
+                    "cache-control",
+                ]
+                .into_iter()
+                .map(HeaderName::from_static)
+                .collect(),
+                fail_open: false,
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        let cfg = Arc::get_mut(&mut self.cfg).expect("configure a ReplayLayer before cloning it");
+        f(cfg);
+        self
+    }
+
+    /// The key header (`Idempotency-Key`).
+    #[must_use]
+    pub fn header(self, name: HeaderName) -> Self {
+        self.edit(|c| c.header = name)
+    }
+
+    /// The methods that are deduplicated (POST and PATCH). Others pass through untouched.
+    #[must_use]
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let m = methods.into_iter().collect();
+        self.edit(|c| c.methods = m)
+    }
+
+    /// Whether a request to a deduplicated method without a key is refused with 400 (the
+    /// default) or passed through unprotected.
+    #[must_use]
+    pub fn require_key(self, required: bool) -> Self {
+        self.edit(|c| c.require_key = required)
+    }
+
+    /// How to find the request's principal. The default reads the [`Principal`] extension and
+    /// scopes requests without one as `anonymous`.
+    #[must_use]
+    pub fn principal(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        self.edit(|c| c.principal = Arc::new(f))
+    }
+
+    /// A business identity for a request ("label for order 4812"): requests with the same one
+    /// are the same action even when their keys or arguments differ, so a model re-calling a
+    /// tool with slightly different arguments still gets the original result instead of a
+    /// second effect.
+    #[must_use]
+    pub fn business_key(
+        self,
+        f: impl Fn(&Parts, &Bytes) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.business_key = Some(Arc::new(f)))
+    }
+
+    /// How long results are kept (24 h).
+    #[must_use]
+    pub fn ttl(self, ttl: Duration) -> Self {
+        self.edit(|c| c.ttl = ttl)
+    }
+
+    /// How long a claim lasts without renewal (30 s). The layer renews it every third of that
+    /// while the handler runs, so it only expires when the process stops or hangs.
+    #[must_use]
+    pub fn lease(self, lease: Duration) -> Self {
+        self.edit(|c| c.lease = lease)
+    }
+
+    /// The largest request body read (1 MiB); larger requests get 413.
+    #[must_use]
+    pub fn max_request_body(self, bytes: usize) -> Self {
+        self.edit(|c| c.max_request_body = bytes)
+    }
+
+    /// The largest response body stored (1 MiB). A larger response is returned to its caller in
+    /// full, but only its status is kept; a repeat gets a 409 problem saying the request was
+    /// processed and its response cannot be replayed.
+    #[must_use]
+    pub fn max_stored_body(self, bytes: usize) -> Self {
+        self.edit(|c| c.max_stored_body = bytes)
+    }
+
+    /// Which statuses are stored. By default every status except 408, 425, 429 and 503 (the
+    /// request was refused before it ran). Storing 5xx follows Stripe: once the handler ran,
+    /// its effect may be partial, and running it again is worse than replaying the error.
+    #[must_use]
+    pub fn store_status(self, f: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.edit(|c| c.store_status = Arc::new(f))
+    }
+
+    /// Adds a response header to the stored allow-list (content type, language and location,
+    /// `Location`, `ETag`, `Last-Modified`, `Cache-Control` by default). `Set-Cookie` and `Date`
+    /// are never stored, whatever the list says.
+    #[must_use]
+    pub fn allow_header(self, name: HeaderName) -> Self {
+        self.edit(|c| c.allow_headers.push(name))
+    }
+
+    /// When the store is unreachable, run requests without deduplication instead of answering
+    /// 503 (off: the layer fails closed).
+    #[must_use]
+    pub fn fail_open(self, open: bool) -> Self {
+        self.edit(|c| c.fail_open = open)
+    }
+
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        let c = &self.cfg;
+        if c.lease < Duration::from_millis(30) {
+            return Err(InvalidConfig::new("replay lease must be at least 30 ms"));
+        }
+        if c.ttl < c.lease {
+            return Err(InvalidConfig::new(
+                "replay ttl must not be shorter than the lease",
+            ));
+        }
+        if c.methods.is_empty() {
+            return Err(InvalidConfig::new(
+                "replay methods must name at least one method",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<S> Layer<S> for ReplayLayer {
+    type Service = Replay<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Replay {
+            inner,
+            cfg: self.cfg.clone(),
+        }
+    }
+}
+
+/// See [`ReplayLayer`].
+#[derive(Clone)]
+pub struct Replay<S> {
+    inner: S,
+    cfg: Arc<Config>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for Replay<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Replay")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+/// Response future of [`Replay`]: boxed, since serving a keyed request awaits the store, the
+/// handler and the response body in turn.
+pub type ReplayFuture<E> =
+    Pin<Box<dyn Future<Output = Result<Response<ReplayResponseBody>, E>> + Send>>;
+
+impl<S, B, ResB> Service<Request<B>> for Replay<S>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Response = Response<ReplayResponseBody>;
+    type Error = S::Error;
+    type Future = ReplayFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let svc = std::mem::replace(&mut self.inner, clone);
+        Box::pin(serve(self.cfg.clone(), svc, req))
+    }
+}
+
+fn boxed_response<ResB>(res: Response<ResB>) -> Response<ReplayResponseBody>
+where
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    res.map(|b| b.map_err(|e| BodyError(e.into())).boxed_unsync())
+}
+
+fn field(h: &mut Sha256, bytes: &[u8]) {
+    h.update(u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_be_bytes());
+    h.update(bytes);
+}
+
+/// Where the key of a stored result comes from.
+enum Identity {
+    Key(String),
+    Business(String),
+}
+
+/// The store key: a hash of the principal and the identity, so keys are never stored in clear.
+fn store_key(principal: &str, id: &Identity) -> String {
+    let mut h = Sha256::new();
+    h.update(b"backstop-replay-key/v1\0");
+    field(&mut h, principal.as_bytes());
+    match id {
+        Identity::Key(k) => {
+            field(&mut h, b"key");
+            field(&mut h, k.as_bytes());
+        }
+        Identity::Business(b) => {
+            field(&mut h, b"business");
+            field(&mut h, b.as_bytes());
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"backstop-replay-fingerprint/v1\0");
+    field(&mut h, parts.method.as_str().as_bytes());
+    field(
+        &mut h,
+        parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .as_bytes(),
+    );
+    field(&mut h, &Sha256::digest(body));
+    h.finalize().into()
+}
+
+/// Reads the key header: exactly one line, a valid key.
+fn read_key(parts: &Parts, name: &HeaderName) -> Result<Option<String>, String> {
+    let mut values = parts.headers.get_all(name).iter();
+    let Some(v) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(format!(
+            "the request has more than one {name} header; send exactly one"
+        ));
+    }
+    let text = v
+        .to_str()
+        .map_err(|_| format!("the {name} header must be visible ASCII"))?
+        .trim_matches([' ', '\t']);
+    let key = match text.strip_prefix('"') {
+        Some(rest) => rest.strip_suffix('"').ok_or_else(|| {
+            format!("the {name} header opens a quoted string but does not close it")
+        })?,
+        None => text,
+    };
+    if key.is_empty() || key.len() > 255 {
+        return Err(format!("the {name} header must hold 1 to 255 characters"));
+    }
+    if key
+        .bytes()
+        .any(|b| !(0x21..=0x7e).contains(&b) || b == b'"' || b == b'\\')
+    {
+        return Err(format!(
+            "the {name} header may only hold visible ASCII characters other than '\"' and '\\'"
+        ));
+    }
+    Ok(Some(key.to_owned()))
+}
+
+fn replayed(stored: &StoredResponse) -> Response<ReplayResponseBody> {
+    if let Some(read) = stored.body_omitted {
+        return problem(
+            StatusCode::CONFLICT,
+            "response-not-stored",
+            "Already processed",
+            &format!(
+                "a request with this idempotency key was already processed (status {}), but its \
+                 response ({read} bytes or more) was too large to store, so it cannot be replayed; \
+                 look the result up instead of repeating the request",
+                stored.status
+            ),
+        );
+    }
+    let mut res = Response::new(full(stored.body.clone()));
+    *res.status_mut() =
+        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    for (k, v) in &stored.headers {
+        res.headers_mut().append(k.clone(), v.clone());
+    }
+    res.headers_mut()
+        .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    res
+}
+
+fn retry_later(mut res: Response<ReplayResponseBody>) -> Response<ReplayResponseBody> {
+    res.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    res
+}
+
+async fn call_inner<S, ResB>(
+    mut svc: S,
+    req: Request<ReplayRequestBody>,
+) -> Result<Response<ReplayResponseBody>, S::Error>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    svc.call(req).await.map(boxed_response)
+}
+
+async fn serve<S, B, ResB>(
+    cfg: Arc<Config>,
+    svc: S,
+    req: Request<B>,
+) -> Result<Response<ReplayResponseBody>, S::Error>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let (parts, body) = req.into_parts();
+    if !cfg.methods.contains(&parts.method) {
+        let body = body.map_err(|e| BodyError(e.into())).boxed_unsync();
+        return call_inner(svc, Request::from_parts(parts, body)).await;
+    }
+    let key = match read_key(&parts, &cfg.header) {
+        Ok(k) => k,
+        Err(why) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                "Invalid idempotency key",
+                &why,
+            ));
+        }
+    };
+    let bytes = match Limited::new(body, cfg.max_request_body).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<LengthLimitError>() => {
+            return Ok(problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request-too-large",
+                "Request body too large",
+                &format!(
+                    "the request body is larger than the {} bytes this endpoint accepts",
+                    cfg.max_request_body
+                ),
+            ));
+        }
+        Err(e) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "unreadable-body",
+                "Unreadable request body",
+                &format!("the request body could not be read: {e}"),
+            ));
+        }
+    };
+    let rebuilt = |parts: Parts, bytes: Bytes| {
+        Request::from_parts(
+            parts,
+            Full::new(bytes).map_err(|e| match e {}).boxed_unsync(),
+        )
+    };
+    let business = cfg.business_key.as_ref().and_then(|f| f(&parts, &bytes));
+    let identity = match (business, key) {
+        (Some(b), _) => Identity::Business(b),
+        (None, Some(k)) => Identity::Key(k),
+        (None, None) if cfg.require_key => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-missing",
+                "Idempotency key required",
+                &format!(
+                    "this endpoint requires an {} header so that a retried request is not processed twice; \
+                     send one key per intended action and reuse it on every retry",
+                    cfg.header
+                ),
+            ));
+        }
+        (None, None) => return call_inner(svc, rebuilt(parts, bytes)).await,
+    };
+    let is_business = matches!(identity, Identity::Business(_));
+    let principal = (cfg.principal)(&parts).unwrap_or_else(|| "anonymous".to_owned());
+    let skey = store_key(&principal, &identity);
+    let fp = fingerprint(&parts, &bytes);
+
+    let token = match cfg.store.claim(&skey, fp, cfg.lease).await {
+        Ok(Claim::Claimed { token }) => token,
+        Ok(Claim::Done {
+            fingerprint,
+            response,
+        }) => {
+            if fingerprint != fp && !is_business {
+                return Ok(mismatch());
+            }
+            return Ok(replayed(&response));
+        }
+        Ok(Claim::InFlight { fingerprint }) => {
+            if fingerprint != fp && !is_business {
+                return Ok(mismatch());
+            }
+            return Ok(retry_later(problem(
+                StatusCode::CONFLICT,
+                "request-in-flight",
+                "Request in progress",
+                "a request with this idempotency key is still being processed; retry after it completes to get its result",
+            )));
+        }
+        Err(e) if cfg.fail_open => {
+            tracing::warn!(target: "backstop::replay", error = %e, "store unavailable; running the request without deduplication (fail_open)");
+            return call_inner(svc, rebuilt(parts, bytes)).await;
+        }
+        Err(e) => {
+            tracing::warn!(target: "backstop::replay", error = %e, "store unavailable; refusing the request");
+            return Ok(retry_later(problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "replay-store-unavailable",
+                "Deduplication unavailable",
+                "the idempotency store is unavailable, so the request was not processed (it could not be protected against duplicates); retry later with the same key",
+            )));
+        }
+    };
+
+    let guard = ClaimGuard::new(cfg.clone(), skey, token);
+    let res = match call_inner(svc, rebuilt(parts, bytes)).await {
+        Ok(res) => res,
+        Err(e) => {
+            guard.release().await;
+            return Err(e);
+        }
+    };
+    if !(cfg.store_status)(res.status()) {
+        guard.release().await;
+        return Ok(res);
+    }
+    Ok(capture(&cfg, guard, res).await)
+}
+
+fn mismatch() -> Response<ReplayResponseBody> {
+    problem(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency-key-reused",
+        "Idempotency key reused",
+        "this idempotency key was already used for a different request (method, path or body); \
+         use a new key for a different action",
+    )
+}
+
+/// Reads the response body up to the storage limit, stores the result, and returns the full
+/// response to the caller.
+async fn capture(
+    cfg: &Config,
+    guard: ClaimGuard,
+    res: Response<ReplayResponseBody>,
+) -> Response<ReplayResponseBody> {
+    let (parts, body) = res.into_parts();
+    let mut body = body;
+    let mut buf = BytesMut::new();
+    let mut failed: Option<BoxError> = None;
+    // `body` is the boxed response body: its errors are `BodyError`.
+    let mut over = false;
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Err(e)) => {
+                failed = Some(e.0);
+                break;
+            }
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > cfg.max_stored_body {
+                        over = true;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let headers = parts
+        .headers
+        .iter()
+        .filter(|(k, _)| {
+            *k != header::SET_COOKIE && *k != header::DATE && cfg.allow_headers.contains(k)
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let read = buf.len() as u64;
+    let prefix = buf.freeze();
+    let stored = StoredResponse {
+        status: parts.status.as_u16(),
+        headers,
+        body: if over || failed.is_some() {
+            Bytes::new()
+        } else {
+            prefix.clone()
+        },
+        body_omitted: (over || failed.is_some()).then_some(read),
+    };
+    guard.complete(&stored).await;
+    let body = if over || failed.is_some() {
+        PrefixedBody {
+            prefix: (!prefix.is_empty()).then_some(prefix),
+            rest: over.then_some(body),
+            error: failed,
+        }
+        .boxed_unsync()
+    } else {
+        full(prefix)
+    };
+    Response::from_parts(parts, body)
+}
+
+/// Holds a claim while the handler runs: renews its lease, and gives it back if the request
+/// ends without a stored result, including when its future is dropped.
+struct ClaimGuard {
+    cfg: Arc<ConfigRef>,
+    key: String,
+    token: u64,
+    renew: Option<JoinHandle<()>>,
+    armed: bool,
+}
+
+type ConfigRef = Config;
+
+impl ClaimGuard {
+    fn new(cfg: Arc<Config>, key: String, token: u64) -> Self {
+        let renew = tokio::runtime::Handle::try_current().ok().map(|h| {
+            let (store, key, lease) = (cfg.store.clone(), key.clone(), cfg.lease);
+            h.spawn(async move {
+                loop {
+                    tokio::time::sleep(lease / 3).await;
+                    match store.renew(&key, token, lease).await {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => tracing::warn!(target: "backstop::replay", error = %e, "could not renew a claim"),
+                    }
+                }
+            })
+        });
+        ClaimGuard {
+            cfg,
+            key,
+            token,
+            renew,
+            armed: true,
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+        if let Some(r) = self.renew.take() {
+            r.abort();
+        }
+    }
+
+    async fn complete(mut self, stored: &StoredResponse) {
+        self.disarm();
+        match self
+            .cfg
+            .store
+            .complete(&self.key, self.token, stored, self.cfg.ttl)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                target: "backstop::replay",
+                "the claim expired before the handler finished (lease {}); a newer request owns the key and this result was not stored",
+                HumanDuration(self.cfg.lease)
+            ),
+            Err(e) => {
+                tracing::warn!(target: "backstop::replay", error = %e, "could not store a result; the claim will expire with its lease")
+            }
+        }
+    }
+
+    async fn release(mut self) {
+        self.disarm();
+        if let Err(e) = self.cfg.store.release(&self.key, self.token).await {
+            tracing::warn!(target: "backstop::replay", error = %e, "could not release a claim; it will expire with its lease");
+        }
+    }
+}
+
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.disarm();
+        // The handler's future was dropped (cancelled, or it panicked): give the key back so a
+        // retry can run. Without a runtime, the lease expires by itself.
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            let (store, key, token) = (
+                self.cfg.store.clone(),
+                std::mem::take(&mut self.key),
+                self.token,
+            );
+            h.spawn(async move {
+                let _ = store.release(&key, token).await;
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(headers: &[(&str, &str)]) -> Parts {
+        let mut b = Request::post("/refunds");
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn key_header_rules() {
+        let h = HeaderName::from_static("idempotency-key");
+        assert_eq!(read_key(&parts(&[]), &h), Ok(None));
+        assert_eq!(
+            read_key(&parts(&[("idempotency-key", "abc")]), &h),
+            Ok(Some("abc".into()))
+        );
+        assert_eq!(
+            read_key(&parts(&[("idempotency-key", "\"abc\"")]), &h),
+            Ok(Some("abc".into()))
+        );
+        for bad in ["\"abc", "a b", "\"\"", "a\"b"] {
+            assert!(
+                read_key(&parts(&[("idempotency-key", bad)]), &h).is_err(),
+                "{bad}"
+            );
+        }
+        let long = "k".repeat(256);
+        assert!(read_key(&parts(&[("idempotency-key", &long)]), &h).is_err());
+        let two = parts(&[("idempotency-key", "a"), ("idempotency-key", "a")]);
+        assert!(read_key(&two, &h).unwrap_err().contains("more than one"));
+    }
+
+    #[test]
+    fn store_keys_are_scoped_hashed_and_distinct() {
+        let a = store_key("tenant-a", &Identity::Key("k".into()));
+        let b = store_key("tenant-b", &Identity::Key("k".into()));
+        let c = store_key("tenant-a", &Identity::Business("k".into()));
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a.len(), 64);
+        assert!(!a.contains('k') || a.chars().all(|ch| ch.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn fingerprints_cover_method_path_and_body() {
+        let p = |m: &str, u: &str| {
+            Request::builder()
+                .method(m)
+                .uri(u)
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        let body = Bytes::from_static(b"{}");
+        let base = fingerprint(&p("POST", "/refunds"), &body);
+        assert_eq!(base, fingerprint(&p("POST", "/refunds"), &body));
+        assert_ne!(base, fingerprint(&p("PATCH", "/refunds"), &body));
+        assert_ne!(base, fingerprint(&p("POST", "/refunds?x=1"), &body));
+        assert_ne!(
+            base,
+            fingerprint(&p("POST", "/refunds"), &Bytes::from_static(b"{ }"))
+        );
+    }
+}

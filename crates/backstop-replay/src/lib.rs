@@ -1,0 +1,85 @@
+//! Server-side idempotency: run a keyed request once, replay its result to every repeat.
+//!
+//! The worked example behind Backstop: a payment service books a refund, its reply is lost, the
+//! caller retries, and the customer is refunded twice. Put [`ReplayLayer`] in front of the
+//! refund endpoint and the repeat is recognised by its `Idempotency-Key`: the handler does not
+//! run again, and the caller gets the original response, marked `Idempotent-Replayed: true`.
+//!
+//! For each request to a deduplicated method (POST and PATCH by default):
+//!
+//! 1. The key is read: exactly one header line, 1 to 255 visible ASCII characters, as a bare
+//!    token or an RFC 9651 string. Missing: `400`; invalid: `400`.
+//! 2. The key is scoped by the authenticated [`Principal`] and hashed; the request is
+//!    fingerprinted (method, path and query, body digest).
+//! 3. The store is asked to **claim** the key atomically. A completed key with the same
+//!    fingerprint is replayed; with a different one: `422`. A key still in flight: `409` with
+//!    `Retry-After: 1`. Errors are `application/problem+json` (RFC 9457), as the IETF
+//!    `Idempotency-Key` draft asks.
+//! 4. The claimant runs the handler. Its claim has a lease, renewed while the handler runs; if
+//!    the handler's future is dropped (cancelled, or it panicked), the claim is released, and if
+//!    the process dies the lease expires. Every store operation carries a fencing token, so an
+//!    owner whose lease expired can never overwrite the result of a newer one.
+//! 5. The status, an allow-list of headers (never `Set-Cookie` or `Date`) and the body (up to
+//!    1 MiB) are stored for 24 h. Which statuses are stored is a policy: all but 408, 425, 429
+//!    and 503 by default, 5xx included (once the handler ran, replaying its error is safer than
+//!    running it again, as Stripe does).
+//!
+//! If the store is unreachable the layer **fails closed**: `503` with `Retry-After`, and the
+//! handler does not run unprotected (unless [`ReplayLayer::fail_open`]).
+//!
+//! ## What middleware cannot do
+//!
+//! The claim and the stored result live apart from the handler's own database. If the process
+//! crashes after the handler's effect is committed and before the result is stored, the lease
+//! expires and a retry runs the handler again. Only the handler can close that window:
+//!
+//! - record the key in the same transaction as the effect (a `UNIQUE` column on the refunds
+//!   table holding the key), so a second run finds the first one's row; or
+//! - pass a key derived from this one to the downstream system that performs the effect (the
+//!   payment provider's own idempotency key).
+//!
+//! ```
+//! use backstop_replay::{MemoryStore, ReplayLayer, ReplayRequestBody};
+//! use http::{Request, Response};
+//! use http_body_util::{BodyExt, Full};
+//! use bytes::Bytes;
+//! use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+//! use tower::{Layer, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let refunds = Arc::new(AtomicU32::new(0));
+//! let booked = refunds.clone();
+//! let refund = service_fn(move |_req: Request<ReplayRequestBody>| {
+//!     let n = booked.fetch_add(1, Ordering::SeqCst) + 1;
+//!     async move { Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(format!("R{n}"))))) }
+//! });
+//! let svc = ReplayLayer::new(MemoryStore::default()).layer(refund);
+//!
+//! let req = || Request::post("/refunds").header("idempotency-key", "refund-A-7").body(Full::new(Bytes::from("49.00"))).unwrap();
+//! let first = svc.clone().oneshot(req()).await.unwrap();
+//! let again = svc.clone().oneshot(req()).await.unwrap();
+//! assert_eq!(again.headers()["idempotent-replayed"], "true");
+//! assert_eq!(again.into_body().collect().await.unwrap().to_bytes(), "R1");
+//! assert_eq!(refunds.load(Ordering::SeqCst), 1);
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod body;
+mod layer;
+mod memory;
+mod problem;
+#[cfg(feature = "redis")]
+mod redis_store;
+mod store;
+
+pub use layer::{Principal, Replay, ReplayFuture, ReplayLayer, ReplayRequestBody};
+pub use memory::MemoryStore;
+pub use problem::{BodyError, ReplayResponseBody};
+#[cfg(feature = "redis")]
+pub use redis_store::RedisStore;
+pub use store::{
+    Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
+};

@@ -1,0 +1,202 @@
+use crate::store::{
+    Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
+};
+use rand::{TryRng, rngs::SysRng};
+use redis::{
+    Client, Script, Value,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+};
+use std::{fmt, time::Duration};
+
+const CLAIM: &str = r"
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then
+  redis.call('HSET', KEYS[1], 'state', 'inflight', 'fp', ARGV[1], 'token', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {1}
+end
+if state == 'inflight' then
+  return {2, redis.call('HGET', KEYS[1], 'fp')}
+end
+return {3, redis.call('HGET', KEYS[1], 'fp'), redis.call('HGET', KEYS[1], 'response')}
+";
+
+const OWNED: &str = "redis.call('HGET', KEYS[1], 'state') == 'inflight' and redis.call('HGET', KEYS[1], 'token') == ARGV[1]";
+
+fn owned_script(body: &str) -> Script {
+    Script::new(&format!("if {OWNED} then\n{body}\nreturn 1\nend\nreturn 0"))
+}
+
+/// A Redis store: several server replicas sharing one Redis deduplicate together.
+///
+/// Each key is one hash, `<prefix><hashed key>`, holding the state, the fingerprint, the fencing
+/// token and, once done, the encoded response; its expiry is the lease while in flight and the
+/// TTL once done. Claim, renew, complete and release are Lua scripts, so each is atomic, and
+/// every script touches one key (it works on a single Redis; for a cluster, every key maps to
+/// its own slot, which is allowed). Tokens are random 64-bit values from the operating system.
+///
+/// The connection is a `ConnectionManager`: it reconnects by itself after Redis comes back.
+/// While Redis is unreachable every operation fails (after at most the connection and response
+/// timeouts, 1 s each by default), and the replay layer answers 503 instead of running a request
+/// it cannot protect.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    claim: Script,
+    renew: Script,
+    complete: Script,
+    release: Script,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+fn err(e: redis::RedisError) -> StoreError {
+    StoreError::new(format!("redis: {e}"))
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl RedisStore {
+    /// A store on the Redis at `url` (`redis://127.0.0.1:6379/`), key prefix `backstop:replay:`.
+    /// Connects lazily, on first use, so a server can start before its Redis.
+    pub fn open(url: &str) -> Result<Self, StoreError> {
+        let client = Client::open(url).map_err(err)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(1)))
+            .set_response_timeout(Some(Duration::from_secs(1)))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(200));
+        let conn = ConnectionManager::new_lazy_with_config(client, config).map_err(err)?;
+        Ok(RedisStore {
+            conn,
+            prefix: "backstop:replay:".to_owned(),
+            claim: Script::new(CLAIM),
+            renew: owned_script("redis.call('PEXPIRE', KEYS[1], ARGV[2])"),
+            complete: owned_script(
+                "redis.call('HSET', KEYS[1], 'state', 'done', 'response', ARGV[2])\n\
+                 redis.call('HDEL', KEYS[1], 'token')\n\
+                 redis.call('PEXPIRE', KEYS[1], ARGV[3])",
+            ),
+            release: owned_script("redis.call('DEL', KEYS[1])"),
+        })
+    }
+
+    /// The key prefix.
+    #[must_use]
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    fn key(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    async fn owned(&self, script: &Script, key: &str, args: &[&[u8]]) -> Result<bool, StoreError> {
+        let mut inv = script.key(self.key(key));
+        for a in args {
+            inv.arg(*a);
+        }
+        let mut conn = self.conn.clone();
+        let n: i64 = inv.invoke_async(&mut conn).await.map_err(err)?;
+        Ok(n == 1)
+    }
+}
+
+fn bytes(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        _ => None,
+    }
+}
+
+fn parse_fp(v: Option<&Value>) -> Result<Fingerprint, StoreError> {
+    v.and_then(bytes)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| StoreError::new("redis: a stored fingerprint is malformed"))
+}
+
+impl ReplayStore for RedisStore {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> StoreFuture<'a, Claim> {
+        Box::pin(async move {
+            let token = SysRng
+                .try_next_u64()
+                .map_err(|e| StoreError::new(format!("no random token: {e}")))?;
+            let mut conn = self.conn.clone();
+            let reply: Vec<Value> = self
+                .claim
+                .key(self.key(key))
+                .arg(&fingerprint[..])
+                .arg(token.to_string())
+                .arg(ms(lease))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(err)?;
+            match reply.first() {
+                Some(Value::Int(1)) => Ok(Claim::Claimed { token }),
+                Some(Value::Int(2)) => Ok(Claim::InFlight {
+                    fingerprint: parse_fp(reply.get(1))?,
+                }),
+                Some(Value::Int(3)) => {
+                    let response = reply
+                        .get(2)
+                        .and_then(bytes)
+                        .ok_or_else(|| StoreError::new("redis: a stored response is missing"))?;
+                    Ok(Claim::Done {
+                        fingerprint: parse_fp(reply.get(1))?,
+                        response: decode(response)?,
+                    })
+                }
+                _ => Err(StoreError::new("redis: unexpected reply to a claim")),
+            }
+        })
+    }
+
+    fn renew<'a>(&'a self, key: &'a str, token: u64, lease: Duration) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let (t, l) = (token.to_string(), ms(lease).to_string());
+            self.owned(&self.renew, key, &[t.as_bytes(), l.as_bytes()])
+                .await
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        token: u64,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let (t, ttl) = (token.to_string(), ms(ttl).to_string());
+            let encoded = encode(response);
+            self.owned(
+                &self.complete,
+                key,
+                &[t.as_bytes(), &encoded, ttl.as_bytes()],
+            )
+            .await
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a str, token: u64) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let t = token.to_string();
+            self.owned(&self.release, key, &[t.as_bytes()]).await
+        })
+    }
+}

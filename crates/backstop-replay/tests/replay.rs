@@ -1,0 +1,636 @@
+//! The replay layer against its in-memory store, and against a real Redis of the test's own.
+
+use backstop_replay::{
+    Claim, Fingerprint, MemoryStore, Principal, ReplayLayer, ReplayRequestBody, ReplayStore,
+    StoreError, StoreFuture, StoredResponse,
+};
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use std::{
+    convert::Infallible,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+/// What the handler does.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Ok,
+    Status(u16),
+    Sleep(Duration),
+    Hang,
+    Panic,
+    Big(usize),
+}
+
+/// A refund handler that counts how many times it really ran.
+#[derive(Clone)]
+struct Handler {
+    runs: Arc<AtomicU32>,
+    mode: Mode,
+}
+
+impl Handler {
+    fn new(mode: Mode) -> Self {
+        Handler {
+            runs: Arc::default(),
+            mode,
+        }
+    }
+    fn runs(&self) -> u32 {
+        self.runs.load(Ordering::SeqCst)
+    }
+    fn service(
+        &self,
+    ) -> impl Service<
+        Request<ReplayRequestBody>,
+        Response = Response<Full<Bytes>>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + use<> {
+        let (runs, mode) = (self.runs.clone(), self.mode);
+        service_fn(move |req: Request<ReplayRequestBody>| {
+            let runs = runs.clone();
+            async move {
+                let who = req
+                    .extensions()
+                    .get::<Principal>()
+                    .map_or("anonymous".to_owned(), |p| p.0.clone());
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let mut status = 201;
+                match mode {
+                    Mode::Ok => {}
+                    Mode::Status(s) => status = s,
+                    Mode::Sleep(d) => tokio::time::sleep(d).await,
+                    Mode::Hang => std::future::pending::<()>().await,
+                    Mode::Panic => panic!("the handler crashed"),
+                    Mode::Big(n) => {
+                        return Ok(Response::new(Full::new(Bytes::from(vec![b'x'; n]))));
+                    }
+                }
+                let text = format!(
+                    r#"{{"refund_id":"R{n}","for":"{who}","body":{}}}"#,
+                    String::from_utf8_lossy(&body)
+                );
+                Ok(Response::builder()
+                    .status(status)
+                    .header("content-type", "application/json")
+                    .header("location", format!("/refunds/R{n}"))
+                    .header("set-cookie", "session=secret")
+                    .header("date", "Mon, 30 Nov 2026 10:00:00 GMT")
+                    .header("x-internal", "not stored")
+                    .body(Full::new(Bytes::from(text)))
+                    .unwrap())
+            }
+        })
+    }
+}
+
+fn refund(key: Option<&str>, body: &str) -> Request<Full<Bytes>> {
+    let mut b = Request::post("/refunds").header("content-type", "application/json");
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    b.body(Full::new(Bytes::from(body.to_owned()))).unwrap()
+}
+
+async fn text<B: http_body::Body>(res: Response<B>) -> String
+where
+    B::Error: std::fmt::Debug,
+{
+    String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+}
+
+async fn problem_type<B: http_body::Body>(res: Response<B>) -> String
+where
+    B::Error: std::fmt::Debug,
+{
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    let status = res.status().as_u16();
+    let v: serde_json::Value = serde_json::from_str(&text(res).await).unwrap();
+    assert_eq!(v["status"], status);
+    assert!(v["detail"].as_str().is_some_and(|d| !d.is_empty()));
+    v["type"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("urn:backstop:problem:")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn a_repeat_gets_the_stored_response_and_the_handler_runs_once() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let first = svc.clone().oneshot(refund(Some("k1"), "49")).await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(
+        first.headers()["set-cookie"],
+        "session=secret",
+        "the first caller gets everything"
+    );
+    let first_body = text(first).await;
+    for _ in 0..3 {
+        let again = svc.clone().oneshot(refund(Some("k1"), "49")).await.unwrap();
+        assert_eq!(again.status(), 201);
+        let hdr = again.headers();
+        assert_eq!(hdr["idempotent-replayed"], "true");
+        assert_eq!(hdr["location"], "/refunds/R1");
+        assert_eq!(hdr["content-type"], "application/json");
+        assert!(
+            !hdr.contains_key("set-cookie"),
+            "Set-Cookie is never stored"
+        );
+        assert!(!hdr.contains_key("date"), "Date is never stored");
+        assert!(
+            !hdr.contains_key("x-internal"),
+            "only allow-listed headers are stored"
+        );
+        assert_eq!(text(again).await, first_body);
+    }
+    assert_eq!(h.runs(), 1);
+    // A structured-field form of the same key is the same key.
+    let sf = svc.oneshot(refund(Some("\"k1\""), "49")).await.unwrap();
+    assert_eq!(sf.headers()["idempotent-replayed"], "true");
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test]
+async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let res = svc.clone().oneshot(refund(None, "49")).await.unwrap();
+    assert_eq!(res.status(), 400);
+    assert_eq!(problem_type(res).await, "idempotency-key-missing");
+    let mut two = refund(Some("a"), "49");
+    two.headers_mut()
+        .append("idempotency-key", "b".parse().unwrap());
+    let res = svc.clone().oneshot(two).await.unwrap();
+    assert_eq!(res.status(), 400);
+    assert_eq!(problem_type(res).await, "invalid-idempotency-key");
+    for bad in ["has space", "\"open", &"k".repeat(256)] {
+        let res = svc.clone().oneshot(refund(Some(bad), "49")).await.unwrap();
+        assert_eq!(res.status(), 400, "{bad}");
+    }
+    assert_eq!(h.runs(), 0);
+    // Idempotent methods pass through untouched.
+    let get = Request::get("/refunds/R1")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(svc.clone().oneshot(get).await.unwrap().status(), 201);
+    assert_eq!(h.runs(), 1);
+    // Without require_key, a keyless POST runs unprotected.
+    let open = ReplayLayer::new(MemoryStore::default())
+        .require_key(false)
+        .layer(h.service());
+    open.clone().oneshot(refund(None, "49")).await.unwrap();
+    open.oneshot(refund(None, "49")).await.unwrap();
+    assert_eq!(h.runs(), 3);
+}
+
+#[tokio::test]
+async fn the_same_key_for_a_different_request_gets_422() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    let res = svc.clone().oneshot(refund(Some("k"), "50")).await.unwrap();
+    assert_eq!(res.status(), 422);
+    assert_eq!(problem_type(res).await, "idempotency-key-reused");
+    let mut other_path = refund(Some("k"), "49");
+    *other_path.uri_mut() = "/refunds?priority=high".parse().unwrap();
+    assert_eq!(svc.oneshot(other_path).await.unwrap().status(), 422);
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hundred_concurrent_requests_with_one_key_run_the_handler_once() {
+    let h = Handler::new(Mode::Sleep(Duration::from_millis(200)));
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..100 {
+        let svc = svc.clone();
+        tasks.spawn(async move {
+            let res = svc.oneshot(refund(Some("same-key"), "49")).await.unwrap();
+            let replayed = res.headers().contains_key("idempotent-replayed");
+            (
+                res.status().as_u16(),
+                replayed,
+                res.headers().get("retry-after").cloned(),
+            )
+        });
+    }
+    let (mut created, mut conflict, mut replayed) = (0, 0, 0);
+    while let Some(r) = tasks.join_next().await {
+        match r.unwrap() {
+            (201, false, _) => created += 1,
+            (201, true, _) => replayed += 1,
+            (409, false, Some(after)) => {
+                assert_eq!(after, "1");
+                conflict += 1
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(h.runs(), 1);
+    assert_eq!(created, 1);
+    assert_eq!(created + conflict + replayed, 100);
+}
+
+#[tokio::test]
+async fn one_principal_never_receives_another_principals_response() {
+    let h = Handler::new(Mode::Ok);
+    // The authentication layer in front of the replay layer sets the principal.
+    let auth = |tenant: &'static str| {
+        move |mut req: Request<Full<Bytes>>| {
+            req.extensions_mut().insert(Principal(tenant.to_owned()));
+            req
+        }
+    };
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let a = svc.clone().map_request(auth("tenant-a"));
+    let b = svc.clone().map_request(auth("tenant-b"));
+    let ra = text(
+        a.clone()
+            .oneshot(refund(Some("guessable-key"), "49"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    let rb = text(
+        b.clone()
+            .oneshot(refund(Some("guessable-key"), "49"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(ra.contains(r#""for":"tenant-a""#), "{ra}");
+    assert!(rb.contains(r#""for":"tenant-b""#), "{rb}");
+    assert_eq!(h.runs(), 2);
+    // Each replays its own.
+    let again_b = b
+        .oneshot(refund(Some("guessable-key"), "49"))
+        .await
+        .unwrap();
+    assert_eq!(text(again_b).await, rb);
+    // A client-chosen header cannot pick the principal.
+    let mut spoof = refund(Some("guessable-key"), "49");
+    spoof
+        .headers_mut()
+        .insert("x-tenant", "tenant-a".parse().unwrap());
+    let anon = text(svc.oneshot(spoof).await.unwrap()).await;
+    assert!(anon.contains(r#""for":"anonymous""#), "{anon}");
+    assert_eq!(h.runs(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn results_expire_after_the_ttl() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .ttl(Duration::from_secs(3600))
+        .layer(h.service());
+    svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    tokio::time::advance(Duration::from_secs(3599)).await;
+    svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(h.runs(), 1);
+    tokio::time::advance(Duration::from_secs(2)).await;
+    svc.oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(h.runs(), 2);
+}
+
+#[tokio::test]
+async fn oversized_requests_are_refused_and_oversized_responses_are_not_replayed() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .max_request_body(16)
+        .layer(h.service());
+    let res = svc
+        .oneshot(refund(Some("k"), &"9".repeat(17)))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 413);
+    assert_eq!(problem_type(res).await, "request-too-large");
+    assert_eq!(h.runs(), 0);
+
+    let big = Handler::new(Mode::Big(10_000));
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .max_stored_body(1_000)
+        .layer(big.service());
+    let first = svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(
+        text(first).await.len(),
+        10_000,
+        "the first caller gets the whole body"
+    );
+    let again = svc.oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(again.status(), 409);
+    assert_eq!(problem_type(again).await, "response-not-stored");
+    assert_eq!(
+        big.runs(),
+        1,
+        "never run twice, even when the result could not be kept"
+    );
+}
+
+#[tokio::test]
+async fn a_cancelled_handler_releases_its_claim() {
+    let hang = Handler::new(Mode::Hang);
+    let store = Arc::new(MemoryStore::default());
+    let layer = ReplayLayer::with_store(store.clone());
+    let svc = layer.layer(hang.service());
+    let attempt = tokio::time::timeout(
+        Duration::from_millis(50),
+        svc.clone().oneshot(refund(Some("k"), "49")),
+    )
+    .await;
+    assert!(attempt.is_err(), "the caller gave up");
+    assert_eq!(hang.runs(), 1);
+    // The release is spawned from the guard's drop; let it run.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let ok = Handler::new(Mode::Ok);
+    let svc = layer.layer(ok.service());
+    assert_eq!(
+        svc.oneshot(refund(Some("k"), "49")).await.unwrap().status(),
+        201
+    );
+    assert_eq!(ok.runs(), 1, "the key was free again");
+}
+
+#[tokio::test]
+async fn a_crashed_handler_releases_its_claim() {
+    let crash = Handler::new(Mode::Panic);
+    let layer = ReplayLayer::new(MemoryStore::default());
+    let svc = layer.layer(crash.service());
+    let joined = tokio::spawn(svc.oneshot(refund(Some("k"), "49"))).await;
+    assert!(joined.unwrap_err().is_panic());
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let ok = Handler::new(Mode::Ok);
+    assert_eq!(
+        layer
+            .layer(ok.service())
+            .oneshot(refund(Some("k"), "49"))
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+    assert_eq!(ok.runs(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_handler_keeps_its_claim_by_renewing_the_lease() {
+    let slow = Handler::new(Mode::Sleep(Duration::from_secs(120)));
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .lease(Duration::from_secs(30))
+        .layer(slow.service());
+    let first = tokio::spawn(svc.clone().oneshot(refund(Some("k"), "49")));
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_secs(35)).await;
+        let res = svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+        assert_eq!(
+            res.status(),
+            409,
+            "still in flight long after the first lease would have expired"
+        );
+    }
+    assert_eq!(first.await.unwrap().unwrap().status(), 201);
+    assert_eq!(slow.runs(), 1);
+}
+
+#[tokio::test]
+async fn which_outcomes_are_stored_is_a_policy() {
+    let busy = Handler::new(Mode::Status(503));
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(busy.service());
+    svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    svc.oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(
+        busy.runs(),
+        2,
+        "a 503 said the request did not run: not stored"
+    );
+
+    let broken = Handler::new(Mode::Status(500));
+    let svc = ReplayLayer::new(MemoryStore::default()).layer(broken.service());
+    svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    let again = svc.oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(again.status(), 500);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        broken.runs(),
+        1,
+        "a 500 after the handler ran is replayed, as Stripe does"
+    );
+
+    let only_2xx = ReplayLayer::new(MemoryStore::default()).store_status(|s| s.is_success());
+    let svc = only_2xx.layer(broken.service());
+    svc.clone().oneshot(refund(Some("k2"), "49")).await.unwrap();
+    svc.oneshot(refund(Some("k2"), "49")).await.unwrap();
+    assert_eq!(broken.runs(), 3);
+}
+
+#[tokio::test]
+async fn a_business_identity_deduplicates_a_model_re_call_with_other_arguments() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .business_key(|_parts, body| {
+            let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+            Some(format!("label-for-order-{}", v["order_id"].as_str()?))
+        })
+        .layer(h.service());
+    let first = svc
+        .clone()
+        .oneshot(refund(
+            Some("call-1"),
+            r#"{"order_id":"4812","service":"ground"}"#,
+        ))
+        .await
+        .unwrap();
+    let first = text(first).await;
+    // The model calls again, new call id, slightly different arguments.
+    let again = svc
+        .oneshot(refund(
+            Some("call-2"),
+            r#"{"order_id":"4812","service":"Ground"}"#,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(text(again).await, first);
+    assert_eq!(h.runs(), 1);
+}
+
+/// A store that is down.
+#[derive(Debug)]
+struct Down;
+
+impl ReplayStore for Down {
+    fn claim<'a>(&'a self, _: &'a str, _: Fingerprint, _: Duration) -> StoreFuture<'a, Claim> {
+        Box::pin(async { Err(StoreError::new("connection refused")) })
+    }
+    fn renew<'a>(&'a self, _: &'a str, _: u64, _: Duration) -> StoreFuture<'a, bool> {
+        Box::pin(async { Err(StoreError::new("connection refused")) })
+    }
+    fn complete<'a>(
+        &'a self,
+        _: &'a str,
+        _: u64,
+        _: &'a StoredResponse,
+        _: Duration,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async { Err(StoreError::new("connection refused")) })
+    }
+    fn release<'a>(&'a self, _: &'a str, _: u64) -> StoreFuture<'a, bool> {
+        Box::pin(async { Err(StoreError::new("connection refused")) })
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_store_fails_closed_unless_told_otherwise() {
+    let h = Handler::new(Mode::Ok);
+    let res = ReplayLayer::new(Down)
+        .layer(h.service())
+        .oneshot(refund(Some("k"), "49"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(problem_type(res).await, "replay-store-unavailable");
+    assert_eq!(h.runs(), 0, "no handler runs without deduplication");
+    let res = ReplayLayer::new(Down)
+        .fail_open(true)
+        .layer(h.service())
+        .oneshot(refund(Some("k"), "49"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(h.runs(), 1);
+}
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use backstop_replay::RedisStore;
+    use backstop_testkit::RedisServer;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_server_instances_sharing_one_redis_run_the_handler_once() {
+        let redis = RedisServer::start().await;
+        let h = Handler::new(Mode::Sleep(Duration::from_millis(100)));
+        // Two replicas: separate layers, separate connections, one Redis.
+        let a = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap()).layer(h.service());
+        let b = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap()).layer(h.service());
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..40 {
+            let svc = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tasks.spawn(async move {
+                svc.oneshot(refund(Some("shared-key"), "49"))
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            });
+        }
+        let mut statuses = Vec::new();
+        while let Some(s) = tasks.join_next().await {
+            statuses.push(s.unwrap());
+        }
+        assert_eq!(h.runs(), 1);
+        assert!(
+            statuses.iter().all(|s| *s == 201 || *s == 409),
+            "{statuses:?}"
+        );
+        // After completion, both replicas replay the same result.
+        let ra = a.oneshot(refund(Some("shared-key"), "49")).await.unwrap();
+        let rb = b.oneshot(refund(Some("shared-key"), "49")).await.unwrap();
+        assert_eq!(ra.headers()["idempotent-replayed"], "true");
+        assert_eq!(text(ra).await, text(rb).await);
+        assert_eq!(h.runs(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_claims_are_fenced_and_expire() {
+        let redis = RedisServer::start().await;
+        let s = RedisStore::open(&redis.url()).unwrap().prefix("test:");
+        let lease = Duration::from_millis(100);
+        let Claim::Claimed { token: old } = s.claim("k", [7; 32], lease).await.unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            s.claim("k", [7; 32], lease).await.unwrap(),
+            Claim::InFlight {
+                fingerprint: [7; 32]
+            }
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let Claim::Claimed { token: new } = s.claim("k", [7; 32], lease).await.unwrap() else {
+            panic!()
+        };
+        let resp = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: Bytes::from_static(b"R1"),
+            body_omitted: None,
+        };
+        assert!(
+            !s.complete("k", old, &resp, Duration::from_secs(60))
+                .await
+                .unwrap(),
+            "a stale owner is fenced out"
+        );
+        assert!(!s.release("k", old).await.unwrap());
+        assert!(s.renew("k", new, lease).await.unwrap());
+        assert!(
+            s.complete("k", new, &resp, Duration::from_secs(60))
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            s.claim("k", [7; 32], lease).await.unwrap(),
+            Claim::Done {
+                fingerprint: [7; 32],
+                response: resp
+            }
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn while_redis_is_down_requests_fail_closed_and_it_recovers() {
+        let mut redis = RedisServer::start().await;
+        let h = Handler::new(Mode::Ok);
+        let svc = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap()).layer(h.service());
+        assert_eq!(
+            svc.clone()
+                .oneshot(refund(Some("k1"), "49"))
+                .await
+                .unwrap()
+                .status(),
+            201
+        );
+        redis.stop();
+        let res = svc.clone().oneshot(refund(Some("k2"), "49")).await.unwrap();
+        assert_eq!(res.status(), 503);
+        assert_eq!(h.runs(), 1, "no handler ran unprotected");
+        redis.restart().await;
+        let mut recovered = false;
+        for _ in 0..50 {
+            let res = svc.clone().oneshot(refund(Some("k2"), "49")).await.unwrap();
+            if res.status() == 201 {
+                recovered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(recovered, "the store reconnects once Redis is back");
+        assert_eq!(h.runs(), 2);
+    }
+}
