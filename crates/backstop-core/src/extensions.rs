@@ -77,3 +77,11 @@ impl ReplaySafe {
         req.extensions().get::<ReplaySafe>().is_some()
     }
 }
+
+/// The mark the outermost retry layer puts in a request's extensions. A retry layer that finds
+/// it makes exactly one attempt and leaves retrying to the outer one.
+///
+/// Any other retrying code can honour it too: if a request carries it, someone outside is
+/// already retrying.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetryScope;

@@ -38,5 +38,5 @@ pub use error::{
     AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, HumanDuration,
     InvalidConfig,
 };
-pub use extensions::{HasExtensions, ReplaySafe};
+pub use extensions::{HasExtensions, ReplaySafe, RetryScope};
 pub use outcome::Outcome;

@@ -1,6 +1,5 @@
 use crate::{ActionContext, IdempotencyKey, KeyFormat};
-use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe};
-use backstop_retry::RetryScope;
+use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe, RetryScope};
 use http::{HeaderName, Method, Request};
 use pin_project::pin_project;
 use rand::{TryRng, rngs::SysRng};

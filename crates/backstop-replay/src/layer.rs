@@ -4,6 +4,7 @@ use crate::{
     store::{Claim, Fingerprint, ReplayStore, StoredResponse},
 };
 use backstop_core::{BoxError, HumanDuration, InvalidConfig};
+use backstop_idempotency::IdempotencyKey;
 use bytes::{Bytes, BytesMut};
 use http::{
     HeaderName, HeaderValue, Method, Request, Response, StatusCode, header, request::Parts,
@@ -313,7 +314,7 @@ fn field(h: &mut Sha256, bytes: &[u8]) {
 
 /// Where the key of a stored result comes from.
 enum Identity {
-    Key(String),
+    Key(IdempotencyKey),
     Business(String),
 }
 
@@ -325,7 +326,7 @@ fn store_key(principal: &str, id: &Identity) -> String {
     match id {
         Identity::Key(k) => {
             field(&mut h, b"key");
-            field(&mut h, k.as_bytes());
+            field(&mut h, k.as_str().as_bytes());
         }
         Identity::Business(b) => {
             field(&mut h, b"business");
@@ -351,8 +352,8 @@ fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
     h.finalize().into()
 }
 
-/// Reads the key header: exactly one line, a valid key.
-fn read_key(parts: &Parts, name: &HeaderName) -> Result<Option<String>, String> {
+/// Reads the key header: exactly one line, a valid key (bare or as a structured-field string).
+fn read_key(parts: &Parts, name: &HeaderName) -> Result<Option<IdempotencyKey>, String> {
     let mut values = parts.headers.get_all(name).iter();
     let Some(v) = values.next() else {
         return Ok(None);
@@ -362,28 +363,9 @@ fn read_key(parts: &Parts, name: &HeaderName) -> Result<Option<String>, String> 
             "the request has more than one {name} header; send exactly one"
         ));
     }
-    let text = v
-        .to_str()
-        .map_err(|_| format!("the {name} header must be visible ASCII"))?
-        .trim_matches([' ', '\t']);
-    let key = match text.strip_prefix('"') {
-        Some(rest) => rest.strip_suffix('"').ok_or_else(|| {
-            format!("the {name} header opens a quoted string but does not close it")
-        })?,
-        None => text,
-    };
-    if key.is_empty() || key.len() > 255 {
-        return Err(format!("the {name} header must hold 1 to 255 characters"));
-    }
-    if key
-        .bytes()
-        .any(|b| !(0x21..=0x7e).contains(&b) || b == b'"' || b == b'\\')
-    {
-        return Err(format!(
-            "the {name} header may only hold visible ASCII characters other than '\"' and '\\'"
-        ));
-    }
-    Ok(Some(key.to_owned()))
+    IdempotencyKey::from_header(v)
+        .map(Some)
+        .map_err(|why| format!("the {name} header is invalid: {why}"))
 }
 
 fn replayed(stored: &StoredResponse) -> Response<ReplayResponseBody> {
@@ -747,11 +729,11 @@ mod tests {
         assert_eq!(read_key(&parts(&[]), &h), Ok(None));
         assert_eq!(
             read_key(&parts(&[("idempotency-key", "abc")]), &h),
-            Ok(Some("abc".into()))
+            Ok(Some(IdempotencyKey::new("abc").unwrap()))
         );
         assert_eq!(
             read_key(&parts(&[("idempotency-key", "\"abc\"")]), &h),
-            Ok(Some("abc".into()))
+            Ok(Some(IdempotencyKey::new("abc").unwrap()))
         );
         for bad in ["\"abc", "a b", "\"\"", "a\"b"] {
             assert!(
@@ -767,8 +749,9 @@ mod tests {
 
     #[test]
     fn store_keys_are_scoped_hashed_and_distinct() {
-        let a = store_key("tenant-a", &Identity::Key("k".into()));
-        let b = store_key("tenant-b", &Identity::Key("k".into()));
+        let k = || Identity::Key(IdempotencyKey::new("k").unwrap());
+        let a = store_key("tenant-a", &k());
+        let b = store_key("tenant-b", &k());
         let c = store_key("tenant-a", &Identity::Business("k".into()));
         assert_ne!(a, b);
         assert_ne!(a, c);

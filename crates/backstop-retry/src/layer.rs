@@ -3,6 +3,7 @@ use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{
     BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
+    RetryScope,
 };
 use std::{
     fmt,
@@ -14,14 +15,6 @@ use tower_service::Service;
 
 /// The default number of attempts: one call and two retries.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-
-/// The mark the outermost retry layer puts in a request's extensions. A retry layer that finds
-/// it makes exactly one attempt and leaves retrying to the outer one.
-///
-/// Any other retrying code can honour it too: if a request carries it, someone outside is
-/// already retrying.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RetryScope;
 
 pub(crate) struct Policy<C, P, K> {
     pub(crate) classifier: C,

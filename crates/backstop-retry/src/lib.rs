@@ -66,12 +66,13 @@ mod future;
 mod layer;
 mod replay;
 
+pub use backstop_core::RetryScope;
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
 pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
 pub use budget::{NoBudget, RetryBudget};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use future::ResponseFuture;
-pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer, RetryScope};
+pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
 
 /// Future types.
