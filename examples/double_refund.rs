@@ -88,7 +88,7 @@ fn refund_request(url: &str) -> Request<Full<Bytes>> {
 }
 
 #[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<(), BoxError> {
+pub(crate) async fn main() -> Result<(), BoxError> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
 
     println!("1. naive retry (any error, up to three times), unprotected service:");

@@ -462,6 +462,14 @@ impl Inner {
                 "circuit state changed"
             ),
         }
+        #[cfg(feature = "metrics")]
+        metrics::counter!(
+            "backstop_breaker_transitions_total",
+            "dependency" => metrics::SharedString::from(t.dependency.as_arc()),
+            "from" => t.from.as_str(),
+            "to" => t.to.as_str()
+        )
+        .increment(1);
         if let Some(hook) = &self.config.on_transition {
             hook(&t);
         }

@@ -133,6 +133,11 @@ impl BreakerConfig {
         self
     }
 
+    /// Whether the failure-ratio rule is on.
+    pub fn has_ratio_rule(&self) -> bool {
+        self.failure_ratio.is_some()
+    }
+
     /// The failure-ratio window.
     pub fn window(&self) -> Duration {
         self.window

@@ -152,10 +152,18 @@ where
         };
         match permit {
             // Open: fail at once; the inner service is not touched.
-            Err(open) => ResponseFuture {
-                state: State::Rejected { error: Some(open) },
-                _req: PhantomData,
-            },
+            Err(open) => {
+                #[cfg(feature = "metrics")]
+                metrics::counter!(
+                    "backstop_breaker_rejections_total",
+                    "dependency" => metrics::SharedString::from(open.dependency().as_arc())
+                )
+                .increment(1);
+                ResponseFuture {
+                    state: State::Rejected { error: Some(open) },
+                    _req: PhantomData,
+                }
+            }
             Ok(permit) => {
                 let slow = self.breaker.inner.config.slow_call;
                 ResponseFuture {

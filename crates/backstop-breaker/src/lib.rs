@@ -38,6 +38,10 @@
 //! traffic to fill the window at all. The 30 s cooldown sits between Polly and resilience4j:
 //! long enough to stop hammering, short enough for an agent's run to recover.
 //!
+//! Every transition emits a `tracing` event (target `backstop::breaker`) and calls the
+//! `on_transition` hook; with the `metrics` feature, `backstop_breaker_transitions_total{from,to}`
+//! and `backstop_breaker_rejections_total` are counted per dependency.
+//!
 //! State lives per [`Dependency`] in a [`Breaker`], shared by every clone and every stack given
 //! the same `Breaker`. The success path is lock-free: an atomic state load, and a sliding-window
 //! increment when the ratio rule is on; a mutex per dependency is taken only for state

@@ -19,6 +19,11 @@ impl Dependency {
         &self.0
     }
 
+    /// The name as a shared string (a metrics label without copying it).
+    pub fn as_arc(&self) -> Arc<str> {
+        self.0.clone()
+    }
+
     /// The dependency recorded in a request's extensions, if a layer put one there.
     pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
         req.extensions().get::<Dependency>()

@@ -195,55 +195,72 @@ impl Borrow<str> for IdempotencyKey {
 }
 
 /// What an agent runtime knows about the action a request performs, put in the request's
-/// extensions so the [`IdempotencyLayer`](crate::IdempotencyLayer) can derive its key.
+/// extensions so the [`IdempotencyLayer`](crate::IdempotencyLayer) can derive its key (and logs,
+/// traces and dead letters can name the run and the call). Cheap to clone.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ActionContext {
     /// A tool call identified by its run, step and call ids.
     ToolCall {
         /// The agent run.
-        run_id: String,
+        run_id: Arc<str>,
         /// The step within the run.
-        step_id: String,
+        step_id: Arc<str>,
         /// The tool call within the step.
-        call_id: String,
+        call_id: Arc<str>,
     },
     /// An action identified by its run, tool and canonical arguments.
     Action {
         /// The agent run.
-        run_id: String,
+        run_id: Arc<str>,
         /// The tool.
-        tool: String,
+        tool: Arc<str>,
         /// The arguments in canonical form.
-        canonical_args: Vec<u8>,
+        canonical_args: Arc<[u8]>,
     },
 }
 
 impl ActionContext {
     /// A tool call's context.
-    pub fn tool_call(
-        run_id: impl Into<String>,
-        step_id: impl Into<String>,
-        call_id: impl Into<String>,
-    ) -> Self {
+    pub fn tool_call(run_id: &str, step_id: &str, call_id: &str) -> Self {
         ActionContext::ToolCall {
-            run_id: run_id.into(),
-            step_id: step_id.into(),
-            call_id: call_id.into(),
+            run_id: Arc::from(run_id),
+            step_id: Arc::from(step_id),
+            call_id: Arc::from(call_id),
+        }
+    }
+
+    /// An action's context from arguments already in canonical form.
+    pub fn action(run_id: &str, tool: &str, canonical_args: &[u8]) -> Self {
+        ActionContext::Action {
+            run_id: Arc::from(run_id),
+            tool: Arc::from(tool),
+            canonical_args: Arc::from(canonical_args),
         }
     }
 
     /// An action's context from JSON arguments (RFC 8785).
     #[cfg(feature = "json")]
     pub fn action_json(
-        run_id: impl Into<String>,
-        tool: impl Into<String>,
+        run_id: &str,
+        tool: &str,
         args: &serde_json::Value,
     ) -> Result<Self, InvalidKey> {
-        Ok(ActionContext::Action {
-            run_id: run_id.into(),
-            tool: tool.into(),
-            canonical_args: canonical_json(args)?,
-        })
+        Ok(Self::action(run_id, tool, &canonical_json(args)?))
+    }
+
+    /// The agent run.
+    pub fn run_id(&self) -> &str {
+        match self {
+            ActionContext::ToolCall { run_id, .. } | ActionContext::Action { run_id, .. } => run_id,
+        }
+    }
+
+    /// The tool-call id, when the context has one.
+    pub fn call_id(&self) -> Option<&str> {
+        match self {
+            ActionContext::ToolCall { call_id, .. } => Some(call_id),
+            ActionContext::Action { .. } => None,
+        }
     }
 
     /// The derived key.

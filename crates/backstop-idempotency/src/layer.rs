@@ -159,6 +159,7 @@ where
 pub struct IdempotencyLayer<I, G = RandomKey> {
     inject: I,
     make: G,
+    require: bool,
 }
 
 impl IdempotencyLayer<HttpKeys> {
@@ -167,6 +168,7 @@ impl IdempotencyLayer<HttpKeys> {
         IdempotencyLayer {
             inject: HttpKeys::default(),
             make: RandomKey,
+            require: false,
         }
     }
 
@@ -191,6 +193,7 @@ impl IdempotencyLayer<ToolKeys> {
         IdempotencyLayer {
             inject: ToolKeys,
             make: RandomKey,
+            require: false,
         }
     }
 }
@@ -201,7 +204,17 @@ impl<I, G> IdempotencyLayer<I, G> {
         IdempotencyLayer {
             inject: self.inject,
             make,
+            require: self.require,
         }
+    }
+
+    /// Refuses to send a request that needs a key when no source gives one (with [`NoKey`]:
+    /// when neither the caller nor the runtime attached one), instead of sending it unprotected.
+    /// The call fails with an [`InvalidConfig`] error and nothing is sent.
+    #[must_use]
+    pub fn require_key(mut self) -> Self {
+        self.require = true;
+        self
     }
 }
 
@@ -212,6 +225,7 @@ impl<S, I: Clone, G: Clone> Layer<S> for IdempotencyLayer<I, G> {
             inner,
             inject: self.inject.clone(),
             make: self.make.clone(),
+            require: self.require,
         }
     }
 }
@@ -222,6 +236,7 @@ pub struct SetIdempotencyKey<S, I, G> {
     inner: S,
     inject: I,
     make: G,
+    require: bool,
 }
 
 impl<S, I, G> SetIdempotencyKey<S, I, G> {
@@ -269,7 +284,7 @@ where
             None => match ext.get::<ActionContext>() {
                 Some(action) => Some(action.key()),
                 None if ext.get::<RetryScope>().is_some() => {
-                    return KeyFuture::Misplaced(Some(InvalidConfig::new(
+                    return KeyFuture::Refused(Some(InvalidConfig::new(
                         "the idempotency layer must be placed outside the retry layer: inside it, \
                          each attempt would get a new key and a lost reply could be acted on twice",
                     )));
@@ -277,30 +292,40 @@ where
                 None => self.make.make_key(&req),
             },
         };
-        if let Some(key) = key {
-            self.inject.inject(&mut req, &key);
-            let ext = req.extensions_mut();
-            ext.insert(key);
-            ext.insert(ReplaySafe);
+        match key {
+            Some(key) => {
+                self.inject.inject(&mut req, &key);
+                let ext = req.extensions_mut();
+                ext.insert(key);
+                ext.insert(ReplaySafe);
+            }
+            None if self.require => {
+                return KeyFuture::Refused(Some(InvalidConfig::new(
+                    "this tool call needs an idempotency key and none was given: attach an \
+                     ActionContext (run, step and call ids) or an IdempotencyKey to the request; \
+                     it was not sent",
+                )));
+            }
+            None => {}
         }
         KeyFuture::Inner(self.inner.call(req))
     }
 }
 
-/// Response future of [`SetIdempotencyKey`].
+/// Response future of [`SetIdempotencyKey`]: the inner future, or the refusal to send.
 #[pin_project(project = KeyFutureProj)]
 pub enum KeyFuture<F> {
     /// The inner service's future.
     Inner(#[pin] F),
-    /// The layer is misplaced; the call fails with this error.
-    Misplaced(Option<InvalidConfig>),
+    /// The call was not sent: the layer is misplaced, or a required key is missing.
+    Refused(Option<InvalidConfig>),
 }
 
 impl<F> fmt::Debug for KeyFuture<F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KeyFuture::Inner(_) => f.write_str("KeyFuture::Inner"),
-            KeyFuture::Misplaced(e) => f.debug_tuple("KeyFuture::Misplaced").field(e).finish(),
+            KeyFuture::Refused(e) => f.debug_tuple("KeyFuture::Refused").field(e).finish(),
         }
     }
 }
@@ -314,7 +339,7 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
             KeyFutureProj::Inner(f) => f.poll(cx).map_err(Into::into),
-            KeyFutureProj::Misplaced(e) => Poll::Ready(Err(e
+            KeyFutureProj::Refused(e) => Poll::Ready(Err(e
                 .take()
                 .expect("KeyFuture polled after completion")
                 .into())),

@@ -268,3 +268,37 @@ async fn non_http_tool_calls_carry_their_key_and_are_marked_replay_safe() {
     );
     assert_eq!(seen[1], (None, false));
 }
+
+#[tokio::test]
+async fn a_required_key_that_nobody_gave_stops_the_call() {
+    let sent = Arc::new(Mutex::new(0));
+    let s = sent.clone();
+    let svc = IdempotencyLayer::http()
+        .generator(NoKey)
+        .require_key()
+        .layer(service_fn(move |_req: Request<String>| {
+            *s.lock().unwrap() += 1;
+            async { Ok::<_, BoxError>(Response::new(())) }
+        }));
+    let err = svc
+        .clone()
+        .oneshot(
+            Request::post("http://pay/refunds")
+                .body(String::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("needs an idempotency key"),
+        "{err}"
+    );
+    assert_eq!(*sent.lock().unwrap(), 0);
+    let mut ok = Request::post("http://pay/refunds")
+        .body(String::new())
+        .unwrap();
+    ok.extensions_mut()
+        .insert(ActionContext::tool_call("r", "s", "c"));
+    svc.oneshot(ok).await.unwrap();
+    assert_eq!(*sent.lock().unwrap(), 1);
+}

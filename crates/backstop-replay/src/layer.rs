@@ -501,12 +501,14 @@ where
             if fingerprint != fp && !is_business {
                 return Ok(mismatch());
             }
+            count("replayed");
             return Ok(replayed(&response));
         }
         Ok(Claim::InFlight { fingerprint }) => {
             if fingerprint != fp && !is_business {
                 return Ok(mismatch());
             }
+            count("in_flight");
             return Ok(retry_later(problem(
                 StatusCode::CONFLICT,
                 "request-in-flight",
@@ -520,6 +522,7 @@ where
         }
         Err(e) => {
             tracing::warn!(target: "backstop::replay", error = %e, "store unavailable; refusing the request");
+            count("store_unavailable");
             return Ok(retry_later(problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "replay-store-unavailable",
@@ -544,7 +547,16 @@ where
     Ok(capture(&cfg, guard, res).await)
 }
 
+/// Counts what the layer answered without running the handler (`replayed` is a duplicate
+/// prevented), with the `metrics` feature.
+fn count(outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("backstop_replay_total", "outcome" => outcome).increment(1);
+    let _ = outcome;
+}
+
 fn mismatch() -> Response<ReplayResponseBody> {
+    count("mismatch");
     problem(
         StatusCode::UNPROCESSABLE_ENTITY,
         "idempotency-key-reused",

@@ -24,6 +24,10 @@
 //!    and 503 by default, 5xx included (once the handler ran, replaying its error is safer than
 //!    running it again, as Stripe does).
 //!
+//! With the `metrics` feature, `backstop_replay_total{outcome}` counts the requests answered
+//! without running the handler: `replayed` (a duplicate prevented), `in_flight`, `mismatch`,
+//! `store_unavailable`.
+//!
 //! If the store is unreachable the layer **fails closed**: `503` with `Retry-After`, and the
 //! handler does not run unprotected (unless [`ReplayLayer::fail_open`]).
 //!

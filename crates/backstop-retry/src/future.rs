@@ -56,6 +56,8 @@ struct CallState<S, Req, C, P, K> {
     attempt: u32,
     schedule: Option<(Schedule, SmallRng)>,
     history: Vec<AttemptRecord>,
+    /// The current attempt's span (disabled, and free, when nobody listens).
+    span: tracing::Span,
 }
 
 enum Next {
@@ -107,7 +109,9 @@ where
             (req, None, None)
         };
         let now = Instant::now();
-        let fut = svc.call(first);
+        crate::obs::call(&dependency);
+        let span = attempt_span(&dependency, 1);
+        let fut = span.in_scope(|| svc.call(first));
         ResponseFuture {
             state: State::Calling { fut },
             call: Some(CallState {
@@ -122,9 +126,14 @@ where
                 attempt: 1,
                 schedule: None,
                 history: Vec::new(),
+                span,
             }),
         }
     }
+}
+
+fn attempt_span(dependency: &Dependency, attempt: u32) -> tracing::Span {
+    tracing::debug_span!(target: "backstop::retry", "attempt", dependency = %dependency, attempt)
 }
 
 impl<S, Req, C, P, K> CallState<S, Req, C, P, K>
@@ -189,6 +198,7 @@ where
             }
         }
         if !policy.budget.withdraw(&self.dependency) {
+            crate::obs::budget_refused(&self.dependency);
             return Next::Stop(StopReason::BudgetExhausted);
         }
         if let Some(last) = self.history.last_mut() {
@@ -225,7 +235,14 @@ where
         S::Response: HasExtensions,
         S::Error: Into<BoxError>,
     {
-        if !matches!(stopped, StopReason::Succeeded) {
+        let succeeded = matches!(stopped, StopReason::Succeeded);
+        let unknown = self
+            .history
+            .iter()
+            .any(|a| a.verdict.outcome() == Outcome::Unknown)
+            && !succeeded;
+        crate::obs::finished(&self.dependency, self.attempt, succeeded, unknown);
+        if !succeeded {
             tracing::debug!(
                 target: "backstop::retry",
                 dependency = %self.dependency,
@@ -266,7 +283,13 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Calling { fut } => {
-                    let result = ready!(fut.poll(cx));
+                    let result = match this.call.as_ref() {
+                        Some(call) => {
+                            let _entered = call.span.enter();
+                            ready!(fut.poll(cx))
+                        }
+                        None => ready!(fut.poll(cx)),
+                    };
                     let Some(call) = this.call.as_mut() else {
                         this.state.set(State::Done);
                         return Poll::Ready(result.map_err(Into::into));
@@ -329,7 +352,9 @@ where
                         };
                     call.attempt += 1;
                     call.attempt_started = Instant::now();
-                    let fut = call.svc.call(req);
+                    call.span = attempt_span(&call.dependency, call.attempt);
+                    crate::obs::retry(&call.dependency);
+                    let fut = call.span.in_scope(|| call.svc.call(req));
                     this.state.set(State::Calling { fut });
                 }
                 StateProj::Done => panic!("retry ResponseFuture polled after completion"),

@@ -20,6 +20,12 @@
 //! ([`RetryScope`]); every retry layer further in sees the mark and makes a single attempt, so
 //! three nested stacks against a failing dependency make 3 attempts, not 27.
 //!
+//! Each attempt runs inside a `tracing` span `attempt` (target `backstop::retry`, fields
+//! `dependency` and `attempt`); each retry emits a `retrying` event with the outcome, the wait and
+//! whether the server asked for it, and each failed call a `stopped` event with the reason. With
+//! the `metrics` feature, calls, attempts, retries, budget refusals, unknown outcomes and
+//! successes after attempt N are counted per dependency.
+//!
 //! When it stops, it says why. A retryable *response* that could not be retried is returned as
 //! it is (HTTP callers expect the response) with a [`RetryHistory`] in its extensions; an
 //! *error* becomes a [`RetryError`] naming the dependency, the attempts, the time spent, the last
@@ -64,6 +70,7 @@ mod budget;
 mod error;
 mod future;
 mod layer;
+mod obs;
 mod replay;
 
 pub use backstop_core::RetryScope;

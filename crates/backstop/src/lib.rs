@@ -63,6 +63,21 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod builder;
+mod dead_letter;
+mod error;
+mod finish;
+mod optional;
+
+pub use builder::{
+    Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Generator,
+    Preset,
+};
+pub use dead_letter::{DeadLetter, DeadLetterSink, JsonLinesSink, MemorySink};
+pub use error::{Error, ErrorKind};
+pub use finish::{Finish, FinishFuture, FinishLayer};
+pub use optional::{Optional, OptionalFuture, OptionalLayer};
+
 #[doc(inline)]
 pub use backstop_core::{
     BoxError, CircuitOpen, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,

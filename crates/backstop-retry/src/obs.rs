@@ -1,0 +1,58 @@
+//! Metrics, through the `metrics` facade when the `metrics` feature is on; no-ops otherwise.
+//!
+//! Logical calls and attempts are counted apart (as Finagle and Polly do), per dependency:
+//! `backstop_calls_total`, `backstop_attempts_total`, `backstop_retries_total`,
+//! `backstop_budget_refusals_total`, `backstop_unknown_outcomes_total` (calls that ended with
+//! an unknown side effect) and `backstop_success_after_attempt_total{attempt}`.
+
+use backstop_core::Dependency;
+
+#[cfg(feature = "metrics")]
+fn label(d: &Dependency) -> metrics::SharedString {
+    metrics::SharedString::from(d.as_arc())
+}
+
+#[inline]
+pub(crate) fn call(d: &Dependency) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!("backstop_calls_total", "dependency" => label(d)).increment(1);
+        metrics::counter!("backstop_attempts_total", "dependency" => label(d)).increment(1);
+    }
+    let _ = d;
+}
+
+#[inline]
+pub(crate) fn retry(d: &Dependency) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!("backstop_retries_total", "dependency" => label(d)).increment(1);
+        metrics::counter!("backstop_attempts_total", "dependency" => label(d)).increment(1);
+    }
+    let _ = d;
+}
+
+#[inline]
+pub(crate) fn budget_refused(d: &Dependency) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("backstop_budget_refusals_total", "dependency" => label(d)).increment(1);
+    let _ = d;
+}
+
+#[inline]
+pub(crate) fn finished(d: &Dependency, attempt: u32, success: bool, unknown: bool) {
+    #[cfg(feature = "metrics")]
+    {
+        if success {
+            const ATTEMPTS: [&str; 8] = ["1", "2", "3", "4", "5", "6", "7", "8"];
+            let n = ATTEMPTS.get(attempt as usize - 1).copied().unwrap_or("9+");
+            metrics::counter!("backstop_success_after_attempt_total", "dependency" => label(d), "attempt" => n)
+                .increment(1);
+        }
+        if unknown {
+            metrics::counter!("backstop_unknown_outcomes_total", "dependency" => label(d))
+                .increment(1);
+        }
+    }
+    let _ = (d, attempt, success, unknown);
+}

@@ -1,0 +1,510 @@
+use crate::optional::{Optional, OptionalLayer};
+use crate::{
+    DeadLetterSink, Error,
+    finish::{Finish, FinishLayer, Reconcile, Shared},
+};
+use backstop_backoff::{Backoff, RngSource};
+use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
+use backstop_budget::Budget;
+use backstop_classify::HttpClassifier;
+use backstop_core::{BoxError, Dependency, HumanDuration, InvalidConfig};
+use backstop_idempotency::{
+    HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, SetIdempotencyKey, ToolKeys,
+};
+use backstop_retry::{CloneRequest, HttpReplay, Retry, RetryLayer};
+use backstop_timeout::{AttemptTimeout, AttemptTimeoutLayer, DeadlineLayer, WithDeadline};
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+use tower::util::MapErr;
+use tower_layer::Layer;
+
+/// The default overall deadline of a call: 30 s.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+/// The default attempt timeout when no p99 is given: 10 s.
+pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How the call's side effects are treated, after the policy table of the seed documents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Preset {
+    /// Mutating calls get an idempotency key (derived when the request carries an
+    /// `ActionContext`, random otherwise); the classifier decides the rest.
+    #[default]
+    Standard,
+    /// Read-only (search, database read): retried freely, whatever the method; no key.
+    ReadOnly,
+    /// Record creation: a key is required, from the caller or the runtime (an `ActionContext`
+    /// or `IdempotencyKey` on the request); without one the call is not sent.
+    Create,
+    /// Payment or transfer: a required key, as for `Create`, plus a reconciliation hook that
+    /// receives every call whose outcome stayed unknown.
+    Payment,
+    /// Destructive action: never retried automatically (one attempt).
+    Destructive,
+}
+
+/// A key generator chosen by the preset.
+#[derive(Clone, Copy, Debug)]
+pub enum Generator {
+    /// A random key per logical call.
+    Random,
+    /// No key unless the caller or the runtime gave one.
+    None,
+}
+
+impl<Req> MakeKey<Req> for Generator {
+    fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
+        match self {
+            Generator::Random => RandomKey.make_key(req),
+            Generator::None => None,
+        }
+    }
+}
+
+fn shared_budget() -> Budget {
+    static B: OnceLock<Budget> = OnceLock::new();
+    B.get_or_init(Budget::default).clone()
+}
+
+fn shared_breaker() -> Breaker {
+    static B: OnceLock<Breaker> = OnceLock::new();
+    B.get_or_init(Breaker::default).clone()
+}
+
+/// Builds the whole Backstop stack for one dependency, in the one right order:
+///
+/// ```text
+/// idempotency key -> (call span, errors, dead letters) -> deadline -> retry (budget) -> breaker -> attempt timeout -> service
+/// ```
+///
+/// Defaults: 3 attempts; full jitter from 200 ms to 5 s; a 30 s deadline; a 10 s attempt timeout
+/// (or 2.5 x the p99 latency you give, rounded up to 100 ms: p99 1.2 s -> 3 s); the process-wide
+/// retry budget (10 % of requests + 1/s per dependency) and circuit breaker (5 failures in a row
+/// or 50 % of 20+ calls in 30 s, 30 s cooldown), shared by every stack of the process that names
+/// the same dependency unless you pass your own. Every piece can be replaced or turned off.
+///
+/// [`build`](Self::build) validates the configuration and says which setting to change.
+///
+/// ```
+/// use backstop::{Backstop, Preset};
+/// use std::time::Duration;
+///
+/// let layer = Backstop::http("carrier-api")
+///     .preset(Preset::Create)
+///     .p99(Duration::from_millis(1200))
+///     .build()
+///     .unwrap();
+/// assert_eq!(layer.attempt_timeout(), Some(Duration::from_secs(3)));
+///
+/// let err = Backstop::http("carrier-api")
+///     .deadline(Duration::from_secs(2))
+///     .attempt_timeout(Duration::from_secs(5))
+///     .build()
+///     .unwrap_err();
+/// assert!(err.to_string().contains("shorten attempt_timeout"));
+/// ```
+pub struct Backstop<C, P, I> {
+    dependency: Dependency,
+    classifier: C,
+    replay: P,
+    keys: IdempotencyLayer<I, RandomKey>,
+    preset: Preset,
+    max_attempts: Option<u32>,
+    backoff: Backoff,
+    rng: Option<RngSource>,
+    deadline: Option<Duration>,
+    attempt_timeout: Option<Duration>,
+    p99: Option<Duration>,
+    budget: Option<Option<Budget>>,
+    breaker: Option<Option<Breaker>>,
+    idempotency: bool,
+    sink: Option<Arc<dyn DeadLetterSink>>,
+    reconcile: Option<Reconcile>,
+}
+
+impl<C: fmt::Debug, P, I> fmt::Debug for Backstop<C, P, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backstop")
+            .field("dependency", &self.dependency)
+            .field("classifier", &self.classifier)
+            .field("preset", &self.preset)
+            .field("max_attempts", &self.max_attempts)
+            .field("deadline", &self.deadline)
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("p99", &self.p99)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backstop<HttpClassifier, HttpReplay, HttpKeys> {
+    /// The stack for HTTP calls to `dependency` (hyper-util's client, reqwest through tower,
+    /// any `Service<http::Request<B>>` whose body can be replayed).
+    pub fn http(dependency: impl Into<Dependency>) -> Self {
+        Self::with(
+            dependency.into(),
+            HttpClassifier::new(),
+            HttpReplay,
+            IdempotencyLayer::http(),
+        )
+    }
+}
+
+impl<C> Backstop<C, CloneRequest, ToolKeys> {
+    /// The stack for non-HTTP tool calls to `dependency`: requests are replayed by `Clone`,
+    /// carry their key through `KeyedRequest`, and `classifier` judges their results. In the
+    /// composed stack errors reach the classifier boxed (`BoxError`), so implement
+    /// `Classify<Req, Res, BoxError>`, or generically over `E: AsError`.
+    pub fn tools(dependency: impl Into<Dependency>, classifier: C) -> Self {
+        Self::with(
+            dependency.into(),
+            classifier,
+            CloneRequest,
+            IdempotencyLayer::tool_calls(),
+        )
+    }
+}
+
+impl<C, P, I> Backstop<C, P, I> {
+    fn with(
+        dependency: Dependency,
+        classifier: C,
+        replay: P,
+        keys: IdempotencyLayer<I, RandomKey>,
+    ) -> Self {
+        Backstop {
+            dependency,
+            classifier,
+            replay,
+            keys,
+            preset: Preset::Standard,
+            max_attempts: None,
+            backoff: Backoff::default(),
+            rng: None,
+            deadline: Some(DEFAULT_DEADLINE),
+            attempt_timeout: None,
+            p99: None,
+            budget: None,
+            breaker: None,
+            idempotency: true,
+            sink: None,
+            reconcile: None,
+        }
+    }
+
+    /// How side effects are treated (see [`Preset`]).
+    #[must_use]
+    pub fn preset(mut self, preset: Preset) -> Self {
+        self.preset = preset;
+        self
+    }
+
+    /// Attempts per call, the first included (3; 1 for [`Preset::Destructive`]).
+    #[must_use]
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = Some(n);
+        self
+    }
+
+    /// The backoff between attempts (full jitter, 200 ms to 5 s).
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The jitter's random source; seed it for reproducible tests and simulations.
+    #[must_use]
+    pub fn rng(mut self, rng: RngSource) -> Self {
+        self.rng = Some(rng);
+        self
+    }
+
+    /// The overall deadline of a call, attempts and waits included (30 s). A tighter deadline
+    /// the caller puts on the request wins.
+    #[must_use]
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// No deadline of the stack's own (a caller's deadline on the request still applies to the
+    /// retry waits and attempt timeouts).
+    #[must_use]
+    pub fn no_deadline(mut self) -> Self {
+        self.deadline = None;
+        self
+    }
+
+    /// Each attempt's timeout (10 s unless [`p99`](Self::p99) is given).
+    #[must_use]
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// The dependency's observed p99 latency: the attempt timeout becomes 2.5 x p99, rounded up
+    /// to 100 ms (p99 1.2 s -> 3 s), unless [`attempt_timeout`](Self::attempt_timeout) is set.
+    #[must_use]
+    pub fn p99(mut self, p99: Duration) -> Self {
+        self.p99 = Some(p99);
+        self
+    }
+
+    /// The retry budget (the process-wide default otherwise).
+    #[must_use]
+    pub fn budget(mut self, budget: Budget) -> Self {
+        self.budget = Some(Some(budget));
+        self
+    }
+
+    /// No retry budget: only the attempt count bounds retries.
+    #[must_use]
+    pub fn no_budget(mut self) -> Self {
+        self.budget = Some(None);
+        self
+    }
+
+    /// The circuit breaker (the process-wide default otherwise).
+    #[must_use]
+    pub fn breaker(mut self, breaker: Breaker) -> Self {
+        self.breaker = Some(Some(breaker));
+        self
+    }
+
+    /// No circuit breaker.
+    #[must_use]
+    pub fn no_breaker(mut self) -> Self {
+        self.breaker = Some(None);
+        self
+    }
+
+    /// No idempotency keys: mutating requests are sent as they are (and not repeated after a
+    /// lost reply unless they carry a key of their own).
+    #[must_use]
+    pub fn no_idempotency(mut self) -> Self {
+        self.idempotency = false;
+        self
+    }
+
+    /// Where failed mutating calls go (with run id, key and cause).
+    #[must_use]
+    pub fn dead_letters(mut self, sink: Arc<dyn DeadLetterSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Called for every mutating call whose outcome stayed unknown, to start reconciliation
+    /// (ask the provider what happened, using the key). Required by [`Preset::Payment`].
+    #[must_use]
+    pub fn reconcile(mut self, hook: impl Fn(&crate::DeadLetter) + Send + Sync + 'static) -> Self {
+        self.reconcile = Some(Arc::new(hook));
+        self
+    }
+
+    /// Replaces the classifier.
+    pub fn classifier<C2>(self, classifier: C2) -> Backstop<C2, P, I> {
+        Backstop {
+            dependency: self.dependency,
+            classifier,
+            replay: self.replay,
+            keys: self.keys,
+            preset: self.preset,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            rng: self.rng,
+            deadline: self.deadline,
+            attempt_timeout: self.attempt_timeout,
+            p99: self.p99,
+            budget: self.budget,
+            breaker: self.breaker,
+            idempotency: self.idempotency,
+            sink: self.sink,
+            reconcile: self.reconcile,
+        }
+    }
+
+    fn effective_attempt_timeout(&self) -> Result<Duration, InvalidConfig> {
+        if let Some(t) = self.attempt_timeout {
+            return Ok(t);
+        }
+        match self.p99 {
+            None => Ok(DEFAULT_ATTEMPT_TIMEOUT),
+            Some(p) if p.is_zero() => Err(InvalidConfig::new("p99 must be greater than zero")),
+            Some(p) => {
+                let ms = (p.as_millis() * 5).div_ceil(2);
+                let rounded = ms.div_ceil(100) * 100;
+                Ok(Duration::from_millis(
+                    u64::try_from(rounded).unwrap_or(u64::MAX),
+                ))
+            }
+        }
+    }
+
+    /// Validates the configuration and builds the layer.
+    pub fn build(self) -> Result<BackstopLayer<C, P, I>, InvalidConfig>
+    where
+        C: Clone,
+        I: Default,
+    {
+        let timeout = self.effective_attempt_timeout()?;
+        if timeout.is_zero() {
+            return Err(InvalidConfig::new(
+                "attempt_timeout must be greater than zero",
+            ));
+        }
+        if let Some(d) = self.deadline {
+            if d.is_zero() {
+                return Err(InvalidConfig::new("deadline must be greater than zero"));
+            }
+            if timeout > d {
+                return Err(InvalidConfig::new(format!(
+                    "the attempt timeout ({}) is longer than the deadline ({}): shorten attempt_timeout \
+                     (or give a lower p99), or lengthen the deadline",
+                    HumanDuration(timeout),
+                    HumanDuration(d)
+                )));
+            }
+        }
+        let breaker = match self.breaker {
+            Some(b) => b,
+            None => Some(shared_breaker()),
+        };
+        if let Some(b) = &breaker {
+            let window = b.config().window();
+            if b.config().has_ratio_rule() && window < timeout * 2 {
+                return Err(InvalidConfig::new(format!(
+                    "the breaker's failure window ({}) is shorter than two attempt timeouts (2 x {}): \
+                     lengthen the window (BreakerConfig::failure_ratio) or shorten attempt_timeout",
+                    HumanDuration(window),
+                    HumanDuration(timeout)
+                )));
+            }
+        }
+        let max_attempts = match (self.preset, self.max_attempts) {
+            (Preset::Destructive, Some(n)) if n > 1 => {
+                return Err(InvalidConfig::new(
+                    "the destructive preset is never retried automatically: remove max_attempts, or choose another preset",
+                ));
+            }
+            (Preset::Destructive, _) => 1,
+            (_, Some(n)) => n,
+            (_, None) => backstop_retry::DEFAULT_MAX_ATTEMPTS,
+        };
+        if self.preset == Preset::Payment && self.reconcile.is_none() {
+            return Err(InvalidConfig::new(
+                "the payment preset needs a reconciliation hook for unknown outcomes: call reconcile(...)",
+            ));
+        }
+        if !self.idempotency && matches!(self.preset, Preset::Create | Preset::Payment) {
+            return Err(InvalidConfig::new(
+                "the create and payment presets require idempotency keys: remove no_idempotency(), or choose another preset",
+            ));
+        }
+        let mut retry = RetryLayer::new(self.classifier.clone())
+            .replay(self.replay)
+            .dependency(self.dependency.clone())
+            .backoff(self.backoff)
+            .max_attempts(max_attempts)?;
+        if let Some(rng) = self.rng {
+            retry = retry.rng(rng);
+        }
+        match self.budget {
+            Some(None) => {}
+            Some(Some(b)) => retry = retry.budget(Arc::new(b)),
+            None => retry = retry.budget(Arc::new(shared_budget())),
+        }
+        let keys =
+            (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
+                Preset::Create | Preset::Payment => {
+                    self.keys.generator(Generator::None).require_key()
+                }
+                _ => self.keys.generator(Generator::Random),
+            });
+        Ok(BackstopLayer {
+            keys,
+            finish: FinishLayer::new(Shared {
+                dependency: self.dependency.clone(),
+                inject: I::default(),
+                read_only: self.preset == Preset::ReadOnly,
+                sink: self.sink,
+                reconcile: self.reconcile,
+            }),
+            deadline: self
+                .deadline
+                .map(|d| DeadlineLayer::new(d).dependency(self.dependency.clone())),
+            retry,
+            breaker: breaker
+                .map(|b| BreakerLayer::new(b, self.classifier).dependency(self.dependency.clone())),
+            timeout: Some(AttemptTimeoutLayer::new(timeout).dependency(self.dependency)),
+        })
+    }
+}
+
+type Timed<S> = Optional<AttemptTimeout<S>, S>;
+type Broken<S, C> = Optional<CircuitBreaker<Timed<S>, C, Dependency>, Timed<S>>;
+type Retried<S, C, P> = Retry<Broken<S, C>, C, P, Dependency>;
+type Deadlined<S, C, P> = Optional<WithDeadline<Retried<S, C, P>>, Retried<S, C, P>>;
+type Finished<S, C, P, I> = Finish<Deadlined<S, C, P>, I>;
+type Keyed<S, C, P, I> =
+    Optional<SetIdempotencyKey<Finished<S, C, P, I>, I, Generator>, Finished<S, C, P, I>>;
+
+/// The service a [`BackstopLayer`] builds: every error is an [`Error`].
+pub type BackstopService<S, C, P, I> = MapErr<Keyed<S, C, P, I>, fn(BoxError) -> Error>;
+
+/// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
+/// `Clone`; every service it builds shares the budget, the breaker and the random source.
+#[derive(Clone)]
+pub struct BackstopLayer<C, P, I> {
+    keys: Option<IdempotencyLayer<I, Generator>>,
+    finish: FinishLayer<I>,
+    deadline: Option<DeadlineLayer>,
+    retry: RetryLayer<C, P, Dependency>,
+    breaker: Option<BreakerLayer<C, Dependency>>,
+    timeout: Option<AttemptTimeoutLayer>,
+}
+
+impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackstopLayer")
+            .field("keys", &self.keys)
+            .field("deadline", &self.deadline)
+            .field("retry", &self.retry)
+            .field("breaker", &self.breaker)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl<C, P, I> BackstopLayer<C, P, I> {
+    /// The attempt timeout in force.
+    pub fn attempt_timeout(&self) -> Option<Duration> {
+        self.timeout.as_ref().map(AttemptTimeoutLayer::limit)
+    }
+
+    /// The deadline in force.
+    pub fn deadline(&self) -> Option<Duration> {
+        self.deadline.as_ref().map(DeadlineLayer::budget)
+    }
+
+    /// The attempts per call.
+    pub fn max_attempts(&self) -> u32 {
+        self.retry.get_max_attempts()
+    }
+}
+
+impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
+    type Service = BackstopService<S, C, P, I>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let s = OptionalLayer(self.timeout.clone()).layer(inner);
+        let s = OptionalLayer(self.breaker.clone()).layer(s);
+        let s = self.retry.layer(s);
+        let s = OptionalLayer(self.deadline.clone()).layer(s);
+        let s = self.finish.layer(s);
+        let s = OptionalLayer(self.keys.clone()).layer(s);
+        MapErr::new(s, Error::from_box as fn(BoxError) -> Error)
+    }
+}

@@ -1,0 +1,226 @@
+use crate::{DeadLetter, DeadLetterSink, Error};
+use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
+use backstop_idempotency::{ActionContext, IdempotencyKey, Inject};
+use backstop_retry::RetryHistory;
+use pin_project::pin_project;
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll, ready},
+};
+use tower_layer::Layer;
+use tower_service::Service;
+
+pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
+
+pub(crate) struct Shared<I> {
+    pub(crate) dependency: Dependency,
+    pub(crate) inject: I,
+    pub(crate) read_only: bool,
+    pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
+    pub(crate) reconcile: Option<Reconcile>,
+}
+
+/// The call-level layer of the composed stack: opens the call's span, marks read-only calls
+/// replay-safe, turns every error into an [`Error`], and hands failed mutating calls to the
+/// dead-letter sink (and unknown outcomes to the reconciliation hook).
+pub struct FinishLayer<I> {
+    shared: Arc<Shared<I>>,
+}
+
+impl<I> FinishLayer<I> {
+    pub(crate) fn new(shared: Shared<I>) -> Self {
+        FinishLayer {
+            shared: Arc::new(shared),
+        }
+    }
+}
+
+impl<I> Clone for FinishLayer<I> {
+    fn clone(&self) -> Self {
+        FinishLayer {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<I> fmt::Debug for FinishLayer<I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FinishLayer")
+            .field("dependency", &self.shared.dependency)
+            .finish()
+    }
+}
+
+impl<S, I> Layer<S> for FinishLayer<I> {
+    type Service = Finish<S, I>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Finish {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// See [`FinishLayer`].
+pub struct Finish<S, I> {
+    inner: S,
+    shared: Arc<Shared<I>>,
+}
+
+impl<S: Clone, I> Clone for Finish<S, I> {
+    fn clone(&self) -> Self {
+        Finish {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, I> fmt::Debug for Finish<S, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Finish")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+/// What a failed mutating call's dead letter needs, taken from the request before it is sent.
+struct Letterhead {
+    run_id: Option<Arc<str>>,
+    call_id: Option<Arc<str>>,
+    key: Option<IdempotencyKey>,
+}
+
+impl<S, I, Req> Service<Req> for Finish<S, I>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    S::Response: HasExtensions,
+    Req: HasExtensions,
+    I: Inject<Req>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = FinishFuture<S::Future, I>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        let sh = &self.shared;
+        if sh.read_only {
+            req.extensions_mut().insert(ReplaySafe);
+        }
+        let span = tracing::info_span!(
+            target: "backstop::call",
+            "call",
+            dependency = %sh.dependency,
+            run_id = tracing::field::Empty,
+            tool_call_id = tracing::field::Empty,
+            idempotency_key = tracing::field::Empty,
+            attempts = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            error = tracing::field::Empty,
+        );
+        let ext = req.extensions();
+        let action = ext.get::<ActionContext>();
+        let key = ext.get::<IdempotencyKey>();
+        if !span.is_disabled() {
+            if let Some(a) = action {
+                span.record("run_id", a.run_id());
+                if let Some(c) = a.call_id() {
+                    span.record("tool_call_id", c);
+                }
+            }
+            if let Some(k) = key {
+                span.record("idempotency_key", k.as_str());
+            }
+        }
+        let wants_letter = sh.sink.is_some() || sh.reconcile.is_some();
+        let letterhead =
+            (wants_letter && !sh.read_only && sh.inject.needs_key(&req)).then(|| Letterhead {
+                run_id: action.map(|a| Arc::from(a.run_id())),
+                call_id: action.and_then(|a| a.call_id()).map(Arc::from),
+                key: key.cloned(),
+            });
+        let fut = span.in_scope(|| self.inner.call(req));
+        FinishFuture {
+            fut,
+            span,
+            letterhead,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// Response future of [`Finish`].
+#[pin_project]
+pub struct FinishFuture<F, I> {
+    #[pin]
+    fut: F,
+    span: tracing::Span,
+    letterhead: Option<Letterhead>,
+    shared: Arc<Shared<I>>,
+}
+
+impl<F, I> fmt::Debug for FinishFuture<F, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FinishFuture").finish_non_exhaustive()
+    }
+}
+
+impl<F, I, T, E> Future for FinishFuture<F, I>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+    T: HasExtensions,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let result = {
+            let _entered = this.span.enter();
+            ready!(this.fut.poll(cx))
+        };
+        match result {
+            Ok(res) => {
+                if !this.span.is_disabled() {
+                    let attempts = RetryHistory::of(&res).map_or(1, |h| h.attempts.len());
+                    this.span.record("attempts", attempts);
+                    this.span.record("outcome", Outcome::Completed.as_str());
+                }
+                Poll::Ready(Ok(res))
+            }
+            Err(e) => {
+                let mut err = Error::from_box(e.into());
+                err.set_dependency_if_missing(&this.shared.dependency);
+                this.span.record("attempts", err.attempts());
+                this.span.record("outcome", err.outcome().as_str());
+                this.span.record("error", err.kind().as_str());
+                if let Some(head) = this.letterhead.take() {
+                    let letter = DeadLetter::new(&err, head.run_id, head.call_id, head.key);
+                    if let (Some(hook), Outcome::Unknown) = (&this.shared.reconcile, err.outcome())
+                    {
+                        hook(&letter);
+                    }
+                    if let Some(sink) = &this.shared.sink {
+                        tracing::warn!(
+                            target: "backstop::dead_letter",
+                            dependency = ?letter.dependency,
+                            run_id = ?letter.run_id,
+                            outcome = letter.outcome.as_str(),
+                            "a mutating call failed for good"
+                        );
+                        sink.record(letter);
+                    }
+                }
+                Poll::Ready(Err(Box::new(err)))
+            }
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! Every example runs, and holds the invariants it asserts (one refund, one label, the breaker
+//! keeping calls away), as part of the test suite so none of them rots.
+
+#[path = "../examples/agent_tools.rs"]
+mod agent_tools;
+#[path = "../examples/double_refund.rs"]
+mod double_refund;
+#[path = "../examples/hyper_client.rs"]
+mod hyper_client;
+#[path = "../examples/shipping_label.rs"]
+mod shipping_label;
+
+#[test]
+fn double_refund_runs() {
+    double_refund::main().unwrap();
+}
+
+#[test]
+fn agent_tools_runs() {
+    agent_tools::main().unwrap();
+}
+
+#[test]
+fn shipping_label_runs() {
+    shipping_label::main().unwrap();
+}
+
+#[test]
+fn hyper_client_runs() {
+    hyper_client::main().unwrap();
+}

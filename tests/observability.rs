@@ -1,0 +1,160 @@
+//! What the stack counts: metrics that count logical calls and attempts apart, per dependency.
+
+use backstop::{
+    Backstop, Preset,
+    backoff::{Backoff, RngSource},
+    breaker::{Breaker, BreakerConfig},
+    budget::Budget,
+    idempotency::ActionContext,
+};
+use http::{Request, Response};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use std::{
+    collections::HashMap,
+    io,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+use tower::{Layer, ServiceExt, service_fn};
+
+/// Counters by name and sorted labels.
+#[derive(Clone, Default)]
+struct Counters(Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>);
+
+impl Counters {
+    fn get(&self, name: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .get(name)
+            .map_or(0, |c| c.load(Ordering::SeqCst))
+    }
+}
+
+impl Recorder for Counters {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        let mut labels: Vec<_> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        let name = format!("{}{{{}}}", key.name(), labels.join(","));
+        Counter::from_arc(self.0.lock().unwrap().entry(name).or_default().clone())
+    }
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn calls_attempts_retries_and_successes_are_counted_apart() {
+    let counters = Counters::default();
+    let _metrics = metrics::set_default_local_recorder(&counters);
+
+    let n = Arc::new(AtomicU32::new(0));
+    let flaky = service_fn(move |_req: Request<String>| {
+        let first = n.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            Ok::<_, io::Error>(
+                Response::builder()
+                    .status(if first { 503 } else { 201 })
+                    .body(())
+                    .unwrap(),
+            )
+        }
+    });
+    let svc = Backstop::http("labels-api")
+        .preset(Preset::Create)
+        .budget(Budget::default())
+        .breaker(Breaker::new(BreakerConfig::default()).unwrap())
+        .backoff(Backoff::constant(Duration::from_millis(300)))
+        .rng(RngSource::seeded(1))
+        .build()
+        .unwrap()
+        .layer(flaky);
+    let mut req = Request::post("http://labels.local/labels")
+        .body(String::new())
+        .unwrap();
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-91f2", "step-3", "call-07"));
+    assert_eq!(svc.oneshot(req).await.unwrap().status(), 201);
+
+    assert_eq!(
+        counters.get("backstop_calls_total{dependency=labels-api}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_attempts_total{dependency=labels-api}"),
+        2
+    );
+    assert_eq!(
+        counters.get("backstop_retries_total{dependency=labels-api}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_success_after_attempt_total{attempt=2,dependency=labels-api}"),
+        1
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn breaker_transitions_refusals_and_unknown_outcomes_are_counted() {
+    let counters = Counters::default();
+    let _metrics = metrics::set_default_local_recorder(&counters);
+    let down = service_fn(|_req: Request<String>| async {
+        Err::<Response<()>, _>(io::Error::from(io::ErrorKind::ConnectionReset))
+    });
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
+    let svc = Backstop::http("carrier-api")
+        .budget(
+            Budget::new(backstop::budget::BudgetConfig::default().min_retries_per_sec(0.0))
+                .unwrap(),
+        )
+        .breaker(breaker)
+        .rng(RngSource::seeded(2))
+        .build()
+        .unwrap()
+        .layer(down);
+    for _ in 0..3 {
+        let _ = svc
+            .clone()
+            .oneshot(
+                Request::get("http://carrier.local/rates")
+                    .body(String::new())
+                    .unwrap(),
+            )
+            .await;
+    }
+    assert_eq!(
+        counters.get("backstop_calls_total{dependency=carrier-api}"),
+        3
+    );
+    // No budget floor and no deposits yet in the window beyond 3 requests: 10 % of 1 request is
+    // less than one retry, so every retry is refused.
+    assert_eq!(
+        counters.get("backstop_budget_refusals_total{dependency=carrier-api}"),
+        2
+    );
+    assert_eq!(
+        counters.get("backstop_unknown_outcomes_total{dependency=carrier-api}"),
+        2
+    );
+    assert_eq!(
+        counters
+            .get("backstop_breaker_transitions_total{dependency=carrier-api,from=closed,to=open}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_breaker_rejections_total{dependency=carrier-api}"),
+        1
+    );
+}

@@ -1,0 +1,347 @@
+//! The composed stack: one builder, validated configuration, presets, the unified error,
+//! dead letters, tracing and metrics. Real loopback HTTP through hyper-util's client.
+
+use backstop::{
+    Backstop, BoxError, DeadLetterSink, Error, ErrorKind, JsonLinesSink, MemorySink, Outcome,
+    Preset,
+    backoff::{Backoff, RngSource},
+    breaker::{Breaker, BreakerConfig},
+    budget::Budget,
+    idempotency::ActionContext,
+    retry::RetryHistory,
+};
+use backstop_testkit::{Action, Seen, TestServer};
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tower::{Layer, Service, ServiceExt};
+
+type Body = Full<Bytes>;
+
+fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Body> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// A stack with its own budget and breaker (tests run in parallel) and fast waits.
+fn builder(
+    dep: &str,
+) -> Backstop<
+    backstop::classify::HttpClassifier,
+    backstop::retry::HttpReplay,
+    backstop::idempotency::HttpKeys,
+> {
+    Backstop::http(dep)
+        .budget(Budget::default())
+        .breaker(Breaker::new(BreakerConfig::default().consecutive_failures(3)).unwrap())
+        .backoff(Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20)).unwrap())
+        .rng(RngSource::seeded(4))
+        .deadline(Duration::from_secs(5))
+        .attempt_timeout(Duration::from_millis(500))
+}
+
+fn stack(
+    b: Backstop<
+        backstop::classify::HttpClassifier,
+        backstop::retry::HttpReplay,
+        backstop::idempotency::HttpKeys,
+    >,
+) -> impl Service<Request<Body>, Response = Response<Incoming>, Error = Error, Future: Send> + Clone + Send
+{
+    b.build().unwrap().layer(client())
+}
+
+fn post(url: String) -> Request<Body> {
+    Request::post(url)
+        .body(Full::from(r#"{"order_id":"4812"}"#))
+        .unwrap()
+}
+
+#[test]
+fn the_configuration_is_validated_with_the_setting_to_change() {
+    let cases: Vec<(Backstop<_, _, _>, &str)> = vec![
+        (
+            Backstop::http("a")
+                .deadline(Duration::from_secs(1))
+                .attempt_timeout(Duration::from_secs(2)),
+            "shorten attempt_timeout",
+        ),
+        (
+            Backstop::http("a")
+                .deadline(Duration::from_secs(2))
+                .p99(Duration::from_secs(1)),
+            "give a lower p99",
+        ),
+        (
+            Backstop::http("a")
+                .attempt_timeout(Duration::from_secs(20))
+                .breaker(
+                    Breaker::new(BreakerConfig::default().failure_ratio(
+                        0.5,
+                        20,
+                        Duration::from_secs(30),
+                    ))
+                    .unwrap(),
+                ),
+            "lengthen the window",
+        ),
+        (
+            Backstop::http("a").preset(Preset::Payment),
+            "reconciliation hook",
+        ),
+        (
+            Backstop::http("a")
+                .preset(Preset::Destructive)
+                .max_attempts(3),
+            "never retried automatically",
+        ),
+        (
+            Backstop::http("a").preset(Preset::Create).no_idempotency(),
+            "require idempotency keys",
+        ),
+        (
+            Backstop::http("a").max_attempts(0),
+            "max_attempts must be at least 1",
+        ),
+        (
+            Backstop::http("a").p99(Duration::ZERO),
+            "p99 must be greater than zero",
+        ),
+    ];
+    for (b, needle) in cases {
+        let e = b.build().unwrap_err();
+        assert!(
+            e.to_string().contains(needle),
+            "{e} should mention {needle}"
+        );
+    }
+    let layer = Backstop::http("a").build().unwrap();
+    assert_eq!(layer.max_attempts(), 3);
+    assert_eq!(layer.deadline(), Some(Duration::from_secs(30)));
+    assert_eq!(layer.attempt_timeout(), Some(Duration::from_secs(10)));
+    assert_eq!(
+        Backstop::http("a")
+            .preset(Preset::Destructive)
+            .build()
+            .unwrap()
+            .max_attempts(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_circuit_comes_back_as_an_honest_error() {
+    let server = TestServer::start(|_: &Seen| Action::status(503)).await;
+    let svc = stack(builder("carrier-api"));
+    // Three failed attempts open the circuit (consecutive_failures(3)).
+    assert_eq!(
+        svc.clone()
+            .oneshot(
+                Request::get(server.url("/rates"))
+                    .body(Body::default())
+                    .unwrap()
+            )
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    let err = svc
+        .oneshot(
+            Request::get(server.url("/rates"))
+                .body(Body::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert_eq!(err.outcome(), Outcome::NotSent);
+    assert_eq!(err.dependency().unwrap().as_str(), "carrier-api");
+    assert!(err.is_retryable_later());
+    let retry_after = err.retry_after().unwrap();
+    assert!(retry_after > Duration::from_secs(25) && retry_after <= Duration::from_secs(30));
+    assert_eq!(
+        err.to_string(),
+        "carrier-api is unavailable (circuit open); do not retry now; it can be tried again in 30 s; tell the user"
+    );
+    assert_eq!(server.requests(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_to_an_unkeyed_post_is_not_retried_and_is_reported_unknown() {
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let sink = Arc::new(MemorySink::default());
+    let svc = stack(
+        builder("payments-api")
+            .no_idempotency()
+            .dead_letters(sink.clone()),
+    );
+    let mut req = post(server.url("/refunds"));
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotRetried);
+    assert_eq!(err.outcome(), Outcome::Unknown);
+    assert!(!err.is_retryable_later());
+    let text = err.to_string();
+    assert!(
+        text.starts_with("the call to payments-api may or may not have taken effect"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("check its status before repeating it"),
+        "{text}"
+    );
+    assert_eq!(server.requests(), 1);
+    let letters = sink.take();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].run_id.as_deref(), Some("run-7"));
+    assert_eq!(letters[0].tool_call_id.as_deref(), Some("call-9"));
+    assert_eq!(letters[0].outcome, Outcome::Unknown);
+    assert_eq!(letters[0].idempotency_key, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let sink = Arc::new(MemorySink::default());
+    let svc = stack(builder("payments-api").dead_letters(sink.clone()));
+    let mut req = post(server.url("/refunds"));
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Failed);
+    assert_eq!(err.attempts(), 3);
+    assert_eq!(server.requests(), 3);
+    let keys: Vec<_> = server
+        .seen()
+        .iter()
+        .map(|s| s.header("idempotency-key").unwrap().to_owned())
+        .collect();
+    let want = backstop::idempotency::IdempotencyKey::for_tool_call("run-7", "step-2", "call-9");
+    assert!(keys.iter().all(|k| k == want.as_str()), "{keys:?}");
+    assert_eq!(sink.take()[0].idempotency_key, Some(want));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presets_follow_the_tool_policy_table() {
+    // Read-only: a POST search is retried after a lost reply, without a key.
+    let server = TestServer::start(|s: &Seen| {
+        if s.index == 0 {
+            Action::DropReply
+        } else {
+            Action::status(200)
+        }
+    })
+    .await;
+    let res = stack(builder("search-api").preset(Preset::ReadOnly))
+        .oneshot(post(server.url("/search")))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(
+        server
+            .seen()
+            .iter()
+            .all(|s| s.header("idempotency-key").is_none())
+    );
+
+    // Create: without an action identity, nothing is sent.
+    let server = TestServer::start(|_: &Seen| Action::status(201)).await;
+    let svc = stack(builder("orders-api").preset(Preset::Create));
+    let err = svc
+        .clone()
+        .oneshot(post(server.url("/orders")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured);
+    assert_eq!(err.outcome(), Outcome::NotSent);
+    assert!(
+        err.to_string().contains("needs an idempotency key"),
+        "{err}"
+    );
+    assert_eq!(server.requests(), 0);
+    let mut req = post(server.url("/orders"));
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-1", "step-1", "call-1"));
+    assert_eq!(svc.oneshot(req).await.unwrap().status(), 201);
+
+    // Payment: unknown outcomes go to reconciliation.
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let reconciled = Arc::new(Mutex::new(Vec::new()));
+    let r = reconciled.clone();
+    let svc = stack(
+        builder("payments-api")
+            .preset(Preset::Payment)
+            .reconcile(move |l| r.lock().unwrap().push(l.idempotency_key.clone())),
+    );
+    let mut req = post(server.url("/charges"));
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-2", "step-1", "call-1"));
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.outcome(), Outcome::Unknown);
+    assert_eq!(reconciled.lock().unwrap().len(), 1);
+    assert!(reconciled.lock().unwrap()[0].is_some());
+
+    // Destructive: one attempt, even on a 503.
+    let server = TestServer::start(|_: &Seen| Action::status(503)).await;
+    let res = stack(builder("infra-api").preset(Preset::Destructive))
+        .oneshot(
+            Request::delete(server.url("/servers/1"))
+                .body(Body::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(server.requests(), 1);
+    assert_eq!(RetryHistory::of(&res).unwrap().attempts.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_json_lines_sink_writes_one_object_per_line() {
+    let dir = std::env::temp_dir().join(format!("backstop-dlq-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("dead-letters.jsonl");
+    let _ = std::fs::remove_file(&path);
+    let sink = Arc::new(JsonLinesSink::open(&path).unwrap());
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let svc = stack(builder("payments-api").dead_letters(sink.clone() as Arc<dyn DeadLetterSink>));
+    for call in ["call-1", "call-2"] {
+        let mut req = post(server.url("/refunds"));
+        req.extensions_mut()
+            .insert(ActionContext::tool_call("run-9", "step-1", call));
+        svc.clone().oneshot(req).await.unwrap_err();
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[1]["run_id"], "run-9");
+    assert_eq!(lines[1]["tool_call_id"], "call-2");
+    assert_eq!(lines[1]["dependency"], "payments-api");
+    assert_eq!(lines[0]["outcome"], "unknown");
+    assert_eq!(lines[0]["kind"], "failed");
+    assert_eq!(lines[0]["attempts"], 3);
+    // The first call's three failures opened the circuit: the second was never sent.
+    assert_eq!(lines[1]["outcome"], "not_sent");
+    assert_eq!(lines[1]["kind"], "unavailable");
+    assert_eq!(lines[1]["idempotency_key"].as_str().unwrap().len(), 64);
+    assert_ne!(lines[0]["idempotency_key"], lines[1]["idempotency_key"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_that_did_not_come_from_backstop_keep_their_text() {
+    let err = Error::from_box(BoxError::from("tls handshake failed"));
+    assert_eq!(err.kind(), ErrorKind::Failed);
+    assert_eq!(err.outcome(), Outcome::Unknown);
+    assert!(err.to_string().contains("tls handshake failed"), "{err}");
+}

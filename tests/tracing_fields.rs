@@ -1,0 +1,137 @@
+//! What the stack tells operators through `tracing`: a span per call and per attempt with the
+//! fields the seed documents list, and an event per retry. Alone in its test binary: tracing
+//! caches each callsite's interest per process, and a test without a subscriber running in
+//! parallel could make this one miss spans.
+
+use backstop::{
+    Backstop, Preset,
+    backoff::{Backoff, RngSource},
+    breaker::{Breaker, BreakerConfig},
+    budget::Budget,
+    idempotency::ActionContext,
+};
+use http::{Request, Response};
+use std::{
+    collections::BTreeMap,
+    io,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+use tower::{Layer, ServiceExt, service_fn};
+use tracing::{
+    Event, Subscriber,
+    field::{Field, Visit},
+    span::{Attributes, Id, Record},
+};
+
+/// Field names and their recorded values.
+type FieldMap = BTreeMap<String, String>;
+
+/// Spans (name and fields) and events (fields), as a minimal subscriber saw them.
+#[derive(Clone, Default)]
+struct Seen {
+    spans: Arc<Mutex<Vec<(String, FieldMap)>>>,
+    events: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
+}
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+}
+
+impl Subscriber for Seen {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, attrs: &Attributes<'_>) -> Id {
+        let mut fields = BTreeMap::new();
+        attrs.record(&mut Fields(&mut fields));
+        let mut spans = self.spans.lock().unwrap();
+        spans.push((attrs.metadata().name().to_owned(), fields));
+        Id::from_u64(spans.len() as u64)
+    }
+    fn record(&self, id: &Id, values: &Record<'_>) {
+        let mut spans = self.spans.lock().unwrap();
+        values.record(&mut Fields(&mut spans[id.into_u64() as usize - 1].1));
+    }
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.events.lock().unwrap().push(fields);
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn spans_and_events_carry_the_fields_operators_need() {
+    let seen = Seen::default();
+    let _tracing = tracing::subscriber::set_default(seen.clone());
+
+    let n = Arc::new(AtomicU32::new(0));
+    let flaky = service_fn(move |_req: Request<String>| {
+        let first = n.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            Ok::<_, io::Error>(
+                Response::builder()
+                    .status(if first { 503 } else { 201 })
+                    .body(())
+                    .unwrap(),
+            )
+        }
+    });
+    let svc = Backstop::http("labels-api")
+        .preset(Preset::Create)
+        .budget(Budget::default())
+        .breaker(Breaker::new(BreakerConfig::default()).unwrap())
+        .backoff(Backoff::constant(Duration::from_millis(300)))
+        .rng(RngSource::seeded(1))
+        .build()
+        .unwrap()
+        .layer(flaky);
+    let mut req = Request::post("http://labels.local/labels")
+        .body(String::new())
+        .unwrap();
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-91f2", "step-3", "call-07"));
+    assert_eq!(svc.oneshot(req).await.unwrap().status(), 201);
+
+    let spans = seen.spans.lock().unwrap().clone();
+    let call = &spans
+        .iter()
+        .find(|(name, _)| name == "call")
+        .expect("a call span")
+        .1;
+    assert_eq!(call["dependency"], "labels-api");
+    assert_eq!(call["run_id"], "run-91f2");
+    assert_eq!(call["tool_call_id"], "call-07");
+    assert_eq!(
+        call["idempotency_key"],
+        "62c365e88817e25626ebbb4f2483d275b4594ce9369da9139952f99edd3dcfa8"
+    );
+    assert_eq!(call["attempts"], "2");
+    assert_eq!(call["outcome"], "completed");
+    let attempts: Vec<_> = spans
+        .iter()
+        .filter(|(name, _)| name == "attempt")
+        .map(|(_, f)| f["attempt"].clone())
+        .collect();
+    assert_eq!(attempts, ["1", "2"]);
+    let events = seen.events.lock().unwrap().clone();
+    let retrying = events
+        .iter()
+        .find(|e| e.get("message").is_some_and(|m| m == "retrying"))
+        .expect("a retrying event");
+    assert_eq!(retrying["wait_ms"], "300");
+    assert_eq!(retrying["outcome"], "not_sent");
+}
