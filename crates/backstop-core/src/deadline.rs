@@ -42,9 +42,13 @@ impl Deadline {
         Instant::now() >= self.0
     }
 
-    /// The deadline recorded on a request, if any.
+    /// The deadline recorded on a request, if any: the one in its
+    /// [`CallContext`](crate::CallContext), or else a bare `Deadline` a caller inserted.
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
-        req.extensions().get::<Deadline>().copied()
+        let ext = req.extensions();
+        ext.get::<crate::CallContext>()
+            .and_then(|c| c.deadline)
+            .or_else(|| ext.get::<Deadline>().copied())
     }
 
     /// Records this deadline on the request unless it already carries an earlier one, and
@@ -54,7 +58,7 @@ impl Deadline {
             Some(existing) if existing <= self => existing,
             _ => self,
         };
-        req.extensions_mut().insert(effective);
+        crate::CallContext::of_mut(req).deadline = Some(effective);
         effective
     }
 }

@@ -1,44 +1,106 @@
-use std::{borrow::Borrow, fmt, sync::Arc};
+use std::{
+    cmp::Ordering,
+    fmt,
+    hash::{BuildHasher, Hash, Hasher, RandomState},
+    sync::{Arc, OnceLock},
+};
 
 /// The name of a downstream dependency, such as `"carrier-api"`.
 ///
-/// Cheap to clone (a reference-counted string). Backstop stores it in a request's extensions
-/// once per logical call so that every inner layer (budget, breaker, attempt timeout) and every
-/// error message names the same dependency.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Dependency(Arc<str>);
+/// Cheap to clone (a reference-counted string and its hash). Backstop stores it in a request's
+/// extensions once per logical call so that every inner layer (budget, breaker, attempt
+/// timeout) and every error message names the same dependency.
+///
+/// The name is hashed once, when the `Dependency` is made, with a per-process random key (so
+/// names chosen by an attacker cannot be made to collide); per-dependency registries look it
+/// up by that hash without hashing the string again on every call.
+#[derive(Clone)]
+pub struct Dependency {
+    name: Arc<str>,
+    hash: u64,
+}
+
+fn keys() -> &'static RandomState {
+    static KEYS: OnceLock<RandomState> = OnceLock::new();
+    KEYS.get_or_init(RandomState::new)
+}
 
 impl Dependency {
     /// A dependency with the given name.
     pub fn new(name: impl AsRef<str>) -> Self {
-        Dependency(Arc::from(name.as_ref()))
+        Self::from_arc(Arc::from(name.as_ref()))
+    }
+
+    fn from_arc(name: Arc<str>) -> Self {
+        let hash = keys().hash_one(&*name);
+        Dependency { name, hash }
     }
 
     /// The name.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.name
     }
 
     /// The name as a shared string (a metrics label without copying it).
     pub fn as_arc(&self) -> Arc<str> {
-        self.0.clone()
+        self.name.clone()
     }
 
-    /// The dependency recorded in a request's extensions, if a layer put one there.
+    /// The name's hash (per process, randomly keyed).
+    pub fn prehash(&self) -> u64 {
+        self.hash
+    }
+
+    /// The dependency recorded on a request: the one in its
+    /// [`CallContext`](crate::CallContext), or else a bare `Dependency` a caller inserted.
     pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
-        req.extensions().get::<Dependency>()
+        let ext = req.extensions();
+        ext.get::<crate::CallContext>()
+            .and_then(|c| c.dependency.as_ref())
+            .or_else(|| ext.get::<Dependency>())
+    }
+
+    /// Records this dependency on the request, for the layers further in.
+    pub fn attach<R: crate::HasExtensions + ?Sized>(self, req: &mut R) {
+        crate::CallContext::of_mut(req).dependency = Some(self);
+    }
+}
+
+impl PartialEq for Dependency {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && (Arc::ptr_eq(&self.name, &other.name) || self.name == other.name)
+    }
+}
+
+impl Eq for Dependency {}
+
+impl Hash for Dependency {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+impl PartialOrd for Dependency {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Dependency {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.name.cmp(&other.name)
     }
 }
 
 impl fmt::Debug for Dependency {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(&*self.name, f)
     }
 }
 
 impl fmt::Display for Dependency {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.name)
     }
 }
 
@@ -50,13 +112,7 @@ impl From<&str> for Dependency {
 
 impl From<String> for Dependency {
     fn from(s: String) -> Self {
-        Dependency(Arc::from(s))
-    }
-}
-
-impl Borrow<str> for Dependency {
-    fn borrow(&self) -> &str {
-        &self.0
+        Dependency::from_arc(Arc::from(s))
     }
 }
 

@@ -85,3 +85,18 @@ impl ReplaySafe {
 /// already retrying.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RetryScope;
+
+impl RetryScope {
+    /// Whether a retry layer already owns the call.
+    pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
+        let ext = req.extensions();
+        ext.get::<crate::CallContext>()
+            .is_some_and(|c| c.retry_scope)
+            || ext.get::<RetryScope>().is_some()
+    }
+
+    /// Marks the call as owned by a retry layer.
+    pub fn mark<R: HasExtensions + ?Sized>(req: &mut R) {
+        crate::CallContext::of_mut(req).retry_scope = true;
+    }
+}

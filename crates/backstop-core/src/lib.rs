@@ -26,12 +26,14 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod context;
 mod deadline;
 mod dependency;
 mod error;
 mod extensions;
 mod outcome;
 
+pub use context::CallContext;
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{

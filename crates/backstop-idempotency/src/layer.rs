@@ -283,7 +283,7 @@ where
             Some(k) => Some(k.clone()),
             None => match ext.get::<ActionContext>() {
                 Some(action) => Some(action.key()),
-                None if ext.get::<RetryScope>().is_some() => {
+                None if RetryScope::is_marked(&req) => {
                     return KeyFuture::Refused(Some(InvalidConfig::new(
                         "the idempotency layer must be placed outside the retry layer: inside it, \
                          each attempt would get a new key and a lost reply could be acted on twice",

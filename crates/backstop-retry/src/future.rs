@@ -3,7 +3,7 @@ use crate::{
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{BoxError, Deadline, Dependency, HasExtensions, Outcome};
+use backstop_core::{BoxError, CallContext, Deadline, Dependency, HasExtensions, Outcome};
 use pin_project::pin_project;
 use rand::rngs::SmallRng;
 use std::{
@@ -35,9 +35,10 @@ enum State<F> {
         #[pin]
         fut: F,
     },
+    /// Boxed: only a call that retries pays for the timer, and the future stays small (it is
+    /// moved through every outer layer on every call).
     Waiting {
-        #[pin]
-        sleep: Sleep,
+        sleep: Pin<Box<Sleep>>,
     },
     Readying,
     Done,
@@ -54,7 +55,8 @@ struct CallState<S, Req, C, P, K> {
     started: Instant,
     attempt_started: Instant,
     attempt: u32,
-    schedule: Option<(Schedule, SmallRng)>,
+    /// Boxed for the same reason: created on the first backoff.
+    schedule: Option<Box<(Schedule, SmallRng)>>,
     history: Vec<AttemptRecord>,
     /// The current attempt's span (disabled, and free, when nobody listens).
     span: tracing::Span,
@@ -96,16 +98,29 @@ where
     pub(crate) fn start(
         policy: Arc<Policy<C, P, K>>,
         mut svc: S,
-        req: Req,
+        mut req: Req,
         dependency: Dependency,
         deadline: Option<Deadline>,
-    ) -> Self {
+    ) -> Self
+    where
+        Req: HasExtensions,
+    {
+        // The template stays as the caller sent it; each attempt is a copy that carries the
+        // call's context (dependency, deadline, retry scope) in one extension.
+        let ctx = CallContext::for_retry(dependency.clone(), deadline);
         let (first, template, not_replayable) = if policy.max_attempts > 1 {
             match policy.replay.replay(&req) {
-                Ok(copy) => (copy, Some(req), None),
-                Err(why) => (req, None, Some(why)),
+                Ok(mut copy) => {
+                    copy.extensions_mut().insert(ctx);
+                    (copy, Some(req), None)
+                }
+                Err(why) => {
+                    req.extensions_mut().insert(ctx);
+                    (req, None, Some(why))
+                }
             }
         } else {
+            req.extensions_mut().insert(ctx);
             (req, None, None)
         };
         let now = Instant::now();
@@ -185,9 +200,10 @@ where
         let wait = match after {
             Some(after) => after,
             None => {
-                let (schedule, rng) = self
+                let state = self
                     .schedule
-                    .get_or_insert_with(|| (policy.backoff.schedule(), policy.rng.rng()));
+                    .get_or_insert_with(|| Box::new((policy.backoff.schedule(), policy.rng.rng())));
+                let (schedule, rng) = &mut **state;
                 schedule.next_delay(rng)
             }
         };
@@ -273,6 +289,7 @@ where
     S: Service<Req>,
     S::Error: Into<BoxError>,
     S::Response: HasExtensions,
+    Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
     P: Replay<Req>,
 {
@@ -298,7 +315,9 @@ where
                     match call.next(verdict) {
                         Next::Wait(wait) => {
                             drop(result);
-                            this.state.set(State::Waiting { sleep: sleep(wait) });
+                            this.state.set(State::Waiting {
+                                sleep: Box::pin(sleep(wait)),
+                            });
                         }
                         Next::Stop(stopped) => {
                             this.state.set(State::Done);
@@ -307,7 +326,7 @@ where
                     }
                 }
                 StateProj::Waiting { sleep } => {
-                    ready!(sleep.poll(cx));
+                    ready!(sleep.as_mut().poll(cx));
                     this.state.set(State::Readying);
                 }
                 StateProj::Readying => {
@@ -332,7 +351,7 @@ where
                         .template
                         .as_ref()
                         .expect("only a replayable request is retried");
-                    let req =
+                    let mut req =
                         match call.policy.replay.replay(template) {
                             Ok(req) => req,
                             Err(why) => {
@@ -350,6 +369,10 @@ where
                                 ))));
                             }
                         };
+                    req.extensions_mut().insert(CallContext::for_retry(
+                        call.dependency.clone(),
+                        call.deadline,
+                    ));
                     call.attempt += 1;
                     call.attempt_started = Instant::now();
                     call.span = attempt_span(&call.dependency, call.attempt);

@@ -2,17 +2,37 @@ use backstop_core::Dependency;
 use std::{
     collections::HashMap,
     fmt,
-    hash::{BuildHasher, RandomState},
+    hash::{BuildHasherDefault, Hasher},
     sync::{
         Arc, OnceLock, RwLock,
         atomic::{AtomicUsize, Ordering},
     },
 };
 
+/// Uses the hash a [`Dependency`] carries (computed once, randomly keyed, when it was made)
+/// instead of hashing its name again on every lookup.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by `Dependency`'s `Hash`; fold anything else in.
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 const SHARDS: usize = 16;
 
 type Make<T> = dyn Fn(&Dependency) -> T + Send + Sync;
-type Shard<T> = RwLock<HashMap<Dependency, Arc<T>>>;
+type Shard<T> = RwLock<HashMap<Dependency, Arc<T>, BuildHasherDefault<Prehashed>>>;
 
 /// A bounded, sharded map from [`Dependency`] to shared state.
 ///
@@ -22,7 +42,6 @@ type Shard<T> = RwLock<HashMap<Dependency, Arc<T>>>;
 /// if your set of dependencies is legitimately large.
 pub struct Registry<T> {
     shards: Box<[Shard<T>]>,
-    hasher: RandomState,
     len: AtomicUsize,
     max: usize,
     overflow: OnceLock<Arc<T>>,
@@ -43,7 +62,6 @@ impl<T> Registry<T> {
     pub fn new(max: usize, make: impl Fn(&Dependency) -> T + Send + Sync + 'static) -> Self {
         Registry {
             shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
-            hasher: RandomState::new(),
             len: AtomicUsize::new(0),
             max,
             overflow: OnceLock::new(),
@@ -52,18 +70,18 @@ impl<T> Registry<T> {
     }
 
     fn shard(&self, dep: &Dependency) -> &Shard<T> {
-        let h = self.hasher.hash_one(dep.as_str());
-        &self.shards[(h as usize) % SHARDS]
+        // Bits 32.. pick the shard; the map inside uses the low bits and the top seven.
+        &self.shards[(dep.prehash() >> 32) as usize % SHARDS]
     }
 
     /// The state of `dep`, created on first use (or the overflow entry past the bound).
     pub fn get(&self, dep: &Dependency) -> Arc<T> {
         let shard = self.shard(dep);
-        if let Some(s) = read(shard).get(dep.as_str()) {
+        if let Some(s) = read(shard).get(dep) {
             return s.clone();
         }
         let mut map = write(shard);
-        if let Some(s) = map.get(dep.as_str()) {
+        if let Some(s) = map.get(dep) {
             return s.clone();
         }
         // Reserve a slot; give it back if the bound is reached.
@@ -82,7 +100,7 @@ impl<T> Registry<T> {
 
     /// The state of `dep` if it is tracked (the overflow entry is not returned).
     pub fn get_tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
-        read(self.shard(dep)).get(dep.as_str()).cloned()
+        read(self.shard(dep)).get(dep).cloned()
     }
 
     /// Whether `dep` is (or would be) served by the overflow entry.
@@ -117,11 +135,13 @@ impl<T> Registry<T> {
 
 // A panic while holding a shard lock cannot leave the map inconsistent (inserts are single
 // calls), so a poisoned lock is used as it is.
-fn read<K, V>(l: &RwLock<HashMap<K, V>>) -> std::sync::RwLockReadGuard<'_, HashMap<K, V>> {
+fn read<K, V, H>(l: &RwLock<HashMap<K, V, H>>) -> std::sync::RwLockReadGuard<'_, HashMap<K, V, H>> {
     l.read().unwrap_or_else(|p| p.into_inner())
 }
 
-fn write<K, V>(l: &RwLock<HashMap<K, V>>) -> std::sync::RwLockWriteGuard<'_, HashMap<K, V>> {
+fn write<K, V, H>(
+    l: &RwLock<HashMap<K, V, H>>,
+) -> std::sync::RwLockWriteGuard<'_, HashMap<K, V, H>> {
     l.write().unwrap_or_else(|p| p.into_inner())
 }
 

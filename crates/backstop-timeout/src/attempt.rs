@@ -124,7 +124,8 @@ where
         AttemptFuture {
             state: State::Running {
                 inner: self.inner.call(req),
-                sleep: sleep_until(at),
+                sleep: None,
+                at,
                 limit,
                 by_deadline,
                 dependency,
@@ -147,8 +148,11 @@ enum State<F> {
     Running {
         #[pin]
         inner: F,
+        /// Created on the first poll that finds the inner future pending: a call that completes
+        /// at once never touches the timer.
         #[pin]
-        sleep: Sleep,
+        sleep: Option<Sleep>,
+        at: Instant,
         limit: Duration,
         by_deadline: bool,
         dependency: Option<Dependency>,
@@ -169,7 +173,8 @@ where
         match self.project().state.project() {
             StateProj::Running {
                 inner,
-                sleep,
+                mut sleep,
+                at,
                 limit,
                 by_deadline,
                 dependency,
@@ -178,7 +183,10 @@ where
                 if let Poll::Ready(r) = inner.poll(cx) {
                     return Poll::Ready(r.map_err(Into::into));
                 }
-                ready!(sleep.poll(cx));
+                if sleep.is_none() {
+                    sleep.set(Some(sleep_until(*at)));
+                }
+                ready!(sleep.as_pin_mut().expect("set above").poll(cx));
                 let dependency = dependency.take();
                 Poll::Ready(Err(if *by_deadline {
                     DeadlineExceeded::new(dependency, Outcome::Unknown).into()

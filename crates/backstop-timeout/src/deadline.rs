@@ -6,7 +6,7 @@ use std::{
     task::{Context, Poll, ready},
     time::Duration,
 };
-use tokio::time::{Sleep, sleep_until};
+use tokio::time::{Instant, Sleep, sleep_until};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -114,7 +114,8 @@ where
         DeadlineFuture {
             state: State::Running {
                 inner: self.inner.call(req),
-                sleep: sleep_until(deadline.instant()),
+                sleep: None,
+                at: deadline.instant(),
                 dependency,
             },
         }
@@ -135,8 +136,11 @@ enum State<F> {
     Running {
         #[pin]
         inner: F,
+        /// Created on the first poll that finds the inner future pending: a call that completes
+        /// at once never touches the timer.
         #[pin]
-        sleep: Sleep,
+        sleep: Option<Sleep>,
+        at: Instant,
         dependency: Option<Dependency>,
     },
     Failed {
@@ -155,13 +159,17 @@ where
         match self.project().state.project() {
             StateProj::Running {
                 inner,
-                sleep,
+                mut sleep,
+                at,
                 dependency,
             } => {
                 if let Poll::Ready(r) = inner.poll(cx) {
                     return Poll::Ready(r.map_err(Into::into));
                 }
-                ready!(sleep.poll(cx));
+                if sleep.is_none() {
+                    sleep.set(Some(sleep_until(*at)));
+                }
+                ready!(sleep.as_pin_mut().expect("set above").poll(cx));
                 Poll::Ready(Err(DeadlineExceeded::new(
                     dependency.take(),
                     Outcome::Unknown,
@@ -178,7 +186,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::time::Instant;
     use tower::{ServiceExt, service_fn};
 
     fn echo_deadline()

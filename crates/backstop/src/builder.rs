@@ -12,7 +12,7 @@ use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, SetIdempotencyKey, ToolKeys,
 };
 use backstop_retry::{CloneRequest, HttpReplay, Retry, RetryLayer};
-use backstop_timeout::{AttemptTimeout, AttemptTimeoutLayer, DeadlineLayer, WithDeadline};
+use backstop_timeout::{AttemptTimeout, AttemptTimeoutLayer};
 use std::{
     fmt,
     sync::{Arc, OnceLock},
@@ -77,8 +77,12 @@ fn shared_breaker() -> Breaker {
 /// Builds the whole Backstop stack for one dependency, in the one right order:
 ///
 /// ```text
-/// idempotency key -> (call span, errors, dead letters) -> deadline -> retry (budget) -> breaker -> attempt timeout -> service
+/// idempotency key -> (call span, errors, dead letters) -> deadline + retry (budget) -> breaker -> attempt timeout -> service
 /// ```
+///
+/// The deadline is kept by the retry layer itself (`RetryLayer::deadline`): waits never cross
+/// it, the attempt timeout cuts the last attempt to fit it, and a caller's tighter deadline on
+/// the request wins.
 ///
 /// Defaults: 3 attempts; full jitter from 200 ms to 5 s; a 30 s deadline; a 10 s attempt timeout
 /// (or 2.5 x the p99 latency you give, rounded up to 100 ms: p99 1.2 s -> 3 s); the process-wide
@@ -408,6 +412,11 @@ impl<C, P, I> Backstop<C, P, I> {
             .dependency(self.dependency.clone())
             .backoff(self.backoff)
             .max_attempts(max_attempts)?;
+        // The deadline is kept by the retry layer itself: the same guarantees as a deadline
+        // layer just outside it, and one request extension fewer to allocate per call.
+        if let Some(d) = self.deadline {
+            retry = retry.deadline(d);
+        }
         if let Some(rng) = self.rng {
             retry = retry.rng(rng);
         }
@@ -432,9 +441,7 @@ impl<C, P, I> Backstop<C, P, I> {
                 sink: self.sink,
                 reconcile: self.reconcile,
             }),
-            deadline: self
-                .deadline
-                .map(|d| DeadlineLayer::new(d).dependency(self.dependency.clone())),
+            deadline: self.deadline,
             retry,
             breaker: breaker
                 .map(|b| BreakerLayer::new(b, self.classifier).dependency(self.dependency.clone())),
@@ -446,8 +453,7 @@ impl<C, P, I> Backstop<C, P, I> {
 type Timed<S> = Optional<AttemptTimeout<S>, S>;
 type Broken<S, C> = Optional<CircuitBreaker<Timed<S>, C, Dependency>, Timed<S>>;
 type Retried<S, C, P> = Retry<Broken<S, C>, C, P, Dependency>;
-type Deadlined<S, C, P> = Optional<WithDeadline<Retried<S, C, P>>, Retried<S, C, P>>;
-type Finished<S, C, P, I> = Finish<Deadlined<S, C, P>, I>;
+type Finished<S, C, P, I> = Finish<Retried<S, C, P>, I>;
 type Keyed<S, C, P, I> =
     Optional<SetIdempotencyKey<Finished<S, C, P, I>, I, Generator>, Finished<S, C, P, I>>;
 
@@ -460,7 +466,7 @@ pub type BackstopService<S, C, P, I> = MapErr<Keyed<S, C, P, I>, fn(BoxError) ->
 pub struct BackstopLayer<C, P, I> {
     keys: Option<IdempotencyLayer<I, Generator>>,
     finish: FinishLayer<I>,
-    deadline: Option<DeadlineLayer>,
+    deadline: Option<Duration>,
     retry: RetryLayer<C, P, Dependency>,
     breaker: Option<BreakerLayer<C, Dependency>>,
     timeout: Option<AttemptTimeoutLayer>,
@@ -486,7 +492,7 @@ impl<C, P, I> BackstopLayer<C, P, I> {
 
     /// The deadline in force.
     pub fn deadline(&self) -> Option<Duration> {
-        self.deadline.as_ref().map(DeadlineLayer::budget)
+        self.deadline
     }
 
     /// The attempts per call.
@@ -502,7 +508,6 @@ impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
         let s = OptionalLayer(self.timeout.clone()).layer(inner);
         let s = OptionalLayer(self.breaker.clone()).layer(s);
         let s = self.retry.layer(s);
-        let s = OptionalLayer(self.deadline.clone()).layer(s);
         let s = self.finish.layer(s);
         let s = OptionalLayer(self.keys.clone()).layer(s);
         MapErr::new(s, Error::from_box as fn(BoxError) -> Error)

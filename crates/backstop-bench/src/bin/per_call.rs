@@ -1,0 +1,36 @@
+//! Runs `N` successful calls through one stack, for instruction counting under
+//! `valgrind --tool=callgrind` (deterministic, unlike wall-clock time on a shared machine).
+//!
+//! `cargo build --release -p backstop-bench --bin per_call` then
+//! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/per_call STACK N`
+//! for two values of N: the difference divided by the difference in N is the cost per call.
+//! STACK is one of: bare, tower, tower-resilience, backstop, retry, retry-budget, breaker,
+//! deadline, attempt-timeout.
+
+use backstop_bench::stacks::{self, Bench, drive};
+
+fn run<S: Bench>(svc: S, n: u64) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let mut svc = svc;
+    rt.block_on(drive(&mut svc, n));
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let n: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(10_000);
+    match args.get(1).map(String::as_str).unwrap_or("backstop") {
+        "bare" => run(stacks::bare(), n),
+        "tower" => run(stacks::tower_stack(), n),
+        "tower-resilience" => run(stacks::tower_resilience_stack(), n),
+        "backstop" => run(stacks::backstop_stack(), n),
+        "retry" => run(stacks::retry_only(), n),
+        "retry-budget" => run(stacks::retry_budget(), n),
+        "breaker" => run(stacks::breaker_only(), n),
+        "deadline" => run(stacks::deadline_only(), n),
+        "attempt-timeout" => run(stacks::attempt_timeout_only(), n),
+        other => panic!("unknown stack {other}"),
+    }
+}
