@@ -17,6 +17,10 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod proxy;
+
+pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
+
 use bytes::Bytes;
 use http::{HeaderMap, Method, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -283,33 +287,61 @@ pub async fn refused_addr() -> SocketAddr {
 
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped.
 ///
-/// It keeps nothing on disk. Needs `redis-server` on the `PATH`.
+/// Needs `redis-server` on the `PATH`.
 #[derive(Debug)]
 pub struct RedisServer {
     child: Option<std::process::Child>,
     port: u16,
+    /// With a directory, every write is appended and fsynced before Redis replies, so a
+    /// killed server restarts with its data.
+    dir: Option<std::path::PathBuf>,
 }
 
 impl RedisServer {
-    /// Starts one and waits until it answers `PING`.
+    /// Starts one (keeping nothing on disk) and waits until it answers `PING`.
     pub async fn start() -> RedisServer {
         let port = refused_addr().await.port();
-        let mut server = RedisServer { child: None, port };
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir: None,
+        };
+        server.launch().await;
+        server
+    }
+
+    /// Starts one that persists every write to an append-only file in a fresh temporary
+    /// directory (`appendfsync always`), so [`kill`](Self::kill) and [`restart`](Self::restart)
+    /// keep its data, as a production Redis holding idempotency records must.
+    pub async fn start_persistent() -> RedisServer {
+        let port = refused_addr().await.port();
+        let dir =
+            std::env::temp_dir().join(format!("backstop-redis-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temporary directory");
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir: Some(dir),
+        };
         server.launch().await;
         server
     }
 
     async fn launch(&mut self) {
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ])
+        let mut cmd = std::process::Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--protected-mode", "yes"]);
+        match &self.dir {
+            Some(dir) => {
+                cmd.args(["--appendonly", "yes", "--appendfsync", "always", "--dir"])
+                    .arg(dir);
+            }
+            None => {
+                cmd.args(["--appendonly", "no"]);
+            }
+        }
+        let child = cmd
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -343,7 +375,7 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
-    /// Stops it (the data is gone).
+    /// Kills it (`SIGKILL`): without persistence the data is gone.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -351,7 +383,12 @@ impl RedisServer {
         }
     }
 
-    /// Starts it again on the same port, empty.
+    /// The same as [`stop`](Self::stop): a crash, not a shutdown.
+    pub fn kill(&mut self) {
+        self.stop();
+    }
+
+    /// Starts it again on the same port (with its data, when persistent).
     pub async fn restart(&mut self) {
         self.stop();
         self.launch().await;
@@ -361,5 +398,8 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }

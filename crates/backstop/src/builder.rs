@@ -1,13 +1,13 @@
-use crate::optional::{Optional, OptionalLayer};
+use crate::optional::{IntoError, Optional, OptionalLayer};
 use crate::{
-    DeadLetterSink, Error,
+    DeadLetterSink,
     finish::{Finish, FinishLayer, Reconcile, Shared},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
 use backstop_budget::Budget;
 use backstop_classify::HttpClassifier;
-use backstop_core::{BoxError, Dependency, HumanDuration, InvalidConfig};
+use backstop_core::{Dependency, HumanDuration, InvalidConfig};
 use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, SetIdempotencyKey, ToolKeys,
 };
@@ -18,7 +18,6 @@ use std::{
     sync::{Arc, OnceLock},
     time::Duration,
 };
-use tower::util::MapErr;
 use tower_layer::Layer;
 
 /// The default overall deadline of a call: 30 s.
@@ -458,7 +457,7 @@ type Keyed<S, C, P, I> =
     Optional<SetIdempotencyKey<Finished<S, C, P, I>, I, Generator>, Finished<S, C, P, I>>;
 
 /// The service a [`BackstopLayer`] builds: every error is an [`Error`].
-pub type BackstopService<S, C, P, I> = MapErr<Keyed<S, C, P, I>, fn(BoxError) -> Error>;
+pub type BackstopService<S, C, P, I> = IntoError<Keyed<S, C, P, I>>;
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
@@ -510,6 +509,6 @@ impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
         let s = self.retry.layer(s);
         let s = self.finish.layer(s);
         let s = OptionalLayer(self.keys.clone()).layer(s);
-        MapErr::new(s, Error::from_box as fn(BoxError) -> Error)
+        IntoError::new(s)
     }
 }

@@ -85,3 +85,68 @@ where
         }
     }
 }
+
+/// The outermost wrapper of the composed stack: every error becomes a [`crate::Error`].
+///
+/// A named service rather than `tower::util::MapErr` with a function pointer, so that futures
+/// holding the stack stay provably `Send` when spawned (rustc cannot prove it through a
+/// `fn(Box<dyn Error>)` pointer).
+#[derive(Clone, Debug)]
+pub struct IntoError<S> {
+    inner: S,
+}
+
+impl<S> IntoError<S> {
+    pub(crate) fn new(inner: S) -> Self {
+        IntoError { inner }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, Req> Service<Req> for IntoError<S>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+{
+    type Response = S::Response;
+    type Error = crate::Error;
+    type Future = IntoErrorFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| crate::Error::from_box(e.into()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        IntoErrorFuture {
+            inner: self.inner.call(req),
+        }
+    }
+}
+
+/// Response future of [`IntoError`].
+#[pin_project]
+#[derive(Debug)]
+pub struct IntoErrorFuture<F> {
+    #[pin]
+    inner: F,
+}
+
+impl<F, T, E> Future for IntoErrorFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, crate::Error>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project()
+            .inner
+            .poll(cx)
+            .map_err(|e| crate::Error::from_box(e.into()))
+    }
+}
