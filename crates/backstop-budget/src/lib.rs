@@ -295,6 +295,17 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_million_distinct_dependencies_stay_within_the_bound() {
+        let b = Budget::new(BudgetConfig::default().max_dependencies(1_000)).unwrap();
+        for i in 0..1_000_000u32 {
+            let d = Dependency::new(format!("host-{i}.example:443"));
+            b.deposit(&d);
+            let _ = b.withdraw(&d);
+        }
+        assert_eq!(b.tracked(), 1_000);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn dependencies_have_separate_accounts() {
         let b = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
         let (a, c) = (Dependency::new("a"), Dependency::new("c"));

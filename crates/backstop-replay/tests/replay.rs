@@ -516,6 +516,69 @@ async fn an_unreachable_store_fails_closed_unless_told_otherwise() {
     assert_eq!(h.runs(), 1);
 }
 
+mod hostile_headers {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn run(values: Vec<Vec<u8>>) -> (u16, Option<serde_json::Value>, u32) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let h = Handler::new(Mode::Ok);
+            let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+            let mut req = refund(None, "49");
+            for v in &values {
+                if let Ok(v) = http::HeaderValue::from_bytes(v) {
+                    req.headers_mut().append("idempotency-key", v);
+                }
+            }
+            let res = svc.oneshot(req).await.unwrap();
+            let status = res.status().as_u16();
+            let problem = (res
+                .headers()
+                .get("content-type")
+                .is_some_and(|c| c == "application/problem+json"))
+            .then_some(());
+            let body = text(res).await;
+            let json = problem
+                .map(|()| serde_json::from_str(&body).expect("problem bodies are valid JSON"));
+            (status, json, h.runs())
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Whatever arrives in the key header (control bytes, quotes, overlong values, several
+        /// lines), the layer never panics; it either runs the handler once for a valid key or
+        /// answers a well-formed problem without running it.
+        #[test]
+        fn any_key_header_gets_a_clear_answer(values in proptest::collection::vec(
+            prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..300),
+                "[ -~]{0,300}".prop_map(String::into_bytes),
+                "\"?[!-~]{1,40}\"?".prop_map(String::into_bytes),
+            ],
+            0..3,
+        )) {
+            let (status, problem, runs) = run(values);
+            match status {
+                201 => prop_assert_eq!(runs, 1),
+                400 => {
+                    prop_assert_eq!(runs, 0);
+                    let p = problem.expect("a 400 is a problem response");
+                    prop_assert_eq!(p["status"].as_u64(), Some(400));
+                    prop_assert!(p["type"].as_str().is_some_and(|t| t.starts_with("urn:backstop:problem:")));
+                    prop_assert!(p["detail"].as_str().is_some_and(|d| !d.is_empty()));
+                }
+                other => prop_assert!(false, "unexpected status {}", other),
+            }
+        }
+    }
+}
+
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
