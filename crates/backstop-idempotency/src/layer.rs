@@ -271,44 +271,74 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        if !self.inject.needs_key(&req) {
-            return KeyFuture::Inner(self.inner.call(req));
+        match attach(&self.inject, &self.make, self.require, &mut req) {
+            Ok(()) => KeyFuture::Inner(self.inner.call(req)),
+            Err(refused) => KeyFuture::Refused(Some(refused)),
         }
-        if self.inject.has_key(&req) {
-            req.extensions_mut().insert(ReplaySafe);
-            return KeyFuture::Inner(self.inner.call(req));
-        }
-        let ext = req.extensions();
-        let key = match ext.get::<IdempotencyKey>() {
-            Some(k) => Some(k.clone()),
-            None => match ext.get::<ActionContext>() {
-                Some(action) => Some(action.key()),
-                None if RetryScope::is_marked(&req) => {
-                    return KeyFuture::Refused(Some(InvalidConfig::new(
-                        "the idempotency layer must be placed outside the retry layer: inside it, \
-                         each attempt would get a new key and a lost reply could be acted on twice",
-                    )));
-                }
-                None => self.make.make_key(&req),
-            },
-        };
-        match key {
-            Some(key) => {
-                self.inject.inject(&mut req, &key);
-                let ext = req.extensions_mut();
-                ext.insert(key);
-                ext.insert(ReplaySafe);
+    }
+}
+
+/// Gives `req` the key it needs (see [`IdempotencyLayer`] for the sources and their order), or
+/// says why it must not be sent.
+fn attach<Req, I, G>(
+    inject: &I,
+    make: &G,
+    require: bool,
+    req: &mut Req,
+) -> Result<(), InvalidConfig>
+where
+    Req: HasExtensions,
+    I: Inject<Req>,
+    G: MakeKey<Req>,
+{
+    if !inject.needs_key(req) {
+        return Ok(());
+    }
+    if inject.has_key(req) {
+        req.extensions_mut().insert(ReplaySafe);
+        return Ok(());
+    }
+    let ext = req.extensions();
+    let key = match ext.get::<IdempotencyKey>() {
+        Some(k) => Some(k.clone()),
+        None => match ext.get::<ActionContext>() {
+            Some(action) => Some(action.key()),
+            None if RetryScope::is_marked(req) => {
+                return Err(InvalidConfig::new(
+                    "the idempotency layer must be placed outside the retry layer: inside it, \
+                     each attempt would get a new key and a lost reply could be acted on twice",
+                ));
             }
-            None if self.require => {
-                return KeyFuture::Refused(Some(InvalidConfig::new(
-                    "this tool call needs an idempotency key and none was given: attach an \
-                     ActionContext (run, step and call ids) or an IdempotencyKey to the request; \
-                     it was not sent",
-                )));
-            }
-            None => {}
+            None => make.make_key(req),
+        },
+    };
+    match key {
+        Some(key) => {
+            inject.inject(req, &key);
+            let ext = req.extensions_mut();
+            ext.insert(key);
+            ext.insert(ReplaySafe);
+            Ok(())
         }
-        KeyFuture::Inner(self.inner.call(req))
+        None if require => Err(InvalidConfig::new(
+            "this tool call needs an idempotency key and none was given: attach an \
+             ActionContext (run, step and call ids) or an IdempotencyKey to the request; \
+             it was not sent",
+        )),
+        None => Ok(()),
+    }
+}
+
+impl<I, G> IdempotencyLayer<I, G> {
+    /// Does what the layer's service does to a request, for code that composes its own call
+    /// layer: attaches the key `req` needs, or says why it must not be sent.
+    pub fn attach<Req>(&self, req: &mut Req) -> Result<(), InvalidConfig>
+    where
+        Req: HasExtensions,
+        I: Inject<Req>,
+        G: MakeKey<Req>,
+    {
+        attach(&self.inject, &self.make, self.require, req)
     }
 }
 

@@ -1,4 +1,4 @@
-use crate::optional::{IntoError, Optional, OptionalLayer};
+use crate::optional::{Optional, OptionalLayer};
 use crate::{
     DeadLetterSink,
     finish::{Finish, FinishLayer, Reconcile, Shared},
@@ -9,7 +9,7 @@ use backstop_budget::Budget;
 use backstop_classify::HttpClassifier;
 use backstop_core::{Dependency, HumanDuration, InvalidConfig};
 use backstop_idempotency::{
-    HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, SetIdempotencyKey, ToolKeys,
+    HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
 };
 use backstop_retry::{CloneRequest, HttpReplay, Retry, RetryLayer};
 use backstop_timeout::{AttemptTimeout, AttemptTimeoutLayer};
@@ -432,10 +432,10 @@ impl<C, P, I> Backstop<C, P, I> {
                 _ => self.keys.generator(Generator::Random),
             });
         Ok(BackstopLayer {
-            keys,
             finish: FinishLayer::new(Shared {
                 dependency: self.dependency.clone(),
                 inject: I::default(),
+                keys,
                 read_only: self.preset == Preset::ReadOnly,
                 sink: self.sink,
                 reconcile: self.reconcile,
@@ -444,37 +444,33 @@ impl<C, P, I> Backstop<C, P, I> {
             retry,
             breaker: breaker
                 .map(|b| BreakerLayer::new(b, self.classifier).dependency(self.dependency.clone())),
-            timeout: Some(AttemptTimeoutLayer::new(timeout).dependency(self.dependency)),
+            timeout: AttemptTimeoutLayer::new(timeout).dependency(self.dependency),
         })
     }
 }
 
-type Timed<S> = Optional<AttemptTimeout<S>, S>;
+type Timed<S> = AttemptTimeout<S>;
 type Broken<S, C> = Optional<CircuitBreaker<Timed<S>, C, Dependency>, Timed<S>>;
 type Retried<S, C, P> = Retry<Broken<S, C>, C, P, Dependency>;
-type Finished<S, C, P, I> = Finish<Retried<S, C, P>, I>;
-type Keyed<S, C, P, I> =
-    Optional<SetIdempotencyKey<Finished<S, C, P, I>, I, Generator>, Finished<S, C, P, I>>;
 
-/// The service a [`BackstopLayer`] builds: every error is an [`Error`].
-pub type BackstopService<S, C, P, I> = IntoError<Keyed<S, C, P, I>>;
+/// The service a [`BackstopLayer`] builds: every error is an [`Error`](crate::Error).
+pub type BackstopService<S, C, P, I> = Finish<Retried<S, C, P>, I>;
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
 #[derive(Clone)]
 pub struct BackstopLayer<C, P, I> {
-    keys: Option<IdempotencyLayer<I, Generator>>,
     finish: FinishLayer<I>,
     deadline: Option<Duration>,
     retry: RetryLayer<C, P, Dependency>,
     breaker: Option<BreakerLayer<C, Dependency>>,
-    timeout: Option<AttemptTimeoutLayer>,
+    timeout: AttemptTimeoutLayer,
 }
 
 impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackstopLayer")
-            .field("keys", &self.keys)
+            .field("finish", &self.finish)
             .field("deadline", &self.deadline)
             .field("retry", &self.retry)
             .field("breaker", &self.breaker)
@@ -486,7 +482,7 @@ impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C
 impl<C, P, I> BackstopLayer<C, P, I> {
     /// The attempt timeout in force.
     pub fn attempt_timeout(&self) -> Option<Duration> {
-        self.timeout.as_ref().map(AttemptTimeoutLayer::limit)
+        Some(self.timeout.limit())
     }
 
     /// The deadline in force.
@@ -504,11 +500,9 @@ impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
     type Service = BackstopService<S, C, P, I>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let s = OptionalLayer(self.timeout.clone()).layer(inner);
+        let s = self.timeout.layer(inner);
         let s = OptionalLayer(self.breaker.clone()).layer(s);
         let s = self.retry.layer(s);
-        let s = self.finish.layer(s);
-        let s = OptionalLayer(self.keys.clone()).layer(s);
-        IntoError::new(s)
+        self.finish.layer(s)
     }
 }

@@ -1,6 +1,7 @@
+use crate::Generator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
-use backstop_idempotency::{ActionContext, IdempotencyKey, Inject};
+use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};
 use backstop_retry::RetryHistory;
 use pin_project::pin_project;
 use std::{
@@ -18,14 +19,20 @@ pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
 pub(crate) struct Shared<I> {
     pub(crate) dependency: Dependency,
     pub(crate) inject: I,
+    /// Attaches idempotency keys (`None`: turned off).
+    pub(crate) keys: Option<IdempotencyLayer<I, Generator>>,
     pub(crate) read_only: bool,
     pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
     pub(crate) reconcile: Option<Reconcile>,
 }
 
-/// The call-level layer of the composed stack: opens the call's span, marks read-only calls
-/// replay-safe, turns every error into an [`Error`], and hands failed mutating calls to the
-/// dead-letter sink (and unknown outcomes to the reconciliation hook).
+/// The call-level layer of the composed stack: attaches the idempotency key (once per logical
+/// call, before the retry layer), opens the call's span, marks read-only calls replay-safe, turns
+/// every error into an [`Error`], and hands failed mutating calls to the dead-letter sink (and
+/// unknown outcomes to the reconciliation hook).
+///
+/// One layer rather than four, because every layer a call goes through moves its whole future
+/// once more.
 pub struct FinishLayer<I> {
     shared: Arc<Shared<I>>,
 }
@@ -103,17 +110,28 @@ where
     I: Inject<Req>,
 {
     type Response = S::Response;
-    type Error = BoxError;
+    type Error = Error;
     type Future = FinishFuture<S::Future, I>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| Error::from_box(e.into()))
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         let sh = &self.shared;
         if sh.read_only {
             req.extensions_mut().insert(ReplaySafe);
+        }
+        if let Some(keys) = &sh.keys {
+            if let Err(refused) = keys.attach(&mut req) {
+                let mut err = Error::from_box(Box::new(refused));
+                err.set_dependency_if_missing(&sh.dependency);
+                return FinishFuture {
+                    state: State::Refused { error: Some(err) },
+                };
+            }
         }
         let span = tracing::info_span!(
             target: "backstop::call",
@@ -149,10 +167,12 @@ where
             });
         let fut = span.in_scope(|| self.inner.call(req));
         FinishFuture {
-            fut,
-            span,
-            letterhead,
-            shared: self.shared.clone(),
+            state: State::Running {
+                fut,
+                span,
+                letterhead,
+                shared: self.shared.clone(),
+            },
         }
     }
 }
@@ -161,10 +181,21 @@ where
 #[pin_project]
 pub struct FinishFuture<F, I> {
     #[pin]
-    fut: F,
-    span: tracing::Span,
-    letterhead: Option<Letterhead>,
-    shared: Arc<Shared<I>>,
+    state: State<F, I>,
+}
+
+#[pin_project(project = StateProj)]
+enum State<F, I> {
+    Running {
+        #[pin]
+        fut: F,
+        span: tracing::Span,
+        letterhead: Option<Letterhead>,
+        shared: Arc<Shared<I>>,
+    },
+    Refused {
+        error: Option<Error>,
+    },
 }
 
 impl<F, I> fmt::Debug for FinishFuture<F, I> {
@@ -179,10 +210,27 @@ where
     E: Into<BoxError>,
     T: HasExtensions,
 {
-    type Output = Result<T, BoxError>;
+    type Output = Result<T, Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
+        let this = match self.project().state.project() {
+            StateProj::Refused { error } => {
+                return Poll::Ready(Err(error
+                    .take()
+                    .expect("FinishFuture polled after completion")));
+            }
+            StateProj::Running {
+                fut,
+                span,
+                letterhead,
+                shared,
+            } => Running {
+                fut,
+                span,
+                letterhead,
+                shared,
+            },
+        };
         let result = {
             let _entered = this.span.enter();
             ready!(this.fut.poll(cx))
@@ -219,8 +267,16 @@ where
                         sink.record(letter);
                     }
                 }
-                Poll::Ready(Err(Box::new(err)))
+                Poll::Ready(Err(err))
             }
         }
     }
+}
+
+/// The running state's fields, borrowed.
+struct Running<'a, F, I> {
+    fut: Pin<&'a mut F>,
+    span: &'a mut tracing::Span,
+    letterhead: &'a mut Option<Letterhead>,
+    shared: &'a mut Arc<Shared<I>>,
 }

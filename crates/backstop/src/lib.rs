@@ -76,7 +76,7 @@ pub use builder::{
 pub use dead_letter::{DeadLetter, DeadLetterSink, JsonLinesSink, MemorySink};
 pub use error::{Error, ErrorKind};
 pub use finish::{Finish, FinishFuture, FinishLayer};
-pub use optional::{IntoError, IntoErrorFuture, Optional, OptionalFuture, OptionalLayer};
+pub use optional::{Optional, OptionalFuture, OptionalLayer};
 
 #[doc(inline)]
 pub use backstop_core::{
