@@ -209,7 +209,7 @@ async fn the_stack_survives_faults_and_a_redis_crash_without_a_duplicate() {
     println!(
         "soak: {calls} calls ({} writes) by {workers} workers in {elapsed:?}; writes: {ok} succeeded, {answered} answered with an error status, \
          {not_sent} failed not sent, {unknown} failed with an unknown outcome; duplicates: {duplicates}; \
-         attempts at the proxy: {attempts} (retries {retries}); faults: {} resets before, {} replies lost, {} throttled, {} 503s, {} hung, {} delayed",
+         attempts at the proxy: {attempts}; retries in the budget's last window: {retries}; faults: {} resets before, {} replies lost, {} throttled, {} 503s, {} hung, {} delayed",
         writes.len(),
         c.reset_before.load(Ordering::Relaxed),
         c.replies_lost.load(Ordering::Relaxed),
@@ -221,18 +221,17 @@ async fn the_stack_survives_faults_and_a_redis_crash_without_a_duplicate() {
     assert_eq!(duplicates, 0, "zero duplicate side effects");
     assert_eq!(late, 0, "every call ended within its deadline");
     assert!(ok > 0, "writes succeed through the faults");
-    // Retries stay within the budget: 10 % of the calls plus 1/s over the 10 s window.
-    assert_eq!(stats.requests, calls as u64 + workers as u64);
+    // Retries stay within the budget: in its 10 s window, 10 % of the requests plus 1/s; over
+    // the whole run, the attempts at the proxy are the calls plus at most that many retries.
     let allowance = stats.requests as f64 * 0.1 + 10.0;
     assert!(
         (stats.retries as f64) <= allowance,
         "{} retries > budget {allowance}",
         stats.retries
     );
-    assert!(
-        attempts <= stats.requests + stats.retries,
-        "every attempt at the proxy is a call or a granted retry"
-    );
+    let requests = (calls + workers) as f64;
+    let bound = requests * 1.1 + elapsed.as_secs_f64() + 10.0;
+    assert!((attempts as f64) <= bound, "{attempts} attempts > {bound}");
     // Shared state stays bounded, and no task outlives its call (connection pools aside).
     assert_eq!(budget.tracked(), 1);
     assert_eq!(breaker.tracked(), 1);
