@@ -1,11 +1,12 @@
 //! What the stack counts: metrics that count logical calls and attempts apart, per dependency.
 
+mod common;
+
 use backstop::{
-    Backstop, Preset,
-    backoff::{Backoff, RngSource},
+    Backstop,
+    backoff::RngSource,
     breaker::{Breaker, BreakerConfig},
     budget::Budget,
-    idempotency::ActionContext,
 };
 use http::{Request, Response};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
@@ -14,9 +15,8 @@ use std::{
     io,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
 };
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -60,33 +60,7 @@ async fn calls_attempts_retries_and_successes_are_counted_apart() {
     let counters = Counters::default();
     let _metrics = metrics::set_default_local_recorder(&counters);
 
-    let n = Arc::new(AtomicU32::new(0));
-    let flaky = service_fn(move |_req: Request<String>| {
-        let first = n.fetch_add(1, Ordering::SeqCst) == 0;
-        async move {
-            Ok::<_, io::Error>(
-                Response::builder()
-                    .status(if first { 503 } else { 201 })
-                    .body(())
-                    .unwrap(),
-            )
-        }
-    });
-    let svc = Backstop::http("labels-api")
-        .preset(Preset::Create)
-        .budget(Budget::default())
-        .breaker(Breaker::new(BreakerConfig::default()).unwrap())
-        .backoff(Backoff::constant(Duration::from_millis(300)))
-        .rng(RngSource::seeded(1))
-        .build()
-        .unwrap()
-        .layer(flaky);
-    let mut req = Request::post("http://labels.local/labels")
-        .body(String::new())
-        .unwrap();
-    req.extensions_mut()
-        .insert(ActionContext::tool_call("run-91f2", "step-3", "call-07"));
-    assert_eq!(svc.oneshot(req).await.unwrap().status(), 201);
+    common::label_purchase_retried_once().await;
 
     assert_eq!(
         counters.get("backstop_calls_total{dependency=labels-api}"),

@@ -3,24 +3,12 @@
 //! caches each callsite's interest per process, and a test without a subscriber running in
 //! parallel could make this one miss spans.
 
-use backstop::{
-    Backstop, Preset,
-    backoff::{Backoff, RngSource},
-    breaker::{Breaker, BreakerConfig},
-    budget::Budget,
-    idempotency::ActionContext,
-};
-use http::{Request, Response};
+mod common;
+
 use std::{
     collections::BTreeMap,
-    io,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU32, Ordering},
-    },
-    time::Duration,
+    sync::{Arc, Mutex},
 };
-use tower::{Layer, ServiceExt, service_fn};
 use tracing::{
     Event, Subscriber,
     field::{Field, Visit},
@@ -78,33 +66,7 @@ async fn spans_and_events_carry_the_fields_operators_need() {
     let seen = Seen::default();
     let _tracing = tracing::subscriber::set_default(seen.clone());
 
-    let n = Arc::new(AtomicU32::new(0));
-    let flaky = service_fn(move |_req: Request<String>| {
-        let first = n.fetch_add(1, Ordering::SeqCst) == 0;
-        async move {
-            Ok::<_, io::Error>(
-                Response::builder()
-                    .status(if first { 503 } else { 201 })
-                    .body(())
-                    .unwrap(),
-            )
-        }
-    });
-    let svc = Backstop::http("labels-api")
-        .preset(Preset::Create)
-        .budget(Budget::default())
-        .breaker(Breaker::new(BreakerConfig::default()).unwrap())
-        .backoff(Backoff::constant(Duration::from_millis(300)))
-        .rng(RngSource::seeded(1))
-        .build()
-        .unwrap()
-        .layer(flaky);
-    let mut req = Request::post("http://labels.local/labels")
-        .body(String::new())
-        .unwrap();
-    req.extensions_mut()
-        .insert(ActionContext::tool_call("run-91f2", "step-3", "call-07"));
-    assert_eq!(svc.oneshot(req).await.unwrap().status(), 201);
+    common::label_purchase_retried_once().await;
 
     let spans = seen.spans.lock().unwrap().clone();
     let call = &spans

@@ -136,28 +136,13 @@ impl TestServer {
         let handler: Arc<Handler> = Arc::new(handler);
         let mut tasks = JoinSet::new();
         let log = seen.clone();
-        tasks.spawn(async move {
-            let mut conns = JoinSet::new();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let handler = handler.clone();
-                let log = log.clone();
-                conns.spawn(async move {
-                    let svc = service_fn(move |req: hyper::Request<Incoming>| {
-                        let handler = handler.clone();
-                        let log = log.clone();
-                        async move { serve(req, &*handler, &log).await }
-                    });
-                    let _ = http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-                // Reap finished connections so a long run does not grow.
-                while conns.try_join_next().is_some() {}
-            }
-        });
+        tasks.spawn(accept_loop(listener, move || {
+            let (handler, log) = (handler.clone(), log.clone());
+            service_fn(move |req: hyper::Request<Incoming>| {
+                let (handler, log) = (handler.clone(), log.clone());
+                async move { serve(req, &*handler, &log).await }
+            })
+        }));
         TestServer { addr, seen, tasks }
     }
 
@@ -181,21 +166,9 @@ impl TestServer {
             .expect("bind loopback");
         let addr = listener.local_addr().expect("local addr");
         let mut tasks = JoinSet::new();
-        tasks.spawn(async move {
-            let mut conns = JoinSet::new();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let svc = hyper_util::service::TowerToHyperService::new(svc.clone());
-                conns.spawn(async move {
-                    let _ = http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-                while conns.try_join_next().is_some() {}
-            }
-        });
+        tasks.spawn(accept_loop(listener, move || {
+            hyper_util::service::TowerToHyperService::new(svc.clone())
+        }));
         TestServer {
             addr,
             seen: Arc::default(),
@@ -272,6 +245,35 @@ async fn serve(
             match never {}
         }
         Action::DropReply => Err(Dropped),
+    }
+}
+
+type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
+/// Accepts connections until aborted, serving each with HTTP/1 and a fresh service from `make`.
+/// Finished connections are reaped as it goes, so a long run does not grow.
+pub(crate) async fn accept_loop<S, B, M>(listener: TcpListener, make: M)
+where
+    M: Fn() -> S + Send + 'static,
+    S: hyper::service::Service<hyper::Request<Incoming>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxErr>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxErr>,
+{
+    let mut conns = JoinSet::new();
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let svc = make();
+        conns.spawn(async move {
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+        while conns.try_join_next().is_some() {}
     }
 }
 

@@ -4,10 +4,10 @@
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use hyper::{body::Incoming, service::service_fn};
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
-    rt::{TokioExecutor, TokioIo},
+    rt::TokioExecutor,
 };
 use rand::{RngExt, SeedableRng, rngs::SmallRng};
 use std::{
@@ -224,25 +224,13 @@ impl FaultProxy {
             counts: counts.clone(),
         });
         let mut tasks = JoinSet::new();
-        tasks.spawn(async move {
-            let mut conns = JoinSet::new();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
+        tasks.spawn(crate::accept_loop(listener, move || {
+            let shared = shared.clone();
+            service_fn(move |req| {
                 let shared = shared.clone();
-                conns.spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let shared = shared.clone();
-                        async move { shared.handle(req).await }
-                    });
-                    let _ = http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-                while conns.try_join_next().is_some() {}
-            }
-        });
+                async move { shared.handle(req).await }
+            })
+        }));
         FaultProxy {
             addr,
             counts,

@@ -1,14 +1,10 @@
-use backstop_core::{
-    AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
-};
-use pin_project::pin_project;
+use crate::timed::{Expiry, TimedFuture};
+use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use std::{
-    future::Future,
-    pin::Pin,
-    task::{Context, Poll, ready},
+    task::{Context, Poll},
     time::Duration,
 };
-use tokio::time::{Instant, Sleep, sleep_until};
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -112,98 +108,27 @@ where
             }
         }
         if by_deadline && limit.is_zero() {
-            return AttemptFuture {
-                state: State::Failed {
-                    error: Some(DeadlineExceeded::new(dependency, Outcome::NotSent).into()),
-                },
-            };
+            return TimedFuture::too_late(dependency);
         }
         let at = now
             .checked_add(limit)
             .unwrap_or(now + Duration::from_secs(86_400 * 365));
-        AttemptFuture {
-            state: State::Running {
-                inner: self.inner.call(req),
-                sleep: None,
-                at,
-                limit,
-                by_deadline,
-                dependency,
-            },
-        }
+        let expiry = if by_deadline {
+            Expiry::Deadline
+        } else {
+            Expiry::Attempt { limit }
+        };
+        TimedFuture::new(self.inner.call(req), at, expiry, dependency)
     }
 }
 
 /// Response future of [`AttemptTimeout`].
-#[pin_project]
-#[derive(Debug)]
-pub struct AttemptFuture<F> {
-    #[pin]
-    state: State<F>,
-}
-
-#[pin_project(project = StateProj)]
-#[derive(Debug)]
-enum State<F> {
-    Running {
-        #[pin]
-        inner: F,
-        /// Created on the first poll that finds the inner future pending: a call that completes
-        /// at once never touches the timer.
-        #[pin]
-        sleep: Option<Sleep>,
-        at: Instant,
-        limit: Duration,
-        by_deadline: bool,
-        dependency: Option<Dependency>,
-    },
-    Failed {
-        error: Option<BoxError>,
-    },
-}
-
-impl<F, T, E> Future for AttemptFuture<F>
-where
-    F: Future<Output = Result<T, E>>,
-    E: Into<BoxError>,
-{
-    type Output = Result<T, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
-            StateProj::Running {
-                inner,
-                mut sleep,
-                at,
-                limit,
-                by_deadline,
-                dependency,
-            } => {
-                // The response wins a tie with the timer.
-                if let Poll::Ready(r) = inner.poll(cx) {
-                    return Poll::Ready(r.map_err(Into::into));
-                }
-                if sleep.is_none() {
-                    sleep.set(Some(sleep_until(*at)));
-                }
-                ready!(sleep.as_pin_mut().expect("set above").poll(cx));
-                let dependency = dependency.take();
-                Poll::Ready(Err(if *by_deadline {
-                    DeadlineExceeded::new(dependency, Outcome::Unknown).into()
-                } else {
-                    AttemptTimedOut::new(dependency, *limit).into()
-                }))
-            }
-            StateProj::Failed { error } => Poll::Ready(Err(error
-                .take()
-                .expect("AttemptFuture polled after completion"))),
-        }
-    }
-}
+pub type AttemptFuture<F> = TimedFuture<F>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use backstop_core::{AttemptTimedOut, DeadlineExceeded, Outcome};
     use tower::{ServiceExt, service_fn};
 
     fn slow(

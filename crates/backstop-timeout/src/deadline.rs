@@ -1,12 +1,9 @@
-use backstop_core::{BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome};
-use pin_project::pin_project;
+use crate::timed::{Expiry, TimedFuture};
+use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use std::{
-    future::Future,
-    pin::Pin,
-    task::{Context, Poll, ready},
+    task::{Context, Poll},
     time::Duration,
 };
-use tokio::time::{Instant, Sleep, sleep_until};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -105,87 +102,25 @@ where
         let deadline = Deadline::after(self.budget).tighten(&mut req);
         let dependency = Dependency::of(&req).or(self.dependency.as_ref()).cloned();
         if deadline.has_passed() {
-            return DeadlineFuture {
-                state: State::Failed {
-                    error: Some(DeadlineExceeded::new(dependency, Outcome::NotSent).into()),
-                },
-            };
+            return TimedFuture::too_late(dependency);
         }
-        DeadlineFuture {
-            state: State::Running {
-                inner: self.inner.call(req),
-                sleep: None,
-                at: deadline.instant(),
-                dependency,
-            },
-        }
+        TimedFuture::new(
+            self.inner.call(req),
+            deadline.instant(),
+            Expiry::Deadline,
+            dependency,
+        )
     }
 }
 
 /// Response future of [`WithDeadline`].
-#[pin_project]
-#[derive(Debug)]
-pub struct DeadlineFuture<F> {
-    #[pin]
-    state: State<F>,
-}
-
-#[pin_project(project = StateProj)]
-#[derive(Debug)]
-enum State<F> {
-    Running {
-        #[pin]
-        inner: F,
-        /// Created on the first poll that finds the inner future pending: a call that completes
-        /// at once never touches the timer.
-        #[pin]
-        sleep: Option<Sleep>,
-        at: Instant,
-        dependency: Option<Dependency>,
-    },
-    Failed {
-        error: Option<BoxError>,
-    },
-}
-
-impl<F, T, E> Future for DeadlineFuture<F>
-where
-    F: Future<Output = Result<T, E>>,
-    E: Into<BoxError>,
-{
-    type Output = Result<T, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
-            StateProj::Running {
-                inner,
-                mut sleep,
-                at,
-                dependency,
-            } => {
-                if let Poll::Ready(r) = inner.poll(cx) {
-                    return Poll::Ready(r.map_err(Into::into));
-                }
-                if sleep.is_none() {
-                    sleep.set(Some(sleep_until(*at)));
-                }
-                ready!(sleep.as_pin_mut().expect("set above").poll(cx));
-                Poll::Ready(Err(DeadlineExceeded::new(
-                    dependency.take(),
-                    Outcome::Unknown,
-                )
-                .into()))
-            }
-            StateProj::Failed { error } => Poll::Ready(Err(error
-                .take()
-                .expect("DeadlineFuture polled after completion"))),
-        }
-    }
-}
+pub type DeadlineFuture<F> = TimedFuture<F>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use backstop_core::{DeadlineExceeded, Outcome};
+    use tokio::time::Instant;
     use tower::{ServiceExt, service_fn};
 
     fn echo_deadline()

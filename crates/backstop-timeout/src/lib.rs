@@ -45,6 +45,7 @@
 
 mod attempt;
 mod deadline;
+mod timed;
 
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
@@ -54,4 +55,5 @@ pub use deadline::{DeadlineLayer, WithDeadline};
 pub mod future {
     pub use crate::attempt::AttemptFuture;
     pub use crate::deadline::DeadlineFuture;
+    pub use crate::timed::TimedFuture;
 }
