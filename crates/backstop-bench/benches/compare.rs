@@ -165,6 +165,4 @@ fn main() {
         "full Backstop stack / tower-resilience stack: {:.2}",
         backstop.ns / resilience.ns
     );
-    // Counts, not time: allocations per call are deterministic for a given build.
-    assert!(backstop.allocs.is_finite());
 }
