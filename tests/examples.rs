@@ -7,6 +7,8 @@ mod agent_tools;
 mod double_refund;
 #[path = "../examples/hyper_client.rs"]
 mod hyper_client;
+#[path = "../examples/reqwest_client.rs"]
+mod reqwest_client;
 #[path = "../examples/shipping_label.rs"]
 mod shipping_label;
 
@@ -28,4 +30,9 @@ fn shipping_label_runs() {
 #[test]
 fn hyper_client_runs() {
     hyper_client::main().unwrap();
+}
+
+#[test]
+fn reqwest_client_runs() {
+    reqwest_client::main().unwrap();
 }
