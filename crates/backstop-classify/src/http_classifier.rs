@@ -1,6 +1,6 @@
 use crate::{AsError, Classify, Verdict, classify_error, parse_retry_after};
 use backstop_core::{Outcome, ReplaySafe};
-use http::{HeaderName, Method, Request, Response, StatusCode};
+use http::{HeaderName, Request, Response, StatusCode};
 use std::{
     fmt,
     time::{Duration, SystemTime},
@@ -178,21 +178,13 @@ impl HttpClassifier {
 
     /// Whether the request may be sent again after an attempt with an unknown outcome.
     pub fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
-        is_idempotent(req.method())
+        backstop_core::is_idempotent_method(req.method())
             || req
                 .headers()
                 .get(&self.key_header)
                 .is_some_and(|v| !v.is_empty())
             || ReplaySafe::is_marked(req)
     }
-}
-
-/// RFC 9110 §9.2.2.
-fn is_idempotent(m: &Method) -> bool {
-    matches!(
-        *m,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
-    )
 }
 
 impl<B, ResB, E> Classify<Request<B>, Response<ResB>, E> for HttpClassifier

@@ -53,14 +53,4 @@ impl CallContext {
     pub fn in_retry_scope(&self) -> bool {
         self.retry_scope
     }
-
-    /// Records the dependency.
-    pub fn set_dependency(&mut self, dependency: Dependency) {
-        self.dependency = Some(dependency);
-    }
-
-    /// Marks the call as owned by a retry layer.
-    pub fn set_retry_scope(&mut self) {
-        self.retry_scope = true;
-    }
 }

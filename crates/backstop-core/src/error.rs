@@ -31,6 +31,41 @@ impl fmt::Display for HumanDuration {
     }
 }
 
+impl HumanDuration {
+    /// Whole seconds, rounded up, for delays of a second or more: a "try again in 27 s" must
+    /// never be too early. Shorter delays are kept as they are.
+    pub fn rounded_up(d: Duration) -> HumanDuration {
+        if d < Duration::from_secs(1) {
+            return HumanDuration(d);
+        }
+        HumanDuration(Duration::from_secs(
+            d.as_secs() + u64::from(d.subsec_nanos() > 0),
+        ))
+    }
+}
+
+/// An error followed by each source whose text it does not already include, joined by `: `
+/// (hyper-util's "client error (SendRequest)" alone does not tell a model what happened).
+#[derive(Clone, Copy, Debug)]
+pub struct CauseChain<'a>(pub &'a (dyn Error + 'static));
+
+impl fmt::Display for CauseChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut shown = self.0.to_string();
+        f.write_str(&shown)?;
+        let mut next = self.0.source();
+        while let Some(e) = next {
+            let text = e.to_string();
+            if !shown.contains(&text) {
+                write!(f, ": {text}")?;
+                shown = text;
+            }
+            next = e.source();
+        }
+        Ok(())
+    }
+}
+
 struct Named<'a>(Option<&'a Dependency>);
 
 impl fmt::Display for Named<'_> {
@@ -230,16 +265,7 @@ impl fmt::Display for CircuitOpen {
             CircuitState::Open => {
                 write!(f, "{d} is unavailable (circuit open); do not retry now")?;
                 match self.retry_in {
-                    // Whole seconds, rounded up: "try again in 27 s" must not be too early.
-                    Some(t) if t >= Duration::from_secs(1) => {
-                        let secs = t.as_secs() + u64::from(t.subsec_nanos() > 0);
-                        write!(
-                            f,
-                            "; try again in {}",
-                            HumanDuration(Duration::from_secs(secs))
-                        )
-                    }
-                    Some(t) => write!(f, "; try again in {}", HumanDuration(t)),
+                    Some(t) => write!(f, "; try again in {}", HumanDuration::rounded_up(t)),
                     None => f.write_str("; try again later"),
                 }
             }

@@ -100,3 +100,13 @@ impl RetryScope {
         crate::CallContext::of_mut(req).retry_scope = true;
     }
 }
+
+/// Whether HTTP calls this method idempotent (RFC 9110 §9.2.2: GET, HEAD, OPTIONS, TRACE, PUT,
+/// DELETE), so a request with it may be sent again without an idempotency key.
+pub fn is_idempotent_method(method: &http::Method) -> bool {
+    use http::Method;
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}

@@ -37,8 +37,8 @@ pub use context::CallContext;
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
-    AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, HumanDuration,
-    InvalidConfig,
+    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
+    HumanDuration, InvalidConfig,
 };
-pub use extensions::{HasExtensions, ReplaySafe, RetryScope};
+pub use extensions::{HasExtensions, ReplaySafe, RetryScope, is_idempotent_method};
 pub use outcome::Outcome;

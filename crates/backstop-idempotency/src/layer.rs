@@ -1,6 +1,6 @@
 use crate::{ActionContext, IdempotencyKey, KeyFormat};
 use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe, RetryScope};
-use http::{HeaderName, Method, Request};
+use http::{HeaderName, Request};
 use pin_project::pin_project;
 use rand::{TryRng, rngs::SysRng};
 use std::{
@@ -65,15 +65,7 @@ impl Default for HttpKeys {
 
 impl<B> Inject<Request<B>> for HttpKeys {
     fn needs_key(&self, req: &Request<B>) -> bool {
-        !matches!(
-            *req.method(),
-            Method::GET
-                | Method::HEAD
-                | Method::OPTIONS
-                | Method::TRACE
-                | Method::PUT
-                | Method::DELETE
-        )
+        !backstop_core::is_idempotent_method(req.method())
     }
     fn has_key(&self, req: &Request<B>) -> bool {
         req.headers().contains_key(&self.header)

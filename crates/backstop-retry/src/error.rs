@@ -1,6 +1,6 @@
 use crate::NotReplayable;
 use backstop_classify::Verdict;
-use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
+use backstop_core::{BoxError, CauseChain, Dependency, HumanDuration, Outcome};
 use std::{error::Error, fmt, time::Duration};
 
 /// Why the retry layer made no further attempt.
@@ -206,26 +206,5 @@ impl fmt::Display for RetryError {
 impl Error for RetryError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         Some(&*self.cause)
-    }
-}
-
-/// An error followed by each source whose text it does not already include, joined by `: `
-/// (hyper-util's "client error (SendRequest)" alone does not tell a model what happened).
-struct CauseChain<'a>(&'a (dyn Error + 'static));
-
-impl fmt::Display for CauseChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut shown = self.0.to_string();
-        f.write_str(&shown)?;
-        let mut next = self.0.source();
-        while let Some(e) = next {
-            let text = e.to_string();
-            if !shown.contains(&text) {
-                write!(f, ": {text}")?;
-                shown = text;
-            }
-            next = e.source();
-        }
-        Ok(())
     }
 }

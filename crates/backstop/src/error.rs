@@ -1,5 +1,5 @@
 use backstop_core::{
-    AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, Dependency,
+    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, Dependency,
     HumanDuration, InvalidConfig, Outcome,
 };
 use backstop_retry::{RetryError, StopReason};
@@ -188,22 +188,12 @@ impl Error {
         }
     }
 
-    /// The deepest cause's text, the one that says what went wrong on the wire.
-    fn root_cause(&self) -> String {
-        let mut e: &(dyn StdError + 'static) = &*self.source;
-        if let Some(r) = e.downcast_ref::<RetryError>() {
-            e = r.cause();
+    /// The cause as text, down to the part that says what went wrong on the wire.
+    fn root_cause(&self) -> CauseChain<'_> {
+        match self.source.downcast_ref::<RetryError>() {
+            Some(r) => CauseChain(r.cause()),
+            None => CauseChain(&*self.source),
         }
-        let mut text = e.to_string();
-        let mut next = e.source();
-        while let Some(inner) = next {
-            let t = inner.to_string();
-            if !text.contains(&t) {
-                text = format!("{text}: {t}");
-            }
-            next = inner.source();
-        }
-        text
     }
 }
 
@@ -239,8 +229,11 @@ impl fmt::Display for Error {
                 };
                 write!(f, "{dep} is unavailable ({state}); do not retry now")?;
                 if let Some(t) = self.retry_after.filter(|t| *t >= Duration::from_secs(1)) {
-                    let secs = t.as_secs() + u64::from(t.subsec_nanos() > 0);
-                    write!(f, "; it can be tried again in {secs} s")?;
+                    write!(
+                        f,
+                        "; it can be tried again in {}",
+                        HumanDuration::rounded_up(t)
+                    )?;
                 }
                 f.write_str("; tell the user")
             }

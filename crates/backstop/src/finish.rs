@@ -144,27 +144,33 @@ where
             outcome = tracing::field::Empty,
             error = tracing::field::Empty,
         );
-        let ext = req.extensions();
-        let action = ext.get::<ActionContext>();
-        let key = ext.get::<IdempotencyKey>();
-        if !span.is_disabled() {
-            if let Some(a) = action {
-                span.record("run_id", a.run_id());
-                if let Some(c) = a.call_id() {
-                    span.record("tool_call_id", c);
+        // The request's labels are looked up only when something will use them: a span that
+        // is being recorded, or a dead letter a failed mutating call may need.
+        let wants_letter = (sh.sink.is_some() || sh.reconcile.is_some())
+            && !sh.read_only
+            && sh.inject.needs_key(&req);
+        let mut letterhead = None;
+        if wants_letter || !span.is_disabled() {
+            let ext = req.extensions();
+            let action = ext.get::<ActionContext>();
+            let key = ext.get::<IdempotencyKey>();
+            if !span.is_disabled() {
+                if let Some(a) = action {
+                    span.record("run_id", a.run_id());
+                    if let Some(c) = a.call_id() {
+                        span.record("tool_call_id", c);
+                    }
+                }
+                if let Some(k) = key {
+                    span.record("idempotency_key", k.as_str());
                 }
             }
-            if let Some(k) = key {
-                span.record("idempotency_key", k.as_str());
-            }
-        }
-        let wants_letter = sh.sink.is_some() || sh.reconcile.is_some();
-        let letterhead =
-            (wants_letter && !sh.read_only && sh.inject.needs_key(&req)).then(|| Letterhead {
+            letterhead = wants_letter.then(|| Letterhead {
                 run_id: action.map(|a| Arc::from(a.run_id())),
                 call_id: action.and_then(|a| a.call_id()).map(Arc::from),
                 key: key.cloned(),
             });
+        }
         let fut = span.in_scope(|| self.inner.call(req));
         FinishFuture {
             state: State::Running {
