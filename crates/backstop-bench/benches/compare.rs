@@ -129,6 +129,13 @@ fn main() {
         ),
         measure(
             &rt,
+            "Backstop: retry + budget + attempt timeout (tower's three jobs)",
+            stacks::retry_budget_timeout(),
+            calls,
+            rounds,
+        ),
+        measure(
+            &rt,
             "Backstop: breaker",
             stacks::breaker_only(),
             calls,

@@ -55,6 +55,12 @@ fn success_path(c: &mut Criterion) {
     );
     bench(c, &rt, "layer/retry", stacks::retry_only());
     bench(c, &rt, "layer/retry+budget", stacks::retry_budget());
+    bench(
+        c,
+        &rt,
+        "layer/retry+budget+attempt timeout (tower's three jobs)",
+        stacks::retry_budget_timeout(),
+    );
     bench(c, &rt, "layer/breaker", stacks::breaker_only());
     bench(
         c,
@@ -91,7 +97,11 @@ fn failure_paths(c: &mut Criterion) {
                     let (budget, dep) = (budget.clone(), dep.clone());
                     s.spawn(move || {
                         for _ in 0..iters {
-                            backstop::retry::RetryBudget::deposit(&budget, &dep);
+                            backstop::retry::RetryBudget::deposit(
+                                &budget,
+                                &dep,
+                                tokio::time::Instant::now(),
+                            );
                         }
                     });
                 }

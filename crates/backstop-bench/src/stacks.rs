@@ -1,11 +1,14 @@
 //! The stacks compared in the benchmarks.
 
 use backstop::{
-    Backstop,
+    Backstop, BackstopLayer,
     backoff::RngSource,
     breaker::{Breaker, BreakerConfig, BreakerLayer},
     budget::Budget,
+    classify::HttpClassifier,
+    idempotency::HttpKeys,
     idempotency::IdempotencyLayer,
+    retry::HttpReplay,
     retry::RetryLayer,
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
 };
@@ -95,12 +98,8 @@ pub fn bare() -> impl Bench {
 /// What users reach for today: tower's `retry` with a `Policy` over a `TpsBudget`, and
 /// tower's `timeout`.
 pub fn tower_stack() -> impl Bench {
-    let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2));
     ServiceBuilder::new()
-        .retry(TowerPolicy {
-            budget,
-            attempts: 2,
-        })
+        .retry(tower_policy())
         .timeout(Duration::from_secs(3))
         .service(ok_service())
 }
@@ -115,10 +114,14 @@ pub struct TowerPolicy {
     pub attempts: usize,
 }
 
-impl<E> Policy<Req, Res, E> for TowerPolicy {
+impl<B, E> Policy<Req, Response<B>, E> for TowerPolicy {
     type Future = Ready<()>;
 
-    fn retry(&mut self, _req: &mut Req, result: &mut Result<Res, E>) -> Option<Self::Future> {
+    fn retry(
+        &mut self,
+        _req: &mut Req,
+        result: &mut Result<Response<B>, E>,
+    ) -> Option<Self::Future> {
         match result {
             Ok(r) if !r.status().is_server_error() => {
                 self.budget.deposit();
@@ -170,17 +173,32 @@ pub fn tower_resilience_stack() -> impl Bench {
     retry.layer(inner)
 }
 
-/// The full Backstop stack (idempotency, call span and errors, deadline, retry with budget,
-/// breaker, attempt timeout), with its own budget and breaker.
-pub fn backstop_stack() -> impl Bench {
-    Backstop::http("carrier-api")
+/// The full Backstop layer for `dependency` (idempotency, call span and errors, deadline, retry
+/// with budget, breaker, attempt timeout), with its own budget and breaker and a seeded RNG.
+pub fn backstop_layer(
+    dependency: &str,
+    attempt_timeout: Duration,
+) -> BackstopLayer<HttpClassifier, HttpReplay, HttpKeys> {
+    Backstop::http(dependency)
         .budget(Budget::default())
         .breaker(Breaker::default())
         .rng(RngSource::seeded(1))
-        .attempt_timeout(Duration::from_secs(3))
+        .attempt_timeout(attempt_timeout)
         .build()
         .unwrap()
-        .layer(ok_service())
+}
+
+/// The policy of [`tower_stack`]: two retries within a `TpsBudget` (20 %, 10/s, 10 s).
+pub fn tower_policy() -> TowerPolicy {
+    TowerPolicy {
+        budget: Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2)),
+        attempts: 2,
+    }
+}
+
+/// The full Backstop stack over the immediately ready service.
+pub fn backstop_stack() -> impl Bench {
+    backstop_layer("carrier-api", Duration::from_secs(3)).layer(ok_service())
 }
 
 /// The full stack with some pieces turned off, to see what each costs inside it.
@@ -224,6 +242,18 @@ pub fn retry_budget() -> impl Bench {
         .dependency("carrier-api")
         .rng(RngSource::seeded(1))
         .budget(Arc::new(Budget::default()))
+        .layer(ok_service())
+}
+
+/// The same three jobs as [`tower_stack`]: the retry layer with a budget and its attempt
+/// timeout.
+pub fn retry_budget_timeout() -> impl Bench {
+    let budget = Budget::default();
+    RetryLayer::http()
+        .dependency("carrier-api")
+        .rng(RngSource::seeded(1))
+        .budget(Arc::new(budget.bind(&"carrier-api".into())))
+        .attempt_timeout(Duration::from_secs(3))
         .layer(ok_service())
 }
 
@@ -284,5 +314,39 @@ pub async fn drive<S: Bench>(svc: &mut S, n: u64) {
             Err(e) => Err(e),
         };
         std::hint::black_box(res.is_ok());
+    }
+}
+
+/// A loopback HTTP server answering every request with a small JSON body, and a hyper-util
+/// client for it: what the loopback benchmarks send their GETs through.
+pub struct Loopback {
+    /// The server (stopped when dropped).
+    pub server: backstop_testkit::TestServer,
+    /// The URL to GET.
+    pub url: String,
+    /// hyper-util's pooled HTTP/1 client.
+    pub client: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >,
+}
+
+impl std::fmt::Debug for Loopback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loopback").field("url", &self.url).finish()
+    }
+}
+
+/// Starts a [`Loopback`] server and client on the current runtime.
+pub async fn loopback() -> Loopback {
+    use backstop_testkit::{Action, TestServer};
+    let server = TestServer::start(|_| Action::respond(200, &[], r#"{"ground":8.40}"#)).await;
+    let url = server.url("/rates");
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    Loopback {
+        server,
+        url,
+        client,
     }
 }

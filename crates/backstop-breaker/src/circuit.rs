@@ -112,12 +112,24 @@ pub(crate) enum Signal {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Normal,
     Trial,
 }
 
 /// Admission to make one call; reports its result, or gives a trial slot back when dropped.
+/// Counts a call the breaker refused (`backstop_breaker_rejections_total`, feature `metrics`).
+#[inline]
+pub(crate) fn count_rejection(open: &CircuitOpen) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "backstop_breaker_rejections_total",
+        "dependency" => metrics::SharedString::from(open.dependency().as_arc())
+    )
+    .increment(1);
+    let _ = open;
+}
+
 pub(crate) struct Permit {
     breaker: Arc<Inner>,
     circuit: Arc<Circuit>,
@@ -138,8 +150,13 @@ impl fmt::Debug for Permit {
 impl Permit {
     pub(crate) fn record(mut self, signal: Signal) {
         self.done = true;
-        self.breaker
-            .record(&self.circuit, self.kind, self.generation, signal);
+        self.breaker.record(
+            &self.circuit,
+            self.kind,
+            self.generation,
+            signal,
+            Instant::now(),
+        );
     }
 }
 
@@ -147,15 +164,20 @@ impl Drop for Permit {
     fn drop(&mut self) {
         if !self.done {
             // Cancelled: no failure, and a trial gives its slot back.
-            self.breaker
-                .record(&self.circuit, self.kind, self.generation, Signal::Ignore);
+            self.breaker.record(
+                &self.circuit,
+                self.kind,
+                self.generation,
+                Signal::Ignore,
+                Instant::now(),
+            );
         }
     }
 }
 
 pub(crate) struct Inner {
     pub(crate) config: BreakerConfig,
-    circuits: Registry<Circuit>,
+    pub(crate) circuits: Registry<Circuit>,
     origin: Instant,
 }
 
@@ -283,18 +305,27 @@ impl Inner {
         circuit: Arc<Circuit>,
         dependency: &Dependency,
     ) -> Result<Permit, CircuitOpen> {
-        let permit = |kind, generation| Permit {
+        let (kind, generation) = self.admit(&circuit, dependency)?;
+        Ok(Permit {
             breaker: this.clone(),
-            circuit: circuit.clone(),
+            circuit,
             kind,
             generation,
             done: false,
-        };
+        })
+    }
+
+    /// Admits one call through `circuit`, or says why not.
+    pub(crate) fn admit(
+        &self,
+        circuit: &Circuit,
+        dependency: &Dependency,
+    ) -> Result<(Kind, u64), CircuitOpen> {
         loop {
             match circuit.state.load(Ordering::Acquire) {
                 CLOSED => {
                     let generation = circuit.generation.load(Ordering::Acquire);
-                    return Ok(permit(Kind::Normal, generation));
+                    return Ok((Kind::Normal, generation));
                 }
                 OPEN => {
                     let generation = circuit.generation.load(Ordering::Acquire);
@@ -308,7 +339,7 @@ impl Inner {
                         ));
                     }
                     // The cooldown is over: let trials through (unless the circuit changed since).
-                    self.transition(&circuit, Some(OPEN), HALF_OPEN, Some(generation));
+                    self.transition(circuit, Some(OPEN), HALF_OPEN, Some(generation));
                 }
                 HALF_OPEN => {
                     let generation = circuit.generation.load(Ordering::Acquire);
@@ -317,7 +348,7 @@ impl Inner {
                         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| t.checked_sub(1))
                         .is_ok();
                     if took {
-                        return Ok(permit(Kind::Trial, generation));
+                        return Ok((Kind::Trial, generation));
                     }
                     return Err(CircuitOpen::new(
                         dependency.clone(),
@@ -336,7 +367,16 @@ impl Inner {
         }
     }
 
-    fn record(&self, c: &Arc<Circuit>, kind: Kind, generation: u64, signal: Signal) {
+    /// Records how a call ended. `now` dates a success in the ratio window (a gate passes the
+    /// attempt's start, which it has already read); failures read the clock themselves.
+    pub(crate) fn record(
+        &self,
+        c: &Circuit,
+        kind: Kind,
+        generation: u64,
+        signal: Signal,
+        now: Instant,
+    ) {
         let current = c.generation.load(Ordering::Acquire) == generation;
         match (kind, signal) {
             (Kind::Trial, Signal::Ignore) => {
@@ -363,7 +403,7 @@ impl Inner {
                     c.consecutive.store(0, Ordering::Release);
                 }
                 if let Some(calls) = &c.calls {
-                    calls.add(Instant::now(), 1);
+                    calls.add(now, 1);
                 }
             }
             (Kind::Normal, Signal::Failure) => {

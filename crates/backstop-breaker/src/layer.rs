@@ -147,18 +147,13 @@ where
 
     fn call(&mut self, req: Req) -> Self::Future {
         let permit = match Dependency::of(&req) {
-            Some(d) => self.breaker.acquire(d),
+            Some(d) => self.breaker.acquire(&d),
             None => self.breaker.acquire(&self.key.dependency(&req)),
         };
         match permit {
             // Open: fail at once; the inner service is not touched.
             Err(open) => {
-                #[cfg(feature = "metrics")]
-                metrics::counter!(
-                    "backstop_breaker_rejections_total",
-                    "dependency" => metrics::SharedString::from(open.dependency().as_arc())
-                )
-                .increment(1);
+                crate::circuit::count_rejection(&open);
                 ResponseFuture {
                     state: State::Rejected { error: Some(open) },
                     _req: PhantomData,
@@ -208,7 +203,7 @@ enum State<F, C> {
     },
 }
 
-fn signal(verdict: Verdict) -> Signal {
+pub(crate) fn signal(verdict: Verdict) -> Signal {
     match verdict {
         Verdict::Success
         | Verdict::Fatal {

@@ -78,10 +78,12 @@
 
 mod circuit;
 mod config;
+mod gate;
 mod layer;
 
 pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
 pub use circuit::{Breaker, CircuitStats, State, Transition};
 pub use config::BreakerConfig;
+pub use gate::BoundBreaker;
 pub use layer::{BreakerLayer, CircuitBreaker, ResponseFuture};

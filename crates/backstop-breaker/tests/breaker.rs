@@ -535,11 +535,21 @@ async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
         .rng(RngSource::seeded(9))
         .budget(Arc::new(budget.clone()))
         .layer(BreakerLayer::http(breaker.clone()).layer(dep.service()));
+    an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
+}
 
-    // Call 1: three attempts, three failures. Call 2: the fourth attempt opens the circuit,
-    // the fifth is refused by it and the retry layer stops.
-    assert_eq!(call(&svc).await.unwrap().status(), 503);
-    let e = call(&svc).await.unwrap_err();
+/// Call 1: three attempts, three failures. Call 2: the fourth attempt opens the circuit, the
+/// fifth is refused by it and the retry layer stops. Later calls fail fast.
+async fn an_open_circuit_stops_retries_at_once<S>(
+    svc: &S,
+    dep: &Dep,
+    breaker: &Breaker,
+    budget: &Budget,
+) where
+    S: Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone,
+{
+    assert_eq!(call(svc).await.unwrap().status(), 503);
+    let e = call(svc).await.unwrap_err();
     assert_eq!(dep.calls(), 4);
     let e = e.downcast::<RetryError>().unwrap();
     assert_eq!(e.attempts(), 2);
@@ -553,7 +563,7 @@ async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
 
     // Later calls fail fast: one attempt, no wait, nothing reaches the dependency.
     let start = Instant::now();
-    let e = call(&svc)
+    let e = call(svc)
         .await
         .unwrap_err()
         .downcast::<RetryError>()
@@ -590,4 +600,82 @@ async fn per_authority_circuits_when_no_name_is_given() {
         2,
         "the open circuit of a.example did not stop b.example"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn as_the_retry_layers_gate_an_open_circuit_stops_retries_at_once() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(4)).unwrap();
+    let budget = Budget::default();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = RetryLayer::http()
+        .dependency("carrier-api")
+        .backoff(Backoff::constant(Duration::from_millis(100)))
+        .rng(RngSource::seeded(9))
+        .budget(Arc::new(budget.bind(&carrier())))
+        .gate(Arc::new(breaker.bind(&carrier())))
+        .layer(dep.service());
+    // The same story as with the breaker as a layer further in.
+    an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
+
+    // After the cooldown a trial is admitted; its success closes the circuit.
+    advance(Duration::from_secs(30)).await;
+    dep.set(Answer::Ok);
+    assert_eq!(call(&svc).await.unwrap().status(), 200);
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+}
+
+/// One attempt per call, asking `breaker` first.
+fn gated(
+    breaker: &Breaker,
+    dep: &Dep,
+) -> impl Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone + use<> {
+    RetryLayer::http()
+        .dependency("carrier-api")
+        .max_attempts(1)
+        .unwrap()
+        .gate(Arc::new(breaker.bind(&carrier())))
+        .layer(dep.service())
+}
+
+#[tokio::test(start_paused = true)]
+async fn as_a_gate_a_cancelled_trial_gives_its_slot_back() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = gated(&breaker, &dep);
+    assert_eq!(call(&svc).await.unwrap().status(), 503);
+    assert_eq!(breaker.state(&carrier()), State::Open);
+    advance(Duration::from_secs(30)).await;
+
+    dep.set(Answer::Hang);
+    for _ in 0..3 {
+        let mut s = svc.clone();
+        let fut = s.call(Request::new(()));
+        let mut fut = pin!(fut);
+        assert!(poll_once(fut.as_mut()).is_pending());
+        assert_eq!(breaker.state(&carrier()), State::HalfOpen);
+        let e = call(&svc)
+            .await
+            .unwrap_err()
+            .downcast::<RetryError>()
+            .unwrap();
+        assert_eq!(
+            e.cause().downcast_ref::<CircuitOpen>().unwrap().state(),
+            CircuitState::HalfOpen
+        );
+    }
+    dep.set(Answer::Ok);
+    assert_eq!(call(&svc).await.unwrap().status(), 200);
+    assert_eq!(breaker.state(&carrier()), State::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bound_breaker_sends_a_request_naming_another_dependency_to_that_circuit() {
+    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    let dep = Dep::new(Answer::Status(503));
+    let svc = gated(&breaker, &dep);
+    let mut req = Request::new(());
+    req.extensions_mut().insert(Dependency::new("label-api"));
+    assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 503);
+    assert_eq!(breaker.state(&Dependency::new("label-api")), State::Open);
+    assert_eq!(breaker.state(&carrier()), State::Closed);
 }

@@ -39,7 +39,7 @@
 //! let budget = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
 //! let carrier = Dependency::new("carrier-api");
 //! for _ in 0..100 {
-//!     budget.deposit(&carrier);
+//!     budget.deposit(&carrier, tokio::time::Instant::now());
 //! }
 //! let granted = (0..50).filter(|_| budget.withdraw(&carrier)).count();
 //! assert_eq!(granted, 10); // 10 % of 100 requests
@@ -217,17 +217,19 @@ impl Default for Budget {
     }
 }
 
-impl RetryBudget for Budget {
-    fn deposit(&self, dependency: &Dependency) {
-        self.inner
-            .accounts
-            .get(dependency)
-            .requests
-            .add(Instant::now(), 1);
+impl Budget {
+    /// This budget's account for one dependency, looked up once: a stack whose dependency is
+    /// fixed deposits and withdraws through it without a registry lookup per call. A call that
+    /// names another dependency still goes to that one's account.
+    pub fn bind(&self, dependency: &Dependency) -> BoundBudget {
+        BoundBudget {
+            account: self.inner.accounts.get(dependency),
+            dependency: dependency.clone(),
+            budget: self.clone(),
+        }
     }
 
-    fn withdraw(&self, dependency: &Dependency) -> bool {
-        let account = self.inner.accounts.get(dependency);
+    fn withdraw_from(&self, account: &Account) -> bool {
         let now = Instant::now();
         // Count first, then check: concurrent withdrawals see each other and cannot overshoot.
         account.retries.add(now, 1);
@@ -237,6 +239,51 @@ impl RetryBudget for Budget {
             return false;
         }
         true
+    }
+}
+
+impl RetryBudget for Budget {
+    fn deposit(&self, dependency: &Dependency, now: Instant) {
+        self.inner.accounts.get(dependency).requests.add(now, 1);
+    }
+
+    fn withdraw(&self, dependency: &Dependency) -> bool {
+        self.withdraw_from(&self.inner.accounts.get(dependency))
+    }
+}
+
+/// A [`Budget`]'s account for one dependency, from [`Budget::bind`].
+#[derive(Clone)]
+pub struct BoundBudget {
+    account: Arc<Account>,
+    dependency: Dependency,
+    budget: Budget,
+}
+
+impl fmt::Debug for BoundBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BoundBudget")
+            .field("dependency", &self.dependency)
+            .field("budget", &self.budget)
+            .finish()
+    }
+}
+
+impl RetryBudget for BoundBudget {
+    fn deposit(&self, dependency: &Dependency, now: Instant) {
+        if *dependency == self.dependency {
+            self.account.requests.add(now, 1);
+        } else {
+            self.budget.deposit(dependency, now);
+        }
+    }
+
+    fn withdraw(&self, dependency: &Dependency) -> bool {
+        if *dependency == self.dependency {
+            self.budget.withdraw_from(&self.account)
+        } else {
+            self.budget.withdraw(dependency)
+        }
     }
 }
 
@@ -268,7 +315,7 @@ mod tests {
     async fn the_floor_lets_a_quiet_dependency_retry() {
         let b = Budget::default();
         let d = Dependency::new("quiet");
-        b.deposit(&d);
+        b.deposit(&d, Instant::now());
         // 0.1 * 1 + 1/s * 10 s = 10.1 retries.
         let granted = (0..20).filter(|_| b.withdraw(&d)).count();
         assert_eq!(granted, 10);
@@ -281,14 +328,14 @@ mod tests {
         let b = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
         let d = Dependency::new("carrier-api");
         for _ in 0..50 {
-            b.deposit(&d);
+            b.deposit(&d, Instant::now());
         }
         assert_eq!((0..10).filter(|_| b.withdraw(&d)).count(), 5);
         tokio::time::advance(Duration::from_secs(11)).await;
         // The old requests and retries have left the window.
         assert!(!b.withdraw(&d));
         for _ in 0..10 {
-            b.deposit(&d);
+            b.deposit(&d, Instant::now());
         }
         assert!(b.withdraw(&d));
         assert!(!b.withdraw(&d));
@@ -299,7 +346,7 @@ mod tests {
         let b = Budget::new(BudgetConfig::default().max_dependencies(1_000)).unwrap();
         for i in 0..1_000_000u32 {
             let d = Dependency::new(format!("host-{i}.example:443"));
-            b.deposit(&d);
+            b.deposit(&d, Instant::now());
             let _ = b.withdraw(&d);
         }
         assert_eq!(b.tracked(), 1_000);
@@ -310,7 +357,7 @@ mod tests {
         let b = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
         let (a, c) = (Dependency::new("a"), Dependency::new("c"));
         for _ in 0..10 {
-            b.deposit(&a);
+            b.deposit(&a, Instant::now());
         }
         assert!(b.withdraw(&a));
         assert!(!b.withdraw(&c));

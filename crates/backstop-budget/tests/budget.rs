@@ -90,7 +90,7 @@ async fn many_tasks_hammering_one_dependency_lose_no_update_and_never_overshoot(
         let (budget, dep, granted) = (budget.clone(), dep.clone(), granted.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..10_000 {
-                budget.deposit(&dep);
+                budget.deposit(&dep, tokio::time::Instant::now());
                 if i % 2 == 0 && budget.withdraw(&dep) {
                     granted.fetch_add(1, Ordering::Relaxed);
                 }
@@ -110,4 +110,24 @@ async fn many_tasks_hammering_one_dependency_lose_no_update_and_never_overshoot(
     );
     // Nearly all of the allowance is used: withdrawals happen throughout, as deposits grow.
     assert!(granted >= 7_900, "{granted}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bound_budget_charges_its_own_account_and_sends_others_to_theirs() {
+    let budget = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
+    let carrier = Dependency::new("carrier-api");
+    let labels = Dependency::new("label-api");
+    let bound = budget.bind(&carrier);
+    let now = tokio::time::Instant::now();
+    for _ in 0..20 {
+        bound.deposit(&carrier, now);
+    }
+    bound.deposit(&labels, now);
+    assert_eq!(budget.stats(&carrier).requests, 20);
+    assert_eq!(budget.stats(&labels).requests, 1);
+    // 10 % of 20: two retries through the bound account, then refused.
+    assert_eq!((0..5).filter(|_| bound.withdraw(&carrier)).count(), 2);
+    assert_eq!(budget.stats(&carrier).retries, 2);
+    // 10 % of 1 rounds to none for the other dependency.
+    assert!(!bound.withdraw(&labels));
 }

@@ -1,13 +1,43 @@
 use crate::{Deadline, Dependency, HasExtensions};
+use std::cell::RefCell;
 
-/// The per-call facts Backstop's layers share, kept together in **one** request extension.
+thread_local! {
+    static CURRENT: RefCell<Option<CallContext>> = const { RefCell::new(None) };
+}
+
+/// Keeps a [`CallContext`] current on this thread until dropped, then puts the previous one
+/// back (also when the code in between panics). From [`CallContext::make_current`].
+#[derive(Debug)]
+#[must_use = "the context is current only until the guard is dropped"]
+pub struct ScopeGuard {
+    prev: Option<CallContext>,
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        let prev = self.prev.take();
+        // `try_with`: during thread teardown there is nothing to restore.
+        let _ = CURRENT.try_with(|c| *c.borrow_mut() = prev);
+    }
+}
+
+/// The per-call facts Backstop's layers share: the deadline, the dependency and the retry-scope
+/// mark.
 ///
-/// Each value put in `http::Extensions` is a separate heap allocation, and the retry layer
-/// copies the extensions for every attempt. Keeping the deadline, the dependency and the
-/// retry-scope mark in one small struct makes that one allocation instead of three (and one
-/// more, not three, per copy). Read it through [`Deadline::of`], [`Dependency::of`] and
-/// [`RetryScope::is_marked`](crate::RetryScope::is_marked); those also accept a bare
-/// `Deadline`, `Dependency` or `RetryScope` that a caller inserted itself.
+/// They reach the layers of an attempt in one of two ways:
+///
+/// - **the attempt scope** (the default, free): while a retry layer calls the service it wraps,
+///   it makes the context *current* on that thread with [`CallContext::enter`]. Every layer
+///   whose `call` runs inside (a nested retry layer, an attempt timeout, a breaker, the
+///   idempotency layer) sees it through [`Deadline::of`], [`Dependency::of`] and
+///   [`RetryScope::is_marked`](crate::RetryScope::is_marked). Nothing is allocated.
+/// - **the request's extensions**: one `CallContext` value in the attempt's copy of the request.
+///   That survives a task boundary (a `tower::buffer::Buffer`, a service that hands requests to
+///   a spawned worker), which the scope does not, at the price of the extension map's
+///   allocations; retry layers do it when asked to (`mark_requests`).
+///
+/// Those readers also accept a bare `Deadline`, `Dependency` or `RetryScope` that a caller put in
+/// the extensions itself.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CallContext {
     pub(crate) deadline: Option<Deadline>,
@@ -23,6 +53,41 @@ impl CallContext {
             dependency: Some(dependency),
             retry_scope: true,
         }
+    }
+
+    /// Runs `f` with this context as the current attempt scope on this thread, and puts the
+    /// previous scope back afterwards (also if `f` panics). A retry layer wraps its inner
+    /// service's `call` in it, so the layers that `call` reaches see the attempt's deadline,
+    /// dependency and retry mark without any allocation.
+    ///
+    /// ```
+    /// use backstop_core::{CallContext, Dependency, RetryScope};
+    ///
+    /// let req = http::Request::new(());
+    /// assert!(!RetryScope::is_marked(&req));
+    /// CallContext::for_retry(Dependency::new("search-api"), None).enter(|| {
+    ///     assert!(RetryScope::is_marked(&req));
+    ///     assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
+    /// });
+    /// assert!(!RetryScope::is_marked(&req));
+    /// ```
+    pub fn enter<T>(self, f: impl FnOnce() -> T) -> T {
+        let _guard = self.make_current();
+        f()
+    }
+
+    /// Makes this context the current attempt scope on this thread until the guard is dropped:
+    /// [`enter`](Self::enter) without a closure.
+    pub fn make_current(self) -> ScopeGuard {
+        ScopeGuard {
+            prev: CURRENT.with(|c| c.replace(Some(self))),
+        }
+    }
+
+    /// Calls `f` with the current attempt scope, if a retry layer's call is in progress on this
+    /// thread.
+    pub fn with_current<T>(f: impl FnOnce(Option<&CallContext>) -> T) -> T {
+        CURRENT.with(|c| f(c.borrow().as_ref()))
     }
 
     /// The context on a request, if a layer put one there.

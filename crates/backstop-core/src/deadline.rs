@@ -20,7 +20,12 @@ impl Deadline {
 
     /// A deadline `budget` from now (saturating far in the future on overflow).
     pub fn after(budget: Duration) -> Self {
-        let now = Instant::now();
+        Deadline::after_from(Instant::now(), budget)
+    }
+
+    /// A deadline `budget` after `now` (saturating far in the future on overflow): for a caller
+    /// that has already read the clock.
+    pub fn after_from(now: Instant, budget: Duration) -> Self {
         Deadline(
             now.checked_add(budget)
                 .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30)),
@@ -42,9 +47,23 @@ impl Deadline {
         Instant::now() >= self.0
     }
 
-    /// The deadline recorded on a request, if any: the one in its
-    /// [`CallContext`](crate::CallContext), or else a bare `Deadline` a caller inserted.
+    /// The deadline in force for a request: the earliest of the one in its
+    /// [`CallContext`](crate::CallContext) extension (or else a bare `Deadline` a caller
+    /// inserted) and the one of the attempt scope a retry layer made current on this thread
+    /// ([`CallContext::enter`](crate::CallContext::enter)).
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
+        let own = Deadline::on(req);
+        let scoped = crate::CallContext::with_current(|c| c.and_then(|c| c.deadline));
+        match (own, scoped) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The deadline a request carries itself, in its extensions (its
+    /// [`CallContext`](crate::CallContext), or a bare `Deadline` a caller inserted); unlike
+    /// [`of`](Self::of), not the attempt scope's.
+    pub fn on<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()
             .and_then(|c| c.deadline)

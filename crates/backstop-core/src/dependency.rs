@@ -52,8 +52,19 @@ impl Dependency {
     }
 
     /// The dependency recorded on a request: the one in its
-    /// [`CallContext`](crate::CallContext), or else a bare `Dependency` a caller inserted.
-    pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
+    /// [`CallContext`](crate::CallContext) extension, or else a bare `Dependency` a caller
+    /// inserted, or else the one of the attempt scope a retry layer made current on this thread
+    /// ([`CallContext::enter`](crate::CallContext::enter)).
+    pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<Dependency> {
+        Dependency::on(req)
+            .cloned()
+            .or_else(|| crate::CallContext::with_current(|c| c.and_then(|c| c.dependency.clone())))
+    }
+
+    /// The dependency a request names itself, in its extensions (its
+    /// [`CallContext`](crate::CallContext), or a bare `Dependency` a caller inserted); unlike
+    /// [`of`](Self::of), not the attempt scope's.
+    pub fn on<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()
             .and_then(|c| c.dependency.as_ref())

@@ -78,8 +78,12 @@ impl ReplaySafe {
     }
 }
 
-/// The mark the outermost retry layer puts in a request's extensions. A retry layer that finds
-/// it makes exactly one attempt and leaves retrying to the outer one.
+/// The mark of the outermost retry layer. A retry layer that finds it makes exactly one attempt
+/// and leaves retrying to the outer one.
+///
+/// The outer layer sets it in the attempt scope while it calls its inner service
+/// ([`CallContext::enter`](crate::CallContext::enter)), and, when asked to, in the attempt's
+/// extensions too, so that it also crosses a task boundary.
 ///
 /// Any other retrying code can honour it too: if a request carries it, someone outside is
 /// already retrying.
@@ -87,8 +91,15 @@ impl ReplaySafe {
 pub struct RetryScope;
 
 impl RetryScope {
-    /// Whether a retry layer already owns the call.
+    /// Whether a retry layer already owns the call: the request carries the mark, or a retry
+    /// layer's call into its service is in progress on this thread.
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
+        RetryScope::is_marked_on(req)
+            || crate::CallContext::with_current(|c| c.is_some_and(|c| c.retry_scope))
+    }
+
+    /// Whether the request itself carries the mark, in its extensions (not the attempt scope).
+    pub fn is_marked_on<R: HasExtensions + ?Sized>(req: &R) -> bool {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()
             .is_some_and(|c| c.retry_scope)

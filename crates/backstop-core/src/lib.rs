@@ -33,7 +33,7 @@ mod error;
 mod extensions;
 mod outcome;
 
-pub use context::CallContext;
+pub use context::{CallContext, ScopeGuard};
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{

@@ -1,5 +1,6 @@
 use backstop_core::Dependency;
 use std::fmt;
+use tokio::time::Instant;
 
 /// A per-dependency allowance of retries, consulted by the retry layer.
 ///
@@ -9,8 +10,9 @@ use std::fmt;
 /// only after deciding that the failure was the dependency's and that a retry would otherwise
 /// happen, so bad requests never drain it.
 pub trait RetryBudget: Send + Sync + fmt::Debug {
-    /// A logical call to `dependency` started.
-    fn deposit(&self, dependency: &Dependency);
+    /// A logical call to `dependency` started at `now` (the retry layer reads the clock once
+    /// per call and passes it on).
+    fn deposit(&self, dependency: &Dependency, now: Instant);
 
     /// Asks for one retry of a call to `dependency`; `false` refuses it.
     fn withdraw(&self, dependency: &Dependency) -> bool;
@@ -21,7 +23,7 @@ pub trait RetryBudget: Send + Sync + fmt::Debug {
 pub struct NoBudget;
 
 impl RetryBudget for NoBudget {
-    fn deposit(&self, _dependency: &Dependency) {}
+    fn deposit(&self, _dependency: &Dependency, _now: Instant) {}
     fn withdraw(&self, _dependency: &Dependency) -> bool {
         true
     }

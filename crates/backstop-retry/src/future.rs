@@ -1,9 +1,13 @@
 use crate::{
-    AttemptRecord, NotReplayable, Replay, RetryError, RetryHistory, StopReason, layer::Policy,
+    AttemptRecord, NotReplayable, Replay, RetryError, RetryHistory, StopReason, Ticket,
+    layer::Policy,
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{BoxError, CallContext, Deadline, Dependency, HasExtensions, Outcome};
+use backstop_core::{
+    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions,
+    Outcome,
+};
 use pin_project::pin_project;
 use rand::rngs::SmallRng;
 use std::{
@@ -14,7 +18,7 @@ use std::{
     task::{Context, Poll, ready},
     time::Duration,
 };
-use tokio::time::{Instant, Sleep, sleep};
+use tokio::time::{Instant, Sleep, sleep, sleep_until};
 use tower_service::Service;
 
 /// Response future of [`Retry`](crate::Retry).
@@ -25,8 +29,7 @@ where
 {
     #[pin]
     state: State<S::Future>,
-    /// `None` when an outer retry layer owns retrying.
-    call: Option<CallState<S, Req, C, P, K>>,
+    call: CallState<S, Req, C, P, K>,
 }
 
 #[pin_project(project = StateProj)]
@@ -34,6 +37,11 @@ enum State<F> {
     Calling {
         #[pin]
         fut: F,
+    },
+    /// The attempt ended before it was sent (the gate refused it, or no time was left).
+    Stopped {
+        error: Option<BoxError>,
+        verdict: Verdict,
     },
     /// Boxed: only a call that retries pays for the timer, and the future stays small (it is
     /// moved through every outer layer on every call).
@@ -44,22 +52,55 @@ enum State<F> {
     Done,
 }
 
+/// When the attempt in flight is cut short.
+#[derive(Clone, Copy)]
+struct Expiry {
+    at: Instant,
+    /// `Some(limit)`: the attempt timeout; `None`: the call's deadline.
+    limit: Option<Duration>,
+}
+
+/// What only a call that fails needs: boxed on first use, so a call that succeeds at once
+/// neither allocates it nor moves it around.
+#[derive(Default)]
+struct Cold {
+    history: Vec<AttemptRecord>,
+    schedule: Option<(Schedule, SmallRng)>,
+    not_replayable: Option<NotReplayable>,
+}
+
 struct CallState<S, Req, C, P, K> {
     policy: Arc<Policy<C, P, K>>,
     svc: S,
     /// The original request, kept for replays; `None` when it cannot be replayed.
     template: Option<Req>,
-    not_replayable: Option<NotReplayable>,
     dependency: Dependency,
     deadline: Option<Deadline>,
     started: Instant,
     attempt_started: Instant,
     attempt: u32,
-    /// Boxed for the same reason: created on the first backoff.
-    schedule: Option<Box<(Schedule, SmallRng)>>,
-    history: Vec<AttemptRecord>,
+    /// 1 when an outer retry layer owns retrying.
+    max_attempts: u32,
+    /// An outer retry layer owns retrying: this layer makes one attempt, still gated and
+    /// timed, and hands the raw result back.
+    nested: bool,
+    /// The gate's ticket for the attempt in flight.
+    ticket: Option<Ticket>,
+    expiry: Option<Expiry>,
+    /// Created only when the attempt in flight does not finish at once.
+    timer: Option<Pin<Box<Sleep>>>,
+    cold: Option<Box<Cold>>,
     /// The current attempt's span (disabled, and free, when nobody listens).
     span: tracing::Span,
+}
+
+impl<S, Req, C, P, K> Drop for CallState<S, Req, C, P, K> {
+    fn drop(&mut self) {
+        if let (Some(ticket), Some(gate)) = (self.ticket.take(), &self.policy.gate) {
+            // Cancelled mid-attempt: the gate learns it ended without a verdict.
+            gate.complete(&self.dependency, ticket, None, self.attempt_started);
+        }
+    }
 }
 
 enum Next {
@@ -67,83 +108,80 @@ enum Next {
     Wait(Duration),
 }
 
+/// How an attempt ended: the inner service's result, or this layer's own error (timed out,
+/// refused by the gate, no time left).
+enum Ended<T, E> {
+    Inner(Result<T, E>),
+    Own(BoxError),
+}
+
 impl<S, Req, C, P, K> fmt::Debug for ResponseFuture<S, Req, C, P, K>
 where
     S: Service<Req>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("ResponseFuture");
-        if let Some(call) = &self.call {
-            d.field("dependency", &call.dependency)
-                .field("attempt", &call.attempt);
-        } else {
-            d.field("passthrough", &true);
-        }
-        d.finish()
+        f.debug_struct("ResponseFuture")
+            .field("dependency", &self.call.dependency)
+            .field("attempt", &self.call.attempt)
+            .field("max_attempts", &self.call.max_attempts)
+            .finish()
     }
 }
 
 impl<S, Req, C, P, K> ResponseFuture<S, Req, C, P, K>
 where
     S: Service<Req>,
+    Req: HasExtensions,
     P: Replay<Req>,
 {
-    pub(crate) fn passthrough(fut: S::Future) -> Self {
-        ResponseFuture {
-            state: State::Calling { fut },
-            call: None,
-        }
-    }
-
+    /// Starts the call's first attempt. `nested`: an outer retry layer owns retrying.
     pub(crate) fn start(
         policy: Arc<Policy<C, P, K>>,
-        mut svc: S,
-        mut req: Req,
+        svc: S,
+        req: Req,
         dependency: Dependency,
         deadline: Option<Deadline>,
-    ) -> Self
-    where
-        Req: HasExtensions,
-    {
-        // The template stays as the caller sent it; each attempt is a copy that carries the
-        // call's context (dependency, deadline, retry scope) in one extension.
-        let ctx = CallContext::for_retry(dependency.clone(), deadline);
-        let (first, template, not_replayable) = if policy.max_attempts > 1 {
-            match policy.replay.replay(&req) {
-                Ok(mut copy) => {
-                    copy.extensions_mut().insert(ctx);
-                    (copy, Some(req), None)
+        now: Instant,
+        nested: bool,
+    ) -> Self {
+        let max_attempts = if nested { 1 } else { policy.max_attempts };
+        let mut call = CallState {
+            policy,
+            svc,
+            template: None,
+            dependency,
+            deadline,
+            started: now,
+            attempt_started: now,
+            attempt: 1,
+            max_attempts,
+            nested,
+            ticket: None,
+            expiry: None,
+            timer: None,
+            cold: None,
+            span: tracing::Span::none(),
+        };
+        // The template stays as the caller sent it; each attempt is a copy.
+        let first = if max_attempts > 1 {
+            match call.policy.replay.replay(&req) {
+                Ok(copy) => {
+                    call.template = Some(req);
+                    copy
                 }
                 Err(why) => {
-                    req.extensions_mut().insert(ctx);
-                    (req, None, Some(why))
+                    call.cold().not_replayable = Some(why);
+                    req
                 }
             }
         } else {
-            req.extensions_mut().insert(ctx);
-            (req, None, None)
+            req
         };
-        let now = Instant::now();
-        crate::obs::call(&dependency);
-        let span = attempt_span(&dependency, 1);
-        let fut = span.in_scope(|| svc.call(first));
-        ResponseFuture {
-            state: State::Calling { fut },
-            call: Some(CallState {
-                policy,
-                svc,
-                template,
-                not_replayable,
-                dependency,
-                deadline,
-                started: now,
-                attempt_started: now,
-                attempt: 1,
-                schedule: None,
-                history: Vec::new(),
-                span,
-            }),
+        if !nested {
+            crate::obs::call(&call.dependency);
         }
+        let state = call.begin(first, now);
+        ResponseFuture { state, call }
     }
 }
 
@@ -154,22 +192,98 @@ fn attempt_span(dependency: &Dependency, attempt: u32) -> tracing::Span {
 impl<S, Req, C, P, K> CallState<S, Req, C, P, K>
 where
     S: Service<Req>,
-    C: Classify<Req, S::Response, S::Error>,
+    Req: HasExtensions,
 {
+    fn cold(&mut self) -> &mut Cold {
+        self.cold.get_or_insert_with(Box::default)
+    }
+
+    fn history_is_empty(&self) -> bool {
+        self.cold.as_ref().is_none_or(|c| c.history.is_empty())
+    }
+
+    /// Starts an attempt at `now`: checks the deadline, asks the gate, then calls the service
+    /// inside the attempt scope.
+    fn begin(&mut self, mut req: Req, now: Instant) -> State<S::Future> {
+        self.attempt_started = now;
+        self.span = attempt_span(&self.dependency, self.attempt);
+        let policy = &self.policy;
+        self.expiry = match (policy.attempt_timeout, self.deadline) {
+            (None, None) => None,
+            (limit, Some(deadline)) => {
+                let left = deadline.instant().saturating_duration_since(now);
+                if left.is_zero() {
+                    return State::Stopped {
+                        error: Some(Box::new(DeadlineExceeded::new(
+                            Some(self.dependency.clone()),
+                            Outcome::NotSent,
+                        ))),
+                        verdict: Verdict::Fatal {
+                            outcome: Outcome::NotSent,
+                        },
+                    };
+                }
+                match limit {
+                    Some(limit) if limit < left => Some(Expiry {
+                        at: now + limit,
+                        limit: Some(limit),
+                    }),
+                    _ => Some(Expiry {
+                        at: deadline.instant(),
+                        limit: None,
+                    }),
+                }
+            }
+            (Some(limit), None) => Some(Expiry {
+                at: now
+                    .checked_add(limit)
+                    .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365)),
+                limit: Some(limit),
+            }),
+        };
+        if let Some(gate) = &policy.gate {
+            match gate.admit(&self.dependency) {
+                Ok(ticket) => self.ticket = Some(ticket),
+                Err(refused) => {
+                    return State::Stopped {
+                        error: Some(refused),
+                        verdict: Verdict::Fatal {
+                            outcome: Outcome::NotSent,
+                        },
+                    };
+                }
+            }
+        }
+        let ctx = CallContext::for_retry(self.dependency.clone(), self.deadline);
+        if policy.mark_requests {
+            req.extensions_mut().insert(ctx.clone());
+        }
+        let _scope = ctx.make_current();
+        let _entered = self.span.enter();
+        State::Calling {
+            fut: self.svc.call(req),
+        }
+    }
+
     fn record(&mut self, verdict: Verdict) {
-        self.history.push(AttemptRecord {
-            attempt: self.attempt,
+        let took = self.attempt_started.elapsed();
+        let attempt = self.attempt;
+        self.cold().history.push(AttemptRecord {
+            attempt,
             verdict,
-            took: self.attempt_started.elapsed(),
+            took,
             wait: None,
         });
     }
 
-    fn next(&mut self, verdict: Verdict) -> Next {
+    fn next(&mut self, verdict: Verdict) -> Next
+    where
+        C: Classify<Req, S::Response, S::Error>,
+    {
         let (outcome, after) = match verdict {
             Verdict::Success => {
                 // A first-attempt success records nothing: the hot path does not allocate.
-                if !self.history.is_empty() {
+                if !self.history_is_empty() {
                     self.record(verdict);
                 }
                 return Next::Stop(StopReason::Succeeded);
@@ -181,14 +295,15 @@ where
             Verdict::Retryable { outcome, after } => (outcome, after),
         };
         self.record(verdict);
-        let policy = &self.policy;
-        if self.attempt >= policy.max_attempts {
+        if self.attempt >= self.max_attempts {
             return Next::Stop(StopReason::AttemptsExhausted {
-                max_attempts: policy.max_attempts,
+                max_attempts: self.max_attempts,
             });
         }
+        let policy = self.policy.clone();
         let Some(template) = &self.template else {
             let why = self
+                .cold()
                 .not_replayable
                 .clone()
                 .unwrap_or_else(|| NotReplayable::new("the request could not be copied"));
@@ -200,10 +315,10 @@ where
         let wait = match after {
             Some(after) => after,
             None => {
-                let state = self
+                let (schedule, rng) = self
+                    .cold()
                     .schedule
-                    .get_or_insert_with(|| Box::new((policy.backoff.schedule(), policy.rng.rng())));
-                let (schedule, rng) = &mut **state;
+                    .get_or_insert_with(|| (policy.backoff.schedule(), policy.rng.rng()));
                 schedule.next_delay(rng)
             }
         };
@@ -217,7 +332,7 @@ where
             crate::obs::budget_refused(&self.dependency);
             return Next::Stop(StopReason::BudgetExhausted);
         }
-        if let Some(last) = self.history.last_mut() {
+        if let Some(last) = self.cold().history.last_mut() {
             last.wait = Some(wait);
         }
         tracing::debug!(
@@ -235,7 +350,11 @@ where
     fn history(&mut self, stopped: StopReason) -> RetryHistory {
         RetryHistory {
             dependency: self.dependency.clone(),
-            attempts: std::mem::take(&mut self.history),
+            attempts: self
+                .cold
+                .as_mut()
+                .map(|c| std::mem::take(&mut c.history))
+                .unwrap_or_default(),
             elapsed: self.started.elapsed(),
             stopped,
         }
@@ -243,7 +362,7 @@ where
 
     fn finish(
         &mut self,
-        result: Result<S::Response, S::Error>,
+        ended: Ended<S::Response, S::Error>,
         verdict: Verdict,
         stopped: StopReason,
     ) -> Result<S::Response, BoxError>
@@ -252,11 +371,12 @@ where
         S::Error: Into<BoxError>,
     {
         let succeeded = matches!(stopped, StopReason::Succeeded);
-        let unknown = self
-            .history
-            .iter()
-            .any(|a| a.verdict.outcome() == Outcome::Unknown)
-            && !succeeded;
+        let unknown = !succeeded
+            && self.cold.as_ref().is_some_and(|c| {
+                c.history
+                    .iter()
+                    .any(|a| a.verdict.outcome() == Outcome::Unknown)
+            });
         crate::obs::finished(&self.dependency, self.attempt, succeeded, unknown);
         if !succeeded {
             tracing::debug!(
@@ -268,19 +388,19 @@ where
                 "stopped"
             );
         }
-        match result {
-            Ok(mut res) => {
-                if !self.history.is_empty() {
+        let cause = match ended {
+            Ended::Inner(Ok(mut res)) => {
+                if !self.history_is_empty() {
                     let history = self.history(stopped);
                     res.extensions_mut().insert(history);
                 }
-                Ok(res)
+                return Ok(res);
             }
-            Err(e) => {
-                let history = self.history(stopped);
-                Err(Box::new(RetryError::new(history, verdict, e.into())))
-            }
-        }
+            Ended::Inner(Err(e)) => e.into(),
+            Ended::Own(e) => e,
+        };
+        let history = self.history(stopped);
+        Err(Box::new(RetryError::new(history, verdict, cause)))
     }
 }
 
@@ -297,43 +417,87 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        let call = this.call;
         loop {
-            match this.state.as_mut().project() {
+            let (ended, verdict) = match this.state.as_mut().project() {
                 StateProj::Calling { fut } => {
-                    let result = match this.call.as_ref() {
-                        Some(call) => {
-                            let _entered = call.span.enter();
-                            ready!(fut.poll(cx))
-                        }
-                        None => ready!(fut.poll(cx)),
+                    let polled = {
+                        let _entered = call.span.enter();
+                        fut.poll(cx)
                     };
-                    let Some(call) = this.call.as_mut() else {
-                        this.state.set(State::Done);
-                        return Poll::Ready(result.map_err(Into::into));
-                    };
-                    let verdict = call.policy.classifier.classify(result.as_ref());
-                    match call.next(verdict) {
-                        Next::Wait(wait) => {
-                            drop(result);
-                            this.state.set(State::Waiting {
-                                sleep: Box::pin(sleep(wait)),
-                            });
+                    match polled {
+                        Poll::Ready(result) => {
+                            let verdict = call.policy.classifier.classify(result.as_ref());
+                            if verdict == Verdict::Success && call.cold.is_none() {
+                                // The common case, kept short: a success with nothing to report.
+                                call.timer = None;
+                                if let (Some(ticket), Some(gate)) =
+                                    (call.ticket.take(), &call.policy.gate)
+                                {
+                                    gate.complete(
+                                        &call.dependency,
+                                        ticket,
+                                        Some(verdict),
+                                        call.attempt_started,
+                                    );
+                                }
+                                if !call.nested {
+                                    crate::obs::finished(
+                                        &call.dependency,
+                                        call.attempt,
+                                        true,
+                                        false,
+                                    );
+                                }
+                                this.state.set(State::Done);
+                                return Poll::Ready(result.map_err(Into::into));
+                            }
+                            (Ended::Inner(result), verdict)
                         }
-                        Next::Stop(stopped) => {
-                            this.state.set(State::Done);
-                            return Poll::Ready(call.finish(result, verdict, stopped));
+                        Poll::Pending => {
+                            let Some(expiry) = call.expiry else {
+                                return Poll::Pending;
+                            };
+                            let timer = call
+                                .timer
+                                .get_or_insert_with(|| Box::pin(sleep_until(expiry.at)));
+                            ready!(timer.as_mut().poll(cx));
+                            let dependency = Some(call.dependency.clone());
+                            match expiry.limit {
+                                Some(limit) => (
+                                    Ended::Own(Box::new(AttemptTimedOut::new(dependency, limit))),
+                                    Verdict::Retryable {
+                                        outcome: Outcome::Unknown,
+                                        after: None,
+                                    },
+                                ),
+                                None => (
+                                    Ended::Own(Box::new(DeadlineExceeded::new(
+                                        dependency,
+                                        Outcome::Unknown,
+                                    ))),
+                                    Verdict::Fatal {
+                                        outcome: Outcome::Unknown,
+                                    },
+                                ),
+                            }
                         }
                     }
                 }
+                StateProj::Stopped { error, verdict } => (
+                    Ended::Own(
+                        error
+                            .take()
+                            .expect("retry ResponseFuture polled after completion"),
+                    ),
+                    *verdict,
+                ),
                 StateProj::Waiting { sleep } => {
                     ready!(sleep.as_mut().poll(cx));
                     this.state.set(State::Readying);
+                    continue;
                 }
                 StateProj::Readying => {
-                    let call = this
-                        .call
-                        .as_mut()
-                        .expect("only a retrying future waits for readiness");
                     // Readiness is polled again before every attempt.
                     if let Err(e) = ready!(call.svc.poll_ready(cx)) {
                         this.state.set(State::Done);
@@ -351,36 +515,65 @@ where
                         .template
                         .as_ref()
                         .expect("only a replayable request is retried");
-                    let mut req =
-                        match call.policy.replay.replay(template) {
-                            Ok(req) => req,
-                            Err(why) => {
-                                this.state.set(State::Done);
-                                let verdict = call.history.last().map(|a| a.verdict).unwrap_or(
-                                    Verdict::Fatal {
-                                        outcome: Outcome::NotSent,
-                                    },
-                                );
-                                let history = call.history(StopReason::NotReplayable(why.clone()));
-                                return Poll::Ready(Err(Box::new(RetryError::new(
-                                    history,
-                                    verdict,
-                                    Box::new(why),
-                                ))));
-                            }
-                        };
-                    req.extensions_mut().insert(CallContext::for_retry(
-                        call.dependency.clone(),
-                        call.deadline,
-                    ));
+                    let req = match call.policy.replay.replay(template) {
+                        Ok(req) => req,
+                        Err(why) => {
+                            this.state.set(State::Done);
+                            let verdict = call
+                                .cold
+                                .as_ref()
+                                .and_then(|c| c.history.last())
+                                .map(|a| a.verdict)
+                                .unwrap_or(Verdict::Fatal {
+                                    outcome: Outcome::NotSent,
+                                });
+                            let history = call.history(StopReason::NotReplayable(why.clone()));
+                            return Poll::Ready(Err(Box::new(RetryError::new(
+                                history,
+                                verdict,
+                                Box::new(why),
+                            ))));
+                        }
+                    };
                     call.attempt += 1;
-                    call.attempt_started = Instant::now();
-                    call.span = attempt_span(&call.dependency, call.attempt);
                     crate::obs::retry(&call.dependency);
-                    let fut = call.span.in_scope(|| call.svc.call(req));
-                    this.state.set(State::Calling { fut });
+                    let next = call.begin(req, Instant::now());
+                    this.state.set(next);
+                    continue;
                 }
                 StateProj::Done => panic!("retry ResponseFuture polled after completion"),
+            };
+
+            // The attempt has ended.
+            call.timer = None;
+            if let (Some(ticket), Some(gate)) = (call.ticket.take(), &call.policy.gate) {
+                gate.complete(
+                    &call.dependency,
+                    ticket,
+                    Some(verdict),
+                    call.attempt_started,
+                );
+            }
+            if call.nested {
+                // An outer retry layer owns the call: the result goes back as it is, for that
+                // layer to classify.
+                this.state.set(State::Done);
+                return Poll::Ready(match ended {
+                    Ended::Inner(r) => r.map_err(Into::into),
+                    Ended::Own(e) => Err(e),
+                });
+            }
+            match call.next(verdict) {
+                Next::Wait(wait) => {
+                    drop(ended);
+                    this.state.set(State::Waiting {
+                        sleep: Box::pin(sleep(wait)),
+                    });
+                }
+                Next::Stop(stopped) => {
+                    this.state.set(State::Done);
+                    return Poll::Ready(call.finish(ended, verdict, stopped));
+                }
             }
         }
     }

@@ -1,9 +1,11 @@
-use crate::{CloneRequest, HttpReplay, NoBudget, Replay, RetryBudget, future::ResponseFuture};
+use crate::{
+    AttemptGate, CloneRequest, HttpReplay, NoBudget, Replay, RetryBudget, future::ResponseFuture,
+};
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{
-    BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
-    RetryScope,
+    BoxError, ByAuthority, CallContext, Deadline, Dependency, DependencyKey, HasExtensions,
+    InvalidConfig, RetryScope,
 };
 use std::{
     fmt,
@@ -11,6 +13,7 @@ use std::{
     task::{Context, Poll},
     time::Duration,
 };
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -26,32 +29,48 @@ pub(crate) struct Policy<C, P, K> {
     pub(crate) rng: RngSource,
     pub(crate) budget: Arc<dyn RetryBudget>,
     pub(crate) deadline: Option<Duration>,
+    pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) gate: Option<Arc<dyn AttemptGate>>,
+    pub(crate) mark_requests: bool,
 }
 
-/// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
-/// shares the RNG source and the budget.
+/// The settings that do not depend on the layer's type parameters.
 #[derive(Clone)]
-pub struct RetryLayer<C, P = CloneRequest, K = Dependency> {
-    classifier: C,
-    replay: P,
-    key: K,
+struct Settings {
     max_attempts: u32,
     backoff: Backoff,
     rng: RngSource,
     budget: Arc<dyn RetryBudget>,
     deadline: Option<Duration>,
+    attempt_timeout: Option<Duration>,
+    gate: Option<Arc<dyn AttemptGate>>,
+    mark_requests: bool,
+}
+
+/// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
+/// shares the RNG source, the budget and the gate.
+#[derive(Clone)]
+pub struct RetryLayer<C, P = CloneRequest, K = Dependency> {
+    classifier: C,
+    replay: P,
+    key: K,
+    settings: Settings,
 }
 
 impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug> fmt::Debug for RetryLayer<C, P, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
         f.debug_struct("RetryLayer")
             .field("classifier", &self.classifier)
             .field("replay", &self.replay)
             .field("dependency", &self.key)
-            .field("max_attempts", &self.max_attempts)
-            .field("backoff", &self.backoff)
-            .field("budget", &self.budget)
-            .field("deadline", &self.deadline)
+            .field("max_attempts", &s.max_attempts)
+            .field("backoff", &s.backoff)
+            .field("budget", &s.budget)
+            .field("deadline", &s.deadline)
+            .field("attempt_timeout", &s.attempt_timeout)
+            .field("gate", &s.gate)
+            .field("mark_requests", &s.mark_requests)
             .finish()
     }
 }
@@ -65,11 +84,16 @@ impl<C> RetryLayer<C> {
             classifier,
             replay: CloneRequest,
             key: Dependency::new("the dependency"),
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
-            backoff: Backoff::default(),
-            rng: RngSource::from_entropy(),
-            budget: Arc::new(NoBudget),
-            deadline: None,
+            settings: Settings {
+                max_attempts: DEFAULT_MAX_ATTEMPTS,
+                backoff: Backoff::default(),
+                rng: RngSource::from_entropy(),
+                budget: Arc::new(NoBudget),
+                deadline: None,
+                attempt_timeout: None,
+                gate: None,
+                mark_requests: false,
+            },
         }
     }
 }
@@ -91,11 +115,7 @@ impl<C, P, K> RetryLayer<C, P, K> {
             classifier,
             replay: self.replay,
             key: self.key,
-            max_attempts: self.max_attempts,
-            backoff: self.backoff,
-            rng: self.rng,
-            budget: self.budget,
-            deadline: self.deadline,
+            settings: self.settings,
         }
     }
 
@@ -105,11 +125,7 @@ impl<C, P, K> RetryLayer<C, P, K> {
             classifier: self.classifier,
             replay,
             key: self.key,
-            max_attempts: self.max_attempts,
-            backoff: self.backoff,
-            rng: self.rng,
-            budget: self.budget,
-            deadline: self.deadline,
+            settings: self.settings,
         }
     }
 
@@ -125,11 +141,7 @@ impl<C, P, K> RetryLayer<C, P, K> {
             classifier: self.classifier,
             replay: self.replay,
             key,
-            max_attempts: self.max_attempts,
-            backoff: self.backoff,
-            rng: self.rng,
-            budget: self.budget,
-            deadline: self.deadline,
+            settings: self.settings,
         }
     }
 
@@ -141,44 +153,85 @@ impl<C, P, K> RetryLayer<C, P, K> {
                 "max_attempts must be at least 1 (the first attempt counts)",
             ));
         }
-        self.max_attempts = n;
+        self.settings.max_attempts = n;
         Ok(self)
     }
 
     /// The backoff between attempts when the dependency gives no `Retry-After`.
     #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
-        self.backoff = backoff;
+        self.settings.backoff = backoff;
         self
     }
 
     /// Where the jitter comes from; seed it for reproducible tests and simulations.
     #[must_use]
     pub fn rng(mut self, rng: RngSource) -> Self {
-        self.rng = rng;
+        self.settings.rng = rng;
         self
     }
 
     /// The per-dependency retry budget.
     #[must_use]
     pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
-        self.budget = budget;
+        self.settings.budget = budget;
         self
     }
 
     /// An overall deadline for each call, attempts and waits included, kept by this layer
-    /// itself (a caller's tighter deadline on the request still wins). Waits never cross it, and
-    /// the attempt timeout further in cuts the last attempt to fit it. Equivalent to a
-    /// `DeadlineLayer` just outside, without one more request extension to allocate.
+    /// itself (a caller's tighter deadline on the request still wins). Waits never cross it,
+    /// an attempt still in flight when it passes is cut (`DeadlineExceeded`, outcome
+    /// unknown), and layers further in see it through [`Deadline::of`]. Equivalent to a
+    /// `DeadlineLayer` just outside, without its own future and timer.
     #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
-        self.deadline = Some(deadline);
+        self.settings.deadline = Some(deadline);
+        self
+    }
+
+    /// A limit on each attempt (Envoy's `per_try_timeout`): an attempt still running after it
+    /// ends with `AttemptTimedOut` (outcome unknown, retryable when replay-safe). The last
+    /// attempt is cut to the deadline instead when that comes first (`DeadlineExceeded`). The
+    /// timer is only created for an attempt that does not finish at once. Equivalent to an
+    /// `AttemptTimeoutLayer` just inside this layer.
+    #[must_use]
+    pub fn attempt_timeout(mut self, limit: Duration) -> Self {
+        self.settings.attempt_timeout = Some(limit);
+        self
+    }
+
+    /// Asks `gate` before every attempt and tells it how each ended: typically the
+    /// dependency's circuit breaker. See [`AttemptGate`].
+    #[must_use]
+    pub fn gate(mut self, gate: Arc<dyn AttemptGate>) -> Self {
+        self.settings.gate = Some(gate);
+        self
+    }
+
+    /// Also puts the attempt's context (the retry mark, the dependency, the deadline) in each
+    /// attempt's request extensions, not only in the attempt scope. Needed when layers further
+    /// in run behind a task boundary (a `tower::buffer::Buffer`, a worker task): the scope is
+    /// only seen by code that the retry layer's `call` reaches on the same thread. Costs the
+    /// extension map's allocations on every attempt, so it is off by default.
+    #[must_use]
+    pub fn mark_requests(mut self, yes: bool) -> Self {
+        self.settings.mark_requests = yes;
         self
     }
 
     /// The configured maximum attempts.
     pub fn get_max_attempts(&self) -> u32 {
-        self.max_attempts
+        self.settings.max_attempts
+    }
+
+    /// The configured attempt timeout.
+    pub fn get_attempt_timeout(&self) -> Option<Duration> {
+        self.settings.attempt_timeout
+    }
+
+    /// The configured deadline.
+    pub fn get_deadline(&self) -> Option<Duration> {
+        self.settings.deadline
     }
 }
 
@@ -192,11 +245,14 @@ impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
                 classifier: self.classifier.clone(),
                 replay: self.replay.clone(),
                 key: self.key.clone(),
-                max_attempts: self.max_attempts,
-                backoff: self.backoff,
-                rng: self.rng.clone(),
-                budget: self.budget.clone(),
-                deadline: self.deadline,
+                max_attempts: self.settings.max_attempts,
+                backoff: self.settings.backoff,
+                rng: self.settings.rng.clone(),
+                budget: self.settings.budget.clone(),
+                deadline: self.settings.deadline,
+                attempt_timeout: self.settings.attempt_timeout,
+                gate: self.settings.gate.clone(),
+                mark_requests: self.settings.mark_requests,
             }),
         }
     }
@@ -263,19 +319,30 @@ where
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
-        if RetryScope::is_marked(&req) {
-            // An outer retry layer owns retrying: one attempt here.
-            return ResponseFuture::passthrough(self.inner.call(req));
-        }
+        // An outer retry layer owns retrying: one attempt here (still gated and timed). The
+        // attempt scope is read once, for the mark and the deadline together.
+        let (scope_marked, scope_deadline) = CallContext::with_current(|c| {
+            c.map_or((false, None), |c| (c.in_retry_scope(), c.deadline()))
+        });
+        let nested = scope_marked || RetryScope::is_marked_on(&req);
         let policy = self.policy.clone();
-        let dependency = match Dependency::of(&req) {
+        let dependency = match Dependency::on(&req) {
             Some(d) => d.clone(),
             None => policy.key.dependency(&req),
         };
-        policy.budget.deposit(&dependency);
-        let deadline = match (policy.deadline, Deadline::of(&req)) {
+        // The clock is read once per call: the budget, the deadline and the attempt timer share
+        // the reading.
+        let now = Instant::now();
+        if !nested {
+            policy.budget.deposit(&dependency, now);
+        }
+        let caller = match (Deadline::on(&req), scope_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let deadline = match (policy.deadline, caller) {
             (Some(budget), caller) => {
-                let own = Deadline::after(budget);
+                let own = Deadline::after_from(now, budget);
                 Some(caller.map_or(own, |c| c.min(own)))
             }
             (None, caller) => caller,
@@ -284,6 +351,6 @@ where
         // The readied service makes the first attempt; the clone stays behind for the next call.
         let clone = self.inner.clone();
         let svc = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::start(policy, svc, req, dependency, deadline)
+        ResponseFuture::start(policy, svc, req, dependency, deadline, now, nested)
     }
 }

@@ -69,6 +69,7 @@ mod body;
 mod budget;
 mod error;
 mod future;
+mod gate;
 mod layer;
 mod obs;
 mod replay;
@@ -79,6 +80,7 @@ pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
 pub use budget::{NoBudget, RetryBudget};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use future::ResponseFuture;
+pub use gate::{AttemptGate, Ticket};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
 

@@ -348,7 +348,7 @@ struct Counting {
 }
 
 impl RetryBudget for Counting {
-    fn deposit(&self, dependency: &Dependency) {
+    fn deposit(&self, dependency: &Dependency, _now: tokio::time::Instant) {
         assert_eq!(dependency.as_str(), "carrier-api");
         self.deposits.fetch_add(1, Ordering::SeqCst);
     }

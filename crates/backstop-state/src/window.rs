@@ -50,8 +50,14 @@ impl SlidingCount {
     }
 
     fn period(&self, now: Instant) -> u64 {
-        let since = now.saturating_duration_since(self.origin).as_nanos();
-        u64::try_from(since / u128::from(self.width_nanos)).unwrap_or(u64::MAX)
+        // u64 nanoseconds (584 years) rather than `as_nanos`' u128: a 128-bit division costs a
+        // library call on every count.
+        let since = now.saturating_duration_since(self.origin);
+        let nanos = since
+            .as_secs()
+            .saturating_mul(1_000_000_000)
+            .saturating_add(u64::from(since.subsec_nanos()));
+        nanos / self.width_nanos
     }
 
     fn slot(&self, period: u64) -> &AtomicU64 {
@@ -65,7 +71,15 @@ impl SlidingCount {
         let slot = self.slot(period);
         let mut current = slot.load(Ordering::Relaxed);
         loop {
-            let next = if current >> COUNT_BITS == epoch {
+            let held = current >> COUNT_BITS;
+            // A slot already holding a later period means `now` is a whole window old (a caller
+            // passing the time its call started): the event is outside the window, drop it
+            // rather than overwrite the newer bucket.
+            let ahead = held.wrapping_sub(epoch) & EPOCH_MASK;
+            if held != epoch && ahead < EPOCH_MASK / 2 {
+                return;
+            }
+            let next = if held == epoch {
                 (current & !COUNT_MASK) | ((current & COUNT_MASK).saturating_add(n) & COUNT_MASK)
             } else {
                 (epoch << COUNT_BITS) | (n & COUNT_MASK)
@@ -123,6 +137,19 @@ impl SlidingCount {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_dated_a_whole_window_ago_does_not_overwrite_a_newer_bucket() {
+        let c = SlidingCount::new(Duration::from_secs(10), 10);
+        let t0 = Instant::now();
+        // Bucket 0 (0 s..1 s) is reused by period 10 (10 s..11 s).
+        c.add(t0 + Duration::from_millis(10_500), 3);
+        c.add(t0 + Duration::from_millis(500), 1);
+        assert_eq!(c.sum(t0 + Duration::from_millis(10_600)), 3);
+        // An event in the past that is still inside the window counts.
+        c.add(t0 + Duration::from_millis(9_500), 1);
+        assert_eq!(c.sum(t0 + Duration::from_millis(10_600)), 4);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn events_leave_the_window() {

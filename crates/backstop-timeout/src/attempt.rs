@@ -96,7 +96,7 @@ where
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
-        let dependency = Dependency::of(&req).or(self.dependency.as_ref()).cloned();
+        let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
         let now = Instant::now();
         let mut limit = self.limit;
         let mut by_deadline = false;

@@ -100,7 +100,7 @@ where
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         let deadline = Deadline::after(self.budget).tighten(&mut req);
-        let dependency = Dependency::of(&req).or(self.dependency.as_ref()).cloned();
+        let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
         if deadline.has_passed() {
             return TimedFuture::too_late(dependency);
         }

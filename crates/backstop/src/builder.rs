@@ -1,10 +1,10 @@
-use crate::optional::{Optional, OptionalLayer};
+use crate::BoxErrors;
 use crate::{
     DeadLetterSink,
     finish::{Finish, FinishLayer, Reconcile, Shared},
 };
 use backstop_backoff::{Backoff, RngSource};
-use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
+use backstop_breaker::Breaker;
 use backstop_budget::Budget;
 use backstop_classify::HttpClassifier;
 use backstop_core::{Dependency, HumanDuration, InvalidConfig};
@@ -12,7 +12,6 @@ use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
 };
 use backstop_retry::{CloneRequest, HttpReplay, Retry, RetryLayer};
-use backstop_timeout::{AttemptTimeout, AttemptTimeoutLayer};
 use std::{
     fmt,
     sync::{Arc, OnceLock},
@@ -124,6 +123,7 @@ pub struct Backstop<C, P, I> {
     budget: Option<Option<Budget>>,
     breaker: Option<Option<Breaker>>,
     idempotency: bool,
+    mark_requests: bool,
     sink: Option<Arc<dyn DeadLetterSink>>,
     reconcile: Option<Reconcile>,
 }
@@ -192,9 +192,22 @@ impl<C, P, I> Backstop<C, P, I> {
             budget: None,
             breaker: None,
             idempotency: true,
+            mark_requests: false,
             sink: None,
             reconcile: None,
         }
+    }
+
+    /// Also carries each attempt's context (the retry mark, the dependency, the deadline) in
+    /// the request's extensions, for a client that hands requests to another task (behind a
+    /// `tower::buffer::Buffer`, say) where a second Backstop stack or layer further in must
+    /// still see them. Without it they travel in the attempt scope, which costs nothing but
+    /// only reaches code the stack's `call` runs on the same thread. See
+    /// `backstop_core::CallContext`.
+    #[must_use]
+    pub fn mark_requests(mut self) -> Self {
+        self.mark_requests = true;
+        self
     }
 
     /// How side effects are treated (see [`Preset`]).
@@ -324,6 +337,7 @@ impl<C, P, I> Backstop<C, P, I> {
             budget: self.budget,
             breaker: self.breaker,
             idempotency: self.idempotency,
+            mark_requests: self.mark_requests,
             sink: self.sink,
             reconcile: self.reconcile,
         }
@@ -406,23 +420,30 @@ impl<C, P, I> Backstop<C, P, I> {
                 "the create and payment presets require idempotency keys: remove no_idempotency(), or choose another preset",
             ));
         }
-        let mut retry = RetryLayer::new(self.classifier.clone())
+        let mut retry = RetryLayer::new(self.classifier)
             .replay(self.replay)
             .dependency(self.dependency.clone())
             .backoff(self.backoff)
-            .max_attempts(max_attempts)?;
-        // The deadline is kept by the retry layer itself: the same guarantees as a deadline
-        // layer just outside it, and one request extension fewer to allocate per call.
+            .max_attempts(max_attempts)?
+            // The attempt timeout and the breaker work inside the retry loop (one future, one
+            // classification per attempt); the deadline is kept by the retry layer too.
+            .attempt_timeout(timeout);
         if let Some(d) = self.deadline {
             retry = retry.deadline(d);
+        }
+        if let Some(b) = &breaker {
+            retry = retry.gate(Arc::new(b.bind(&self.dependency)));
         }
         if let Some(rng) = self.rng {
             retry = retry.rng(rng);
         }
+        if self.mark_requests {
+            retry = retry.mark_requests(true);
+        }
         match self.budget {
             Some(None) => {}
-            Some(Some(b)) => retry = retry.budget(Arc::new(b)),
-            None => retry = retry.budget(Arc::new(shared_budget())),
+            Some(Some(b)) => retry = retry.budget(Arc::new(b.bind(&self.dependency))),
+            None => retry = retry.budget(Arc::new(shared_budget().bind(&self.dependency))),
         }
         let keys =
             (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
@@ -440,20 +461,19 @@ impl<C, P, I> Backstop<C, P, I> {
                 sink: self.sink,
                 reconcile: self.reconcile,
             }),
-            deadline: self.deadline,
             retry,
-            breaker: breaker
-                .map(|b| BreakerLayer::new(b, self.classifier).dependency(self.dependency.clone())),
-            timeout: AttemptTimeoutLayer::new(timeout).dependency(self.dependency),
+            breaker,
         })
     }
 }
 
-type Timed<S> = AttemptTimeout<S>;
-type Broken<S, C> = Optional<CircuitBreaker<Timed<S>, C, Dependency>, Timed<S>>;
-type Retried<S, C, P> = Retry<Broken<S, C>, C, P, Dependency>;
+type Retried<S, C, P> = Retry<BoxErrors<S>, C, P, Dependency>;
 
 /// The service a [`BackstopLayer`] builds: every error is an [`Error`](crate::Error).
+///
+/// Two layers, whatever the configuration: the call layer (idempotency key, call span, errors
+/// and dead letters) around the retry layer, which keeps the deadline, times each attempt and
+/// asks the breaker before each one itself.
 pub type BackstopService<S, C, P, I> = Finish<Retried<S, C, P>, I>;
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
@@ -461,20 +481,16 @@ pub type BackstopService<S, C, P, I> = Finish<Retried<S, C, P>, I>;
 #[derive(Clone)]
 pub struct BackstopLayer<C, P, I> {
     finish: FinishLayer<I>,
-    deadline: Option<Duration>,
     retry: RetryLayer<C, P, Dependency>,
-    breaker: Option<BreakerLayer<C, Dependency>>,
-    timeout: AttemptTimeoutLayer,
+    breaker: Option<Breaker>,
 }
 
 impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackstopLayer")
             .field("finish", &self.finish)
-            .field("deadline", &self.deadline)
             .field("retry", &self.retry)
             .field("breaker", &self.breaker)
-            .field("timeout", &self.timeout)
             .finish()
     }
 }
@@ -482,17 +498,22 @@ impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C
 impl<C, P, I> BackstopLayer<C, P, I> {
     /// The attempt timeout in force.
     pub fn attempt_timeout(&self) -> Option<Duration> {
-        Some(self.timeout.limit())
+        self.retry.get_attempt_timeout()
     }
 
     /// The deadline in force.
     pub fn deadline(&self) -> Option<Duration> {
-        self.deadline
+        self.retry.get_deadline()
     }
 
     /// The attempts per call.
     pub fn max_attempts(&self) -> u32 {
         self.retry.get_max_attempts()
+    }
+
+    /// The circuit breaker the stack asks before each attempt, if it has one.
+    pub fn breaker(&self) -> Option<&Breaker> {
+        self.breaker.as_ref()
     }
 }
 
@@ -500,9 +521,6 @@ impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
     type Service = BackstopService<S, C, P, I>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let s = self.timeout.layer(inner);
-        let s = OptionalLayer(self.breaker.clone()).layer(s);
-        let s = self.retry.layer(s);
-        self.finish.layer(s)
+        self.finish.layer(self.retry.layer(BoxErrors(inner)))
     }
 }

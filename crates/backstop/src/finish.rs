@@ -165,13 +165,20 @@ where
                     span.record("idempotency_key", k.as_str());
                 }
             }
-            letterhead = wants_letter.then(|| Letterhead {
-                run_id: action.map(|a| Arc::from(a.run_id())),
-                call_id: action.and_then(|a| a.call_id()).map(Arc::from),
-                key: key.cloned(),
+            // Boxed: only a mutating call that may need a dead letter carries it, and the
+            // future every call moves stays small.
+            letterhead = wants_letter.then(|| {
+                Box::new(Letterhead {
+                    run_id: action.map(|a| Arc::from(a.run_id())),
+                    call_id: action.and_then(|a| a.call_id()).map(Arc::from),
+                    key: key.cloned(),
+                })
             });
         }
-        let fut = span.in_scope(|| self.inner.call(req));
+        let fut = {
+            let _entered = span.enter();
+            self.inner.call(req)
+        };
         FinishFuture {
             state: State::Running {
                 fut,
@@ -196,7 +203,7 @@ enum State<F, I> {
         #[pin]
         fut: F,
         span: tracing::Span,
-        letterhead: Option<Letterhead>,
+        letterhead: Option<Box<Letterhead>>,
         shared: Arc<Shared<I>>,
     },
     Refused {
@@ -257,6 +264,7 @@ where
                 this.span.record("outcome", err.outcome().as_str());
                 this.span.record("error", err.kind().as_str());
                 if let Some(head) = this.letterhead.take() {
+                    let head = *head;
                     let letter = DeadLetter::new(&err, head.run_id, head.call_id, head.key);
                     if let (Some(hook), Outcome::Unknown) = (&this.shared.reconcile, err.outcome())
                     {
@@ -283,6 +291,6 @@ where
 struct Running<'a, F, I> {
     fut: Pin<&'a mut F>,
     span: &'a mut tracing::Span,
-    letterhead: &'a mut Option<Letterhead>,
+    letterhead: &'a mut Option<Box<Letterhead>>,
     shared: &'a mut Arc<Shared<I>>,
 }

@@ -63,12 +63,14 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod box_errors;
 mod builder;
 mod dead_letter;
 mod error;
 mod finish;
 mod optional;
 
+pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
     Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Generator,
     Preset,

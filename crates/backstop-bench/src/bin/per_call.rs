@@ -4,8 +4,9 @@
 //! `cargo build --release -p backstop-bench --bin per_call` then
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/per_call STACK N`
 //! for two values of N: the difference divided by the difference in N is the cost per call.
-//! STACK is one of: bare, tower, tower-resilience, backstop, retry, retry-budget, breaker,
-//! deadline, attempt-timeout.
+//! STACK is one of: bare, tower, tower-resilience, backstop, retry, retry-budget,
+//! retry-budget-timeout, breaker, deadline, attempt-timeout. `per_call sizes` prints the size
+//! of each stack's response future (every outer layer moves it once more on every call).
 
 use backstop_bench::stacks::{self, Bench, drive};
 
@@ -28,9 +29,30 @@ fn main() {
         "backstop" => run(stacks::backstop_stack(), n),
         "retry" => run(stacks::retry_only(), n),
         "retry-budget" => run(stacks::retry_budget(), n),
+        "retry-budget-timeout" => run(stacks::retry_budget_timeout(), n),
         "breaker" => run(stacks::breaker_only(), n),
         "deadline" => run(stacks::deadline_only(), n),
         "attempt-timeout" => run(stacks::attempt_timeout_only(), n),
+        "sizes" => tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(async { sizes() }),
         other => panic!("unknown stack {other}"),
     }
+}
+
+fn sizes() {
+    fn size<S: Bench>(name: &str, mut s: S) {
+        let f = s.call(stacks::get());
+        println!("{name}: {} bytes", std::mem::size_of_val(&f));
+    }
+    size("tower retry + timeout", stacks::tower_stack());
+    size("tower-resilience", stacks::tower_resilience_stack());
+    size("backstop full stack", stacks::backstop_stack());
+    size("backstop retry", stacks::retry_only());
+    println!(
+        "(the request: {} bytes)",
+        std::mem::size_of::<stacks::Req>()
+    );
 }

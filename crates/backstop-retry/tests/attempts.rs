@@ -1,0 +1,365 @@
+//! What the retry layer does around each attempt: the attempt timeout, the deadline cutting an
+//! attempt in flight, the gate, and the attempt scope that tells layers further in (and nested
+//! retry layers) about the call. Paused clock, seeded RNGs.
+
+use backstop_backoff::{Backoff, RngSource};
+use backstop_classify::{HttpClassifier, Outcome, Verdict};
+use backstop_core::{
+    AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, RetryScope,
+};
+use backstop_retry::{AttemptGate, HttpReplay, RetryError, RetryLayer, StopReason, Ticket};
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use std::{
+    future::Future,
+    pin::pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+    task::Context,
+    time::Duration,
+};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+type Req = Request<Full<Bytes>>;
+type Res = Response<&'static str>;
+
+fn get() -> Req {
+    Request::get("http://carrier.local/rates")
+        .body(Full::default())
+        .unwrap()
+}
+
+fn layer() -> RetryLayer<HttpClassifier, HttpReplay, Dependency> {
+    RetryLayer::http()
+        .dependency("carrier-api")
+        .rng(RngSource::seeded(7))
+        .backoff(Backoff::constant(Duration::from_millis(100)))
+}
+
+/// A dependency that takes `delay` to answer 200, and records when each attempt arrived.
+fn slow(
+    delay: Duration,
+    seen: Arc<Mutex<Vec<Instant>>>,
+) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone {
+    service_fn(move |_req: Req| {
+        seen.lock().unwrap().push(Instant::now());
+        async move {
+            tokio::time::sleep(delay).await;
+            Ok::<_, BoxError>(Response::new("ok"))
+        }
+    })
+}
+
+fn retry_error(e: BoxError) -> Box<RetryError> {
+    e.downcast::<RetryError>().expect("a RetryError")
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_attempt_is_cut_at_the_attempt_timeout_and_retried() {
+    let seen = Arc::default();
+    let start = Instant::now();
+    let err = layer()
+        .attempt_timeout(Duration::from_secs(1))
+        .layer(slow(Duration::from_secs(5), Arc::clone(&seen)))
+        .oneshot(get())
+        .await
+        .unwrap_err();
+    let err = retry_error(err);
+    assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
+    assert_eq!(err.outcome(), Outcome::Unknown);
+    assert_eq!(
+        err.history().stopped,
+        StopReason::AttemptsExhausted { max_attempts: 3 }
+    );
+    // Three attempts of 1 s, 100 ms apart.
+    let at: Vec<_> = seen.lock().unwrap().iter().map(|t| *t - start).collect();
+    assert_eq!(
+        at,
+        [
+            Duration::ZERO,
+            Duration::from_millis(1_100),
+            Duration::from_millis(2_200)
+        ]
+    );
+    assert_eq!(start.elapsed(), Duration::from_millis(3_200));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_answers_in_time_is_not_cut() {
+    let seen = Arc::default();
+    let res = layer()
+        .attempt_timeout(Duration::from_secs(1))
+        .layer(slow(Duration::from_millis(999), Arc::clone(&seen)))
+        .oneshot(get())
+        .await
+        .unwrap();
+    assert_eq!(*res.body(), "ok");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_cuts_an_attempt_in_flight_with_an_unknown_outcome() {
+    let seen = Arc::default();
+    let start = Instant::now();
+    let err = layer()
+        .deadline(Duration::from_secs(2))
+        .layer(slow(Duration::from_secs(10), Arc::clone(&seen)))
+        .oneshot(get())
+        .await
+        .unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    let err = retry_error(err);
+    let cut = err
+        .cause()
+        .downcast_ref::<DeadlineExceeded>()
+        .expect("DeadlineExceeded");
+    assert_eq!(cut.outcome(), Outcome::Unknown);
+    assert_eq!(cut.dependency().unwrap().as_str(), "carrier-api");
+    assert_eq!(seen.lock().unwrap().len(), 1, "no time left for a retry");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_last_attempt_is_cut_to_the_deadline_not_to_the_attempt_timeout() {
+    let seen = Arc::default();
+    let start = Instant::now();
+    let err = layer()
+        .attempt_timeout(Duration::from_secs(1))
+        .deadline(Duration::from_millis(1_500))
+        .layer(slow(Duration::from_secs(10), Arc::clone(&seen)))
+        .oneshot(get())
+        .await
+        .unwrap_err();
+    // Attempt 1: 0..1 s (timed out); wait 100 ms; attempt 2: 1.1 s..1.5 s, cut by the deadline.
+    assert_eq!(start.elapsed(), Duration::from_millis(1_500));
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert!(retry_error(err).cause().is::<DeadlineExceeded>());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_deadline_already_passed_sends_nothing() {
+    let seen = Arc::default();
+    let mut req = get();
+    req.extensions_mut().insert(Deadline::at(Instant::now()));
+    let err = layer()
+        .layer(slow(Duration::ZERO, Arc::clone(&seen)))
+        .oneshot(req)
+        .await
+        .unwrap_err();
+    let err = retry_error(err);
+    let d = err
+        .cause()
+        .downcast_ref::<DeadlineExceeded>()
+        .expect("DeadlineExceeded");
+    assert_eq!(d.outcome(), Outcome::NotSent);
+    assert!(seen.lock().unwrap().is_empty());
+}
+
+/// A gate that admits `allow` attempts, then refuses, and records what it was told.
+#[derive(Debug, Default)]
+struct Turnstile {
+    allow: u32,
+    admitted: AtomicU32,
+    ended: Mutex<Vec<Option<Verdict>>>,
+}
+
+impl AttemptGate for Turnstile {
+    fn admit(&self, dependency: &Dependency) -> Result<Ticket, BoxError> {
+        assert_eq!(dependency.as_str(), "carrier-api");
+        let n = self.admitted.fetch_add(1, Ordering::SeqCst);
+        if n < self.allow {
+            Ok(Ticket::new(u64::from(n)))
+        } else {
+            self.admitted.fetch_sub(1, Ordering::SeqCst);
+            Err("carrier-api is unavailable; do not retry now".into())
+        }
+    }
+
+    fn complete(
+        &self,
+        _dependency: &Dependency,
+        ticket: Ticket,
+        verdict: Option<Verdict>,
+        _started: Instant,
+    ) {
+        assert!(ticket.bits() < u64::from(self.allow));
+        self.ended.lock().unwrap().push(verdict);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_gate_admits_each_attempt_and_its_refusal_stops_the_call() {
+    let gate = Arc::new(Turnstile {
+        allow: 2,
+        ..Turnstile::default()
+    });
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = Arc::clone(&calls);
+    let svc = service_fn(move |_req: Req| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, BoxError>(Response::builder().status(503).body("busy").unwrap()) }
+    });
+    let err = layer()
+        .gate(gate.clone())
+        .layer(svc)
+        .oneshot(get())
+        .await
+        .unwrap_err();
+    // Two attempts reached the service; the third was refused before it was sent.
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let err = retry_error(err);
+    assert!(
+        err.cause().to_string().contains("do not retry now"),
+        "{err}"
+    );
+    assert_eq!(err.outcome(), Outcome::NotSent);
+    assert_eq!(err.history().stopped, StopReason::NotRetryable);
+    assert_eq!(err.history().attempts.len(), 3);
+    let ended = gate.ended.lock().unwrap();
+    assert_eq!(ended.len(), 2, "only admitted attempts are completed");
+    assert!(
+        ended
+            .iter()
+            .all(|v| matches!(v, Some(Verdict::Retryable { .. })))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_attempt_gives_its_ticket_back_without_a_verdict() {
+    let gate = Arc::new(Turnstile {
+        allow: 1,
+        ..Turnstile::default()
+    });
+    let svc = layer()
+        .gate(gate.clone())
+        .layer(slow(Duration::from_secs(60), Arc::default()));
+    let fut = svc.oneshot(get());
+    {
+        let mut fut = pin!(fut);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+    }
+    assert_eq!(*gate.ended.lock().unwrap(), [None]);
+}
+
+/// What a layer further in saw: the retry mark, the deadline, the dependency.
+type Seen = (bool, Option<Deadline>, Option<Dependency>);
+
+#[tokio::test(start_paused = true)]
+async fn layers_further_in_see_the_attempt_scope() {
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let s = Arc::clone(&seen);
+    let start = Instant::now();
+    let inner = service_fn(move |req: Req| {
+        s.lock().unwrap().push((
+            RetryScope::is_marked(&req),
+            Deadline::of(&req),
+            Dependency::of(&req),
+        ));
+        async { Ok::<_, BoxError>(Response::new("ok")) }
+    });
+    layer()
+        .deadline(Duration::from_secs(5))
+        .layer(inner)
+        .oneshot(get())
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 1);
+    let (marked, deadline, dependency) = &seen[0];
+    assert!(marked);
+    assert_eq!(deadline.unwrap().instant(), start + Duration::from_secs(5));
+    assert_eq!(dependency.as_ref().unwrap().as_str(), "carrier-api");
+    // Outside the call, nothing is current.
+    assert!(!RetryScope::is_marked(&get()));
+    assert!(Deadline::of(&get()).is_none());
+}
+
+/// A service that hands each request to a spawned task, as a `tower::buffer::Buffer` or a
+/// worker pool does: the attempt scope does not cross that boundary.
+fn across_a_task<S>(inner: S) -> impl Service<Req, Response = Res, Error = BoxError> + Clone
+where
+    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+{
+    service_fn(move |req: Req| {
+        let inner = inner.clone();
+        async move {
+            tokio::spawn(inner.oneshot(req))
+                .await
+                .expect("the worker does not panic")
+        }
+    })
+}
+
+fn always_503(
+    attempts: Arc<AtomicU32>,
+) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone {
+    service_fn(move |_req: Req| {
+        attempts.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, BoxError>(Response::builder().status(503).body("busy").unwrap()) }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn behind_a_task_boundary_the_mark_travels_only_in_the_request() {
+    // Without the mark in the request, the inner layer cannot know it is nested: 3 x 3.
+    let attempts = Arc::new(AtomicU32::new(0));
+    let inner = layer().layer(always_503(Arc::clone(&attempts)));
+    let res = layer()
+        .layer(across_a_task(inner))
+        .oneshot(get())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(attempts.load(Ordering::SeqCst), 9);
+
+    // With `mark_requests`, it crosses: 3.
+    let attempts = Arc::new(AtomicU32::new(0));
+    let inner = layer().layer(always_503(Arc::clone(&attempts)));
+    let res = layer()
+        .mark_requests(true)
+        .layer(across_a_task(inner))
+        .oneshot(get())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(attempts.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_nested_layer_still_applies_its_own_attempt_timeout() {
+    let seen = Arc::default();
+    let inner = layer()
+        .attempt_timeout(Duration::from_secs(1))
+        .layer(slow(Duration::from_secs(5), Arc::clone(&seen)));
+    let start = Instant::now();
+    let err = layer()
+        .max_attempts(2)
+        .unwrap()
+        .layer(inner)
+        .oneshot(get())
+        .await
+        .unwrap_err();
+    // The outer layer owns retrying (2 attempts); the inner one times each at 1 s and hands
+    // back its raw `AttemptTimedOut`, which the outer one classifies.
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_eq!(start.elapsed(), Duration::from_millis(2_100));
+    let err = retry_error(err);
+    assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
+    assert_eq!(err.history().attempts.len(), 2);
+}
+
+#[test]
+fn the_scope_is_restored_after_a_panic() {
+    let caught = std::panic::catch_unwind(|| {
+        backstop_core::CallContext::for_retry(Dependency::new("x"), None).enter(|| {
+            assert!(RetryScope::is_marked(&get()));
+            panic!("boom");
+        })
+    });
+    assert!(caught.is_err());
+    assert!(!RetryScope::is_marked(&get()));
+}
