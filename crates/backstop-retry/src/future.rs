@@ -37,6 +37,10 @@ enum State<F> {
     Calling {
         #[pin]
         fut: F,
+        /// Created on the first `Pending` only, in place: an attempt that finishes at once
+        /// pays for no timer, and one that waits pays for no allocation.
+        #[pin]
+        timer: Option<Sleep>,
     },
     /// The attempt ended before it was sent (the gate refused it, or no time was left).
     Stopped {
@@ -87,8 +91,6 @@ struct CallState<S, Req, C, P, K> {
     /// The gate's ticket for the attempt in flight.
     ticket: Option<Ticket>,
     expiry: Option<Expiry>,
-    /// Created only when the attempt in flight does not finish at once.
-    timer: Option<Pin<Box<Sleep>>>,
     cold: Option<Box<Cold>>,
     /// The current attempt's span (disabled, and free, when nobody listens).
     span: tracing::Span,
@@ -158,7 +160,6 @@ where
             nested,
             ticket: None,
             expiry: None,
-            timer: None,
             cold: None,
             span: tracing::Span::none(),
         };
@@ -208,11 +209,17 @@ where
         self.attempt_started = now;
         self.span = attempt_span(&self.dependency, self.attempt);
         let policy = &self.policy;
+        // Instants are compared, not subtracted: a comparison is two integer compares, a
+        // subtraction a checked library call.
+        let after = |limit: Duration| {
+            now.checked_add(limit)
+                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+        };
         self.expiry = match (policy.attempt_timeout, self.deadline) {
             (None, None) => None,
             (limit, Some(deadline)) => {
-                let left = deadline.instant().saturating_duration_since(now);
-                if left.is_zero() {
+                let end = deadline.instant();
+                if end <= now {
                     return State::Stopped {
                         error: Some(Box::new(DeadlineExceeded::new(
                             Some(self.dependency.clone()),
@@ -223,21 +230,19 @@ where
                         },
                     };
                 }
-                match limit {
-                    Some(limit) if limit < left => Some(Expiry {
-                        at: now + limit,
+                match limit.map(|limit| (limit, after(limit))) {
+                    Some((limit, at)) if at < end => Some(Expiry {
+                        at,
                         limit: Some(limit),
                     }),
                     _ => Some(Expiry {
-                        at: deadline.instant(),
+                        at: end,
                         limit: None,
                     }),
                 }
             }
             (Some(limit), None) => Some(Expiry {
-                at: now
-                    .checked_add(limit)
-                    .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365)),
+                at: after(limit),
                 limit: Some(limit),
             }),
         };
@@ -262,6 +267,7 @@ where
         let _entered = self.span.enter();
         State::Calling {
             fut: self.svc.call(req),
+            timer: None,
         }
     }
 
@@ -420,7 +426,7 @@ where
         let call = this.call;
         loop {
             let (ended, verdict) = match this.state.as_mut().project() {
-                StateProj::Calling { fut } => {
+                StateProj::Calling { fut, mut timer } => {
                     let polled = {
                         let _entered = call.span.enter();
                         fut.poll(cx)
@@ -430,7 +436,6 @@ where
                             let verdict = call.policy.classifier.classify(result.as_ref());
                             if verdict == Verdict::Success && call.cold.is_none() {
                                 // The common case, kept short: a success with nothing to report.
-                                call.timer = None;
                                 if let (Some(ticket), Some(gate)) =
                                     (call.ticket.take(), &call.policy.gate)
                                 {
@@ -458,10 +463,10 @@ where
                             let Some(expiry) = call.expiry else {
                                 return Poll::Pending;
                             };
-                            let timer = call
-                                .timer
-                                .get_or_insert_with(|| Box::pin(sleep_until(expiry.at)));
-                            ready!(timer.as_mut().poll(cx));
+                            if timer.is_none() {
+                                timer.set(Some(sleep_until(expiry.at)));
+                            }
+                            ready!(timer.as_pin_mut().expect("set above").poll(cx));
                             let dependency = Some(call.dependency.clone());
                             match expiry.limit {
                                 Some(limit) => (
@@ -545,7 +550,6 @@ where
             };
 
             // The attempt has ended.
-            call.timer = None;
             if let (Some(ticket), Some(gate)) = (call.ticket.take(), &call.policy.gate) {
                 gate.complete(
                     &call.dependency,

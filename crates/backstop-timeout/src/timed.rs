@@ -33,9 +33,8 @@ enum State<F> {
         inner: F,
         /// Created on the first poll that finds the inner future pending: a call that completes
         /// at once never touches the timer.
-        /// Boxed and created on the first `Pending`: an attempt that finishes at once pays for
-        /// no timer, and the future stays small as outer layers move it.
-        sleep: Option<Pin<Box<Sleep>>>,
+        #[pin]
+        sleep: Option<Sleep>,
         at: Instant,
         expiry: Expiry,
         dependency: Option<Dependency>,
@@ -84,7 +83,7 @@ where
         match self.project().state.project() {
             StateProj::Running {
                 inner,
-                sleep,
+                mut sleep,
                 at,
                 expiry,
                 dependency,
@@ -93,8 +92,10 @@ where
                 if let Poll::Ready(r) = inner.poll(cx) {
                     return Poll::Ready(r.map_err(Into::into));
                 }
-                let sleep = sleep.get_or_insert_with(|| Box::pin(sleep_until(*at)));
-                ready!(sleep.as_mut().poll(cx));
+                if sleep.is_none() {
+                    sleep.set(Some(sleep_until(*at)));
+                }
+                ready!(sleep.as_pin_mut().expect("set above").poll(cx));
                 let dependency = dependency.take();
                 Poll::Ready(Err(match *expiry {
                     Expiry::Attempt { limit } => AttemptTimedOut::new(dependency, limit).into(),

@@ -9,6 +9,7 @@
 //! of each stack's response future (every outer layer moves it once more on every call).
 
 use backstop_bench::stacks::{self, Bench, drive};
+use tower::{Layer, Service};
 
 fn run<S: Bench>(svc: S, n: u64) {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -34,15 +35,15 @@ fn main() {
         "deadline" => run(stacks::deadline_only(), n),
         "attempt-timeout" => run(stacks::attempt_timeout_only(), n),
         "sizes" => tokio::runtime::Builder::new_current_thread()
-            .enable_time()
+            .enable_all()
             .build()
             .unwrap()
-            .block_on(async { sizes() }),
+            .block_on(sizes()),
         other => panic!("unknown stack {other}"),
     }
 }
 
-fn sizes() {
+async fn sizes() {
     fn size<S: Bench>(name: &str, mut s: S) {
         let f = s.call(stacks::get());
         println!("{name}: {} bytes", std::mem::size_of_val(&f));
@@ -54,5 +55,19 @@ fn sizes() {
     println!(
         "(the request: {} bytes)",
         std::mem::size_of::<stacks::Req>()
+    );
+    let lb = stacks::loopback().await;
+    let mut over_hyper = stacks::backstop_layer("rates-api", std::time::Duration::from_secs(5))
+        .layer(lb.client.clone());
+    let f = over_hyper.call(stacks::get());
+    println!(
+        "backstop full stack over hyper-util: {} bytes",
+        std::mem::size_of_val(&f)
+    );
+    let f = lb.client.clone().call(stacks::get());
+    println!(
+        "(hyper-util's client: {} bytes; its response future: {} bytes)",
+        std::mem::size_of_val(&lb.client),
+        std::mem::size_of_val(&f)
     );
 }
