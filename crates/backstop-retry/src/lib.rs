@@ -16,9 +16,19 @@
 //!   body can be replayed (`Full<Bytes>`, or a body buffered by [`BufferBodyLayer`] up to a
 //!   limit).
 //!
-//! **Retries happen in exactly one place.** The first retry layer a request passes marks it
-//! ([`RetryScope`]); every retry layer further in sees the mark and makes a single attempt, so
-//! three nested stacks against a failing dependency make 3 attempts, not 27.
+//! Around each attempt it can also keep an overall deadline ([`RetryLayer::deadline`]: waits
+//! never cross it, an attempt in flight is cut at it), time the attempt
+//! ([`RetryLayer::attempt_timeout`], Envoy's `per_try_timeout`) and ask an [`AttemptGate`]
+//! first ([`RetryLayer::gate`]: the dependency's circuit breaker; a refusal stops the call, not
+//! sent). The timer is created only for an attempt that does not finish at once.
+//!
+//! **Retries happen in exactly one place.** While the first retry layer makes an attempt, the
+//! attempt's context (the [`RetryScope`] mark, the dependency, the deadline) is current on the
+//! thread (`backstop_core::CallContext`); every retry layer further in sees the mark and makes a
+//! single attempt, so three nested stacks against a failing dependency make 3 attempts, not 27.
+//! The scope reaches what the layer's `call` reaches on the same thread; behind a task boundary
+//! (a `tower::buffer::Buffer`, a worker task), [`RetryLayer::mark_requests`] carries it in the
+//! request's extensions too.
 //!
 //! Each attempt runs inside a `tracing` span `attempt` (target `backstop::retry`, fields
 //! `dependency` and `attempt`); each retry emits a `retrying` event with the outcome, the wait and

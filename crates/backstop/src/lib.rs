@@ -22,8 +22,49 @@
 //!   and replays its stored result to every repeat.
 //!
 //! Stack them in this order, outermost first: idempotency key, deadline, retry (with the
-//! budget), breaker, attempt timeout, the client. The budget and the breaker follow the dependency the retry
-//! layer names, so one name governs both.
+//! budget), breaker, attempt timeout, the client. The retry layer can keep the deadline, ask the
+//! breaker before each attempt and time each attempt itself, which is what the [`Backstop`]
+//! builder does (one future per call instead of four, and the budget and the breaker account to
+//! the dependency the retry layer names). By hand:
+//!
+//! ```
+//! use backstop::{breaker::Breaker, budget::Budget, retry::RetryLayer, Dependency};
+//! use std::sync::Arc;
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+//! use std::time::Duration;
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), backstop::BoxError> {
+//! # let server = backstop_testkit::TestServer::start(|_| backstop_testkit::Action::status(200)).await;
+//! // One budget and one breaker for the whole process: every stack shares their state.
+//! let budget = Budget::default();
+//! let breaker = Breaker::default();
+//! let carrier = Dependency::new("carrier-api");
+//!
+//! let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+//! let carrier = ServiceBuilder::new()
+//!     .layer(
+//!         RetryLayer::http()
+//!             .dependency(carrier.clone())
+//!             .deadline(Duration::from_secs(10))
+//!             .budget(Arc::new(budget.bind(&carrier)))
+//!             .gate(Arc::new(breaker.bind(&carrier)))
+//!             .attempt_timeout(Duration::from_secs(3)),
+//!     )
+//!     .service(client);
+//!
+//! let req = http::Request::get(server.url("/labels/4812")).body(Full::default())?;
+//! let res = carrier.oneshot(req).await?;
+//! assert_eq!(res.status(), 200);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The same jobs as separate layers (`DeadlineLayer`, `BreakerLayer`, `AttemptTimeoutLayer`),
+//! for stacks that need something between them:
 //!
 //! ```
 //! use backstop::{
@@ -42,7 +83,6 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), backstop::BoxError> {
 //! # let server = backstop_testkit::TestServer::start(|_| backstop_testkit::Action::status(200)).await;
-//! // One budget and one breaker for the whole process: every stack shares their state.
 //! let budget = Budget::default();
 //! let breaker = Breaker::default();
 //!
