@@ -345,3 +345,54 @@ async fn errors_that_did_not_come_from_backstop_keep_their_text() {
     assert_eq!(err.outcome(), Outcome::Unknown);
     assert!(err.to_string().contains("tls handshake failed"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_buffer_a_second_stack_sees_the_mark_only_with_mark_requests() {
+    let server = TestServer::start(|_: &Seen| Action::status(503)).await;
+    // A stack shared through a `tower::buffer::Buffer` (its worker task makes the calls), used
+    // inside another stack: the attempt scope does not reach the worker.
+    // No breakers here: they would open on the 503s and stop the multiplication themselves.
+    let inner = || {
+        tower::buffer::Buffer::new(
+            builder("rates-api")
+                .no_breaker()
+                .build()
+                .unwrap()
+                .layer(client()),
+            16,
+        )
+    };
+    let get = || {
+        Request::get(server.url("/rates"))
+            .body(Body::default())
+            .unwrap()
+    };
+
+    let outer = builder("rates-api")
+        .no_breaker()
+        .build()
+        .unwrap()
+        .layer(inner());
+    let res = outer.oneshot(get()).await.unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(
+        server.requests(),
+        9,
+        "3 x 3 without the mark in the request"
+    );
+
+    let before = server.requests();
+    let outer = builder("rates-api")
+        .no_breaker()
+        .mark_requests()
+        .build()
+        .unwrap()
+        .layer(inner());
+    let res = outer.oneshot(get()).await.unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(
+        server.requests() - before,
+        3,
+        "one retry layer with the mark"
+    );
+}
