@@ -352,28 +352,18 @@ async fn behind_a_buffer_a_second_stack_sees_the_mark_only_with_mark_requests() 
     // A stack shared through a `tower::buffer::Buffer` (its worker task makes the calls), used
     // inside another stack: the attempt scope does not reach the worker.
     // No breakers here: they would open on the 503s and stop the multiplication themselves.
-    let inner = || {
-        tower::buffer::Buffer::new(
-            builder("rates-api")
-                .no_breaker()
-                .build()
-                .unwrap()
-                .layer(client()),
-            16,
-        )
+    let stack = |mark: bool| {
+        let b = builder("rates-api").no_breaker();
+        if mark { b.mark_requests() } else { b }.build().unwrap()
     };
+    let inner = || tower::buffer::Buffer::new(stack(false).layer(client()), 16);
     let get = || {
         Request::get(server.url("/rates"))
             .body(Body::default())
             .unwrap()
     };
 
-    let outer = builder("rates-api")
-        .no_breaker()
-        .build()
-        .unwrap()
-        .layer(inner());
-    let res = outer.oneshot(get()).await.unwrap();
+    let res = stack(false).layer(inner()).oneshot(get()).await.unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(
         server.requests(),
@@ -382,13 +372,7 @@ async fn behind_a_buffer_a_second_stack_sees_the_mark_only_with_mark_requests() 
     );
 
     let before = server.requests();
-    let outer = builder("rates-api")
-        .no_breaker()
-        .mark_requests()
-        .build()
-        .unwrap()
-        .layer(inner());
-    let res = outer.oneshot(get()).await.unwrap();
+    let res = stack(true).layer(inner()).oneshot(get()).await.unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(
         server.requests() - before,
