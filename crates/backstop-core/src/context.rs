@@ -85,9 +85,25 @@ impl CallContext {
     }
 
     /// Calls `f` with the current attempt scope, if a retry layer's call is in progress on this
-    /// thread.
+    /// thread. `f` sees a copy, so it may itself enter a scope (call a service) safely.
     pub fn with_current<T>(f: impl FnOnce(Option<&CallContext>) -> T) -> T {
-        CURRENT.with(|c| f(c.borrow().as_ref()))
+        let current = CURRENT.with(|c| c.borrow().clone());
+        f(current.as_ref())
+    }
+
+    /// The current attempt scope's retry mark and deadline: what a retry layer reads on every
+    /// call, without copying the scope (`(false, None)` outside any scope).
+    pub fn current_mark_and_deadline() -> (bool, Option<Deadline>) {
+        CURRENT.with(|c| {
+            c.borrow()
+                .as_ref()
+                .map_or((false, None), |c| (c.retry_scope, c.deadline))
+        })
+    }
+
+    /// The current attempt scope's dependency, if any.
+    pub fn current_dependency() -> Option<Dependency> {
+        CURRENT.with(|c| c.borrow().as_ref().and_then(|c| c.dependency.clone()))
     }
 
     /// The context on a request, if a layer put one there.
@@ -117,5 +133,41 @@ impl CallContext {
     /// Whether a retry layer owns this call.
     pub fn in_retry_scope(&self) -> bool {
         self.retry_scope
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RetryScope;
+
+    fn current_name() -> Option<String> {
+        CallContext::with_current(|c| c.and_then(|c| c.dependency().map(|d| d.as_str().to_owned())))
+    }
+
+    #[test]
+    fn scopes_nest_and_unwind_in_order() {
+        assert_eq!(current_name(), None);
+        CallContext::for_retry(Dependency::new("outer"), None).enter(|| {
+            assert_eq!(current_name().as_deref(), Some("outer"));
+            CallContext::for_retry(Dependency::new("inner"), None).enter(|| {
+                assert_eq!(current_name().as_deref(), Some("inner"));
+            });
+            assert_eq!(current_name().as_deref(), Some("outer"));
+        });
+        assert_eq!(current_name(), None);
+        assert!(!RetryScope::is_marked(&http::Request::new(())));
+    }
+
+    #[test]
+    fn code_that_reads_the_scope_may_enter_another() {
+        CallContext::for_retry(Dependency::new("outer"), None).enter(|| {
+            let seen = CallContext::with_current(|c| {
+                assert!(c.is_some());
+                // A service called while reading the scope enters its own: no borrow conflict.
+                CallContext::for_retry(Dependency::new("inner"), None).enter(current_name)
+            });
+            assert_eq!(seen.as_deref(), Some("inner"));
+        });
     }
 }

@@ -53,7 +53,7 @@ impl Deadline {
     /// ([`CallContext::enter`](crate::CallContext::enter)).
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
         let own = Deadline::on(req);
-        let scoped = crate::CallContext::with_current(|c| c.and_then(|c| c.deadline));
+        let (_, scoped) = crate::CallContext::current_mark_and_deadline();
         match (own, scoped) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

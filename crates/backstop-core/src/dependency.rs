@@ -58,7 +58,7 @@ impl Dependency {
     pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<Dependency> {
         Dependency::on(req)
             .cloned()
-            .or_else(|| crate::CallContext::with_current(|c| c.and_then(|c| c.dependency.clone())))
+            .or_else(crate::CallContext::current_dependency)
     }
 
     /// The dependency a request names itself, in its extensions (its

@@ -94,8 +94,7 @@ impl RetryScope {
     /// Whether a retry layer already owns the call: the request carries the mark, or a retry
     /// layer's call into its service is in progress on this thread.
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
-        RetryScope::is_marked_on(req)
-            || crate::CallContext::with_current(|c| c.is_some_and(|c| c.retry_scope))
+        RetryScope::is_marked_on(req) || crate::CallContext::current_mark_and_deadline().0
     }
 
     /// Whether the request itself carries the mark, in its extensions (not the attempt scope).

@@ -321,9 +321,7 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         // An outer retry layer owns retrying: one attempt here (still gated and timed). The
         // attempt scope is read once, for the mark and the deadline together.
-        let (scope_marked, scope_deadline) = CallContext::with_current(|c| {
-            c.map_or((false, None), |c| (c.in_retry_scope(), c.deadline()))
-        });
+        let (scope_marked, scope_deadline) = CallContext::current_mark_and_deadline();
         let nested = scope_marked || RetryScope::is_marked_on(&req);
         let policy = self.policy.clone();
         let dependency = match Dependency::on(&req) {
