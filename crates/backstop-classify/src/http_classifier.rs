@@ -148,12 +148,14 @@ impl HttpClassifier {
     /// Classifies a response by its status and `Retry-After` header.
     pub fn classify_response<B>(&self, res: &Response<B>) -> Verdict {
         let code = res.status().as_u16();
-        let has_retry_after = res.headers().contains_key(http::header::RETRY_AFTER);
+        // The headers are only looked at when the status is not already a verdict: a success
+        // (the hot path) never searches them.
+        let has_retry_after = || res.headers().contains_key(http::header::RETRY_AFTER);
         // The IETF Idempotency-Key draft answers 409 while a request with the same key is still
         // running; with a Retry-After it means "not processed, come back": retry it (unless the
         // user configured 409 explicitly).
         let class =
-            if code == 409 && has_retry_after && self.overrides[usize::from(code - 100)] == 0 {
+            if code == 409 && self.overrides[usize::from(code - 100)] == 0 && has_retry_after() {
                 StatusClass::RetryRefused
             } else {
                 self.status_class(res.status())
@@ -168,7 +170,7 @@ impl HttpClassifier {
             StatusClass::RetryRefused => Outcome::NotSent,
             StatusClass::RetryUnknown => Outcome::Unknown,
         };
-        let after = if has_retry_after {
+        let after = if has_retry_after() {
             parse_retry_after(res.headers(), (self.clock)(), self.max_retry_after)
         } else {
             None
