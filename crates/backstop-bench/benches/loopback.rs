@@ -17,8 +17,9 @@ struct Run {
     rps: f64,
     p50: Duration,
     p99: Duration,
-    /// CPU time (user + system, every thread of the process: client, server and load) per request.
-    cpu_per_request: Duration,
+    /// CPU time (user + system, every thread of the process: client, server and load) of the
+    /// round.
+    cpu: Duration,
 }
 
 /// CPU time the whole process has used so far, from `/proc/self/stat` (Linux; clock ticks of
@@ -78,7 +79,7 @@ where
         rps: total as f64 / elapsed.as_secs_f64(),
         p50: all[all.len() / 2],
         p99: all[all.len() * 99 / 100],
-        cpu_per_request: cpu / u32::try_from(total).unwrap_or(u32::MAX),
+        cpu,
     }
 }
 
@@ -156,27 +157,21 @@ fn main() {
             "throughput with tower's retry + timeout: median {:.1} % of the bare client",
             tower_ratios[tower_ratios.len() / 2]
         );
-        // CPU per request drifts far less than wall-clock throughput on a shared VM, and at
-        // saturation throughput is the cores divided by it.
-        let mut cpu: Vec<f64> = bare
-            .iter()
-            .zip(&with)
-            .filter(|(b, w)| !b.cpu_per_request.is_zero() && !w.cpu_per_request.is_zero())
-            .map(|(b, w)| 100.0 * b.cpu_per_request.as_secs_f64() / w.cpu_per_request.as_secs_f64())
-            .collect();
-        if !cpu.is_empty() {
-            cpu.sort_by(f64::total_cmp);
-            let med = |v: &[Run]| {
-                let mut c: Vec<Duration> = v.iter().map(|r| r.cpu_per_request).collect();
-                c.sort();
-                c[c.len() / 2]
-            };
+        // CPU time per request, summed over every round of a client (the process's clock ticks
+        // are 10 ms, so one round alone would be measured to a few percent; all rounds together
+        // to a fraction of one). At saturation, throughput is the cores divided by it.
+        let cpu = |v: &[Run]| -> f64 {
+            v.iter().map(|r| r.cpu.as_secs_f64()).sum::<f64>() / (v.len() * total) as f64
+        };
+        let (cb, cw, ct) = (cpu(&bare), cpu(&with), cpu(&towers));
+        if cb > 0.0 && cw > 0.0 && ct > 0.0 {
             println!(
-                "CPU per request (process, both sides): bare {:?}, with Backstop {:?}, with tower {:?}; throughput at saturation implied for Backstop: median {:.1} % of the bare client",
-                med(&bare),
-                med(&with),
-                med(&towers),
-                cpu[cpu.len() / 2]
+                "CPU per request (process, both sides, all rounds): bare {:.2} us, with Backstop {:.2} us ({:.1} % of bare's throughput at saturation), with tower {:.2} us ({:.1} %)",
+                cb * 1e6,
+                cw * 1e6,
+                100.0 * cb / cw,
+                ct * 1e6,
+                100.0 * cb / ct
             );
         }
     });
