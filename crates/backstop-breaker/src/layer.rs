@@ -53,14 +53,14 @@ impl<C> BreakerLayer<C> {
 }
 
 impl<C, K> BreakerLayer<C, K> {
-    /// Names the one dependency every request goes to. A [`Dependency`] in the request's
-    /// extensions (put there by the retry layer or the caller) wins, so the retry budget and
-    /// the breaker always agree.
+    /// Names the one dependency every request goes to. A [`Dependency`] the request carries (in
+    /// its extensions, or the one a retry layer outside made current for the attempt, see
+    /// [`Dependency::of`]) wins, so the retry budget and the breaker always agree.
     pub fn dependency(self, name: impl Into<Dependency>) -> BreakerLayer<C, Dependency> {
         self.dependency_key(name.into())
     }
 
-    /// Derives the dependency from each request when its extensions do not name one.
+    /// Derives the dependency from each request when neither it nor the attempt names one.
     pub fn dependency_key<K2>(self, key: K2) -> BreakerLayer<C, K2> {
         BreakerLayer {
             breaker: self.breaker,

@@ -4,9 +4,11 @@ use tokio::time::Instant;
 
 /// The instant by which a whole logical call (every attempt and every backoff sleep) must end.
 ///
-/// The deadline layer stores it in the request's extensions; the retry layer refuses to sleep
-/// past it and the attempt timeout shortens the last attempt to fit inside it. A caller that has
-/// its own, tighter deadline puts it there first: the tighter one always wins.
+/// The deadline layer stores it in the request's extensions and the retry layer keeps its own
+/// (making it current for its attempts, see [`CallContext`](crate::CallContext)); the retry
+/// layer refuses to sleep past it and the attempt timeout shortens the last attempt to fit
+/// inside it. A caller that has its own, tighter deadline puts it in the request first: the
+/// tighter one always wins.
 ///
 /// It uses tokio's clock, so tests on paused time control it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -7,9 +7,10 @@ use std::{
 
 /// The name of a downstream dependency, such as `"carrier-api"`.
 ///
-/// Cheap to clone (a reference-counted string and its hash). Backstop stores it in a request's
-/// extensions once per logical call so that every inner layer (budget, breaker, attempt
-/// timeout) and every error message names the same dependency.
+/// Cheap to clone (a reference-counted string and its hash). The retry layer names it once per
+/// logical call and makes it current for the layers its attempts reach (see
+/// [`CallContext`](crate::CallContext)), so that the budget, the breaker, the attempt timeout and
+/// every error message name the same dependency.
 ///
 /// The name is hashed once, when the `Dependency` is made, with a per-process random key (so
 /// names chosen by an attacker cannot be made to collide); per-dependency registries look it

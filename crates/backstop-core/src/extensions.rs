@@ -1,8 +1,9 @@
 /// Access to a request's or response's [`http::Extensions`].
 ///
-/// Backstop keeps all per-call metadata (the [`Deadline`](crate::Deadline), the
-/// [`Dependency`](crate::Dependency), the retry history, replay-safety markers) in extensions,
-/// so every layer works on any request type that implements this trait. `http::Request` and
+/// Backstop reads per-call metadata a caller attaches (a [`Deadline`](crate::Deadline), a
+/// [`Dependency`](crate::Dependency), replay-safety markers, an action context) from extensions
+/// and puts the retry history in the response's, so every layer works on any request type that
+/// implements this trait. `http::Request` and
 /// `http::Response` do; a non-HTTP tool call needs one field:
 ///
 /// ```

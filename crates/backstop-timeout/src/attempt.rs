@@ -49,8 +49,8 @@ impl<S> Layer<S> for AttemptTimeoutLayer {
     }
 }
 
-/// Fails an attempt that takes longer than its limit with [`AttemptTimedOut`] (outcome
-/// unknown), or with [`DeadlineExceeded`] when the request's deadline was the tighter limit.
+/// Fails an attempt that takes longer than its limit with [`AttemptTimedOut`](crate::AttemptTimedOut) (outcome
+/// unknown), or with [`DeadlineExceeded`](crate::DeadlineExceeded) when the request's deadline was the tighter limit.
 #[derive(Clone, Debug)]
 pub struct AttemptTimeout<S> {
     inner: S,

@@ -49,7 +49,7 @@ impl<S> Layer<S> for DeadlineLayer {
 }
 
 /// Records a [`Deadline`] on each request (keeping a tighter one the caller set) and fails the
-/// call with [`DeadlineExceeded`] when it passes.
+/// call with [`DeadlineExceeded`](crate::DeadlineExceeded) when it passes.
 ///
 /// Inner Backstop layers end the call by themselves before the deadline with a precise
 /// verdict; this layer's own timer is the guarantee for inner services that do not look at the

@@ -7,9 +7,13 @@
 //!   records a [`Deadline`] in the request's extensions; a deadline the caller already put there
 //!   wins when it is tighter, so a call never outlives its caller. A request whose deadline has
 //!   already passed fails at once without reaching the inner service.
-//! - [`AttemptTimeoutLayer`] bounds one attempt. It reads the deadline and uses
+//! - [`AttemptTimeoutLayer`] bounds one attempt. It reads the deadline (the request's, or the
+//!   one a retry layer outside made current for the attempt) and uses
 //!   `min(attempt timeout, time left)`, so the last attempt ends exactly at the deadline instead
 //!   of being cut off from outside with no verdict.
+//!
+//! The retry layer can do both jobs itself (`RetryLayer::deadline`, `RetryLayer::attempt_timeout`),
+//! which is how the composed stack uses them; these layers are for stacks composed by hand.
 //!
 //! Choose the attempt timeout from the dependency's observed latency (a high percentile plus
 //! margin, for example p99 1.2 s -> 3 s), not from hope. A timed-out attempt's side effect is
