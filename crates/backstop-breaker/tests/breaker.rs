@@ -264,32 +264,41 @@ async fn a_cancelled_trial_gives_its_slot_back() {
         .dependency("carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
-    advance(Duration::from_secs(30)).await;
-
-    dep.set(Answer::Hang);
-    for _ in 0..3 {
-        // The trial is admitted, hangs, and its caller gives up (drops the future).
-        let mut s = svc.clone();
-        let fut = s.call(Request::new(()));
-        let mut fut = pin!(fut);
-        assert!(poll_once(fut.as_mut()).is_pending());
-        assert_eq!(breaker.state(&carrier()), State::HalfOpen);
-        // While it is in flight, other calls fail fast.
-        assert_eq!(
-            open_error(call(&svc).await.unwrap_err()).state(),
-            CircuitState::HalfOpen
-        );
-    }
-    // Each cancelled trial released its slot: the next call is admitted, and its success closes.
-    dep.set(Answer::Ok);
-    assert_eq!(call(&svc).await.unwrap().status(), 200);
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    cancelled_trials_give_their_slots_back(&svc, &breaker, &dep).await;
     let s = breaker.stats(&carrier());
     assert_eq!(
         (s.consecutive_failures, s.failures),
         (0, 0),
         "a cancellation is no failure"
     );
+}
+
+/// With the circuit open: after the cooldown, three trials are admitted one at a time, hang and
+/// are dropped by their callers; while each is in flight other calls fail fast. Each released its
+/// slot, so the next call is admitted and its success closes the circuit.
+async fn cancelled_trials_give_their_slots_back<S>(svc: &S, breaker: &Breaker, dep: &Dep)
+where
+    S: Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone,
+{
+    advance(Duration::from_secs(30)).await;
+    dep.set(Answer::Hang);
+    for _ in 0..3 {
+        let mut s = svc.clone();
+        let fut = s.call(Request::new(()));
+        let mut fut = pin!(fut);
+        assert!(poll_once(fut.as_mut()).is_pending());
+        assert_eq!(breaker.state(&carrier()), State::HalfOpen);
+        let e = call(svc).await.unwrap_err();
+        // As a layer the breaker's own error comes back; as a gate, inside the retry error.
+        let open = match e.downcast::<RetryError>() {
+            Ok(r) => r.cause().downcast_ref::<CircuitOpen>().cloned().unwrap(),
+            Err(e) => open_error(e),
+        };
+        assert_eq!(open.state(), CircuitState::HalfOpen);
+    }
+    dep.set(Answer::Ok);
+    assert_eq!(call(svc).await.unwrap().status(), 200);
+    assert_eq!(breaker.state(&carrier()), State::Closed);
 }
 
 #[tokio::test(start_paused = true)]
@@ -644,28 +653,7 @@ async fn as_a_gate_a_cancelled_trial_gives_its_slot_back() {
     let svc = gated(&breaker, &dep);
     assert_eq!(call(&svc).await.unwrap().status(), 503);
     assert_eq!(breaker.state(&carrier()), State::Open);
-    advance(Duration::from_secs(30)).await;
-
-    dep.set(Answer::Hang);
-    for _ in 0..3 {
-        let mut s = svc.clone();
-        let fut = s.call(Request::new(()));
-        let mut fut = pin!(fut);
-        assert!(poll_once(fut.as_mut()).is_pending());
-        assert_eq!(breaker.state(&carrier()), State::HalfOpen);
-        let e = call(&svc)
-            .await
-            .unwrap_err()
-            .downcast::<RetryError>()
-            .unwrap();
-        assert_eq!(
-            e.cause().downcast_ref::<CircuitOpen>().unwrap().state(),
-            CircuitState::HalfOpen
-        );
-    }
-    dep.set(Answer::Ok);
-    assert_eq!(call(&svc).await.unwrap().status(), 200);
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    cancelled_trials_give_their_slots_back(&svc, &breaker, &dep).await;
 }
 
 #[tokio::test(start_paused = true)]
