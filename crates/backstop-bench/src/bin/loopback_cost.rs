@@ -6,7 +6,7 @@
 //!
 //! `cargo build --release -p backstop-bench --bin loopback_cost` then
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/loopback_cost CLIENT N`
-//! with CLIENT one of: bare, backstop, tower.
+//! with CLIENT one of: bare, bare-with-a-timer, backstop, retry-gate-timeout, tower.
 
 use backstop_bench::stacks;
 use bytes::Bytes;
@@ -49,6 +49,14 @@ fn main() {
         } = stacks::loopback().await;
         match which.as_str() {
             "bare" => run(client, &url, n).await,
+            "bare-with-a-timer" => {
+                // The bare client in a runtime that has one unrelated live timer, as nearly every
+                // service has (a pool's idle timer, a keep-alive, a periodic task): the time
+                // driver then does its bookkeeping on every park, timeouts or not.
+                let _timer = tokio::spawn(tokio::time::sleep(Duration::from_secs(3_600)));
+                tokio::task::yield_now().await;
+                run(client, &url, n).await;
+            }
             "backstop" => {
                 let stack =
                     stacks::backstop_layer("rates-api", Duration::from_secs(5)).layer(client);
