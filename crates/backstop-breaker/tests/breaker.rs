@@ -535,16 +535,29 @@ async fn many_tasks_hammering_one_dependency_lose_no_count() {
 /// the budget and the breaker follow the same dependency name.
 #[tokio::test(start_paused = true)]
 async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
-    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(4)).unwrap();
-    let budget = Budget::default();
-    let dep = Dep::new(Answer::Status(503));
-    let svc = RetryLayer::http()
-        .dependency("carrier-api")
-        .backoff(Backoff::constant(Duration::from_millis(100)))
-        .rng(RngSource::seeded(9))
+    let (breaker, budget, dep) = story_parts();
+    let svc = story_retry()
         .budget(Arc::new(budget.clone()))
         .layer(BreakerLayer::http(breaker.clone()).layer(dep.service()));
     an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
+}
+
+/// A breaker that opens after 4 failures in a row, a budget, and an always-503 dependency.
+fn story_parts() -> (Breaker, Budget, Dep) {
+    (
+        Breaker::new(BreakerConfig::default().consecutive_failures(4)).unwrap(),
+        Budget::default(),
+        Dep::new(Answer::Status(503)),
+    )
+}
+
+/// The retry layer of that story: "carrier-api", 100 ms waits, seeded.
+fn story_retry()
+-> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpReplay, Dependency> {
+    RetryLayer::http()
+        .dependency("carrier-api")
+        .backoff(Backoff::constant(Duration::from_millis(100)))
+        .rng(RngSource::seeded(9))
 }
 
 /// Call 1: three attempts, three failures. Call 2: the fourth attempt opens the circuit, the
@@ -613,13 +626,8 @@ async fn per_authority_circuits_when_no_name_is_given() {
 
 #[tokio::test(start_paused = true)]
 async fn as_the_retry_layers_gate_an_open_circuit_stops_retries_at_once() {
-    let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(4)).unwrap();
-    let budget = Budget::default();
-    let dep = Dep::new(Answer::Status(503));
-    let svc = RetryLayer::http()
-        .dependency("carrier-api")
-        .backoff(Backoff::constant(Duration::from_millis(100)))
-        .rng(RngSource::seeded(9))
+    let (breaker, budget, dep) = story_parts();
+    let svc = story_retry()
         .budget(Arc::new(budget.bind(&carrier())))
         .gate(Arc::new(breaker.bind(&carrier())))
         .layer(dep.service());

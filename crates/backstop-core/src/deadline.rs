@@ -54,12 +54,8 @@ impl Deadline {
     /// inserted) and the one of the attempt scope a retry layer made current on this thread
     /// ([`CallContext::enter`](crate::CallContext::enter)).
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
-        let own = Deadline::on(req);
         let (_, scoped) = crate::CallContext::current_mark_and_deadline();
-        match (own, scoped) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [Deadline::on(req), scoped].into_iter().flatten().min()
     }
 
     /// The deadline a request carries itself, in its extensions (its

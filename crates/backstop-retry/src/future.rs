@@ -4,10 +4,8 @@ use crate::{
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{
-    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions,
-    Outcome,
-};
+use backstop_core::{BoxError, CallContext, Deadline, Dependency, HasExtensions, Outcome};
+use backstop_timeout::AttemptEnd;
 use pin_project::pin_project;
 use rand::rngs::SmallRng;
 use std::{
@@ -56,14 +54,6 @@ enum State<F> {
     Done,
 }
 
-/// When the attempt in flight is cut short.
-#[derive(Clone, Copy)]
-struct Expiry {
-    at: Instant,
-    /// `Some(limit)`: the attempt timeout; `None`: the call's deadline.
-    limit: Option<Duration>,
-}
-
 /// What only a call that fails needs: boxed on first use, so a call that succeeds at once
 /// neither allocates it nor moves it around.
 #[derive(Default)]
@@ -90,18 +80,26 @@ struct CallState<S, Req, C, P, K> {
     nested: bool,
     /// The gate's ticket for the attempt in flight.
     ticket: Option<Ticket>,
-    expiry: Option<Expiry>,
+    /// When the attempt in flight is cut short, if it is.
+    expiry: Option<AttemptEnd>,
     cold: Option<Box<Cold>>,
     /// The current attempt's span (disabled, and free, when nobody listens).
     span: tracing::Span,
 }
 
+impl<S, Req, C, P, K> CallState<S, Req, C, P, K> {
+    /// Tells the gate how the attempt it admitted ended (`None`: cancelled), once.
+    fn end_attempt(&mut self, verdict: Option<Verdict>) {
+        if let (Some(ticket), Some(gate)) = (self.ticket.take(), &self.policy.settings.gate) {
+            gate.complete(&self.dependency, ticket, verdict, self.attempt_started);
+        }
+    }
+}
+
 impl<S, Req, C, P, K> Drop for CallState<S, Req, C, P, K> {
     fn drop(&mut self) {
-        if let (Some(ticket), Some(gate)) = (self.ticket.take(), &self.policy.gate) {
-            // Cancelled mid-attempt: the gate learns it ended without a verdict.
-            gate.complete(&self.dependency, ticket, None, self.attempt_started);
-        }
+        // Cancelled mid-attempt: the gate learns it ended without a verdict.
+        self.end_attempt(None);
     }
 }
 
@@ -146,7 +144,11 @@ where
         now: Instant,
         nested: bool,
     ) -> Self {
-        let max_attempts = if nested { 1 } else { policy.max_attempts };
+        let max_attempts = if nested {
+            1
+        } else {
+            policy.settings.max_attempts
+        };
         let mut call = CallState {
             policy,
             svc,
@@ -186,6 +188,15 @@ where
     }
 }
 
+/// An attempt this layer ended itself (timed out, or no time left), with the verdict the
+/// classifiers give that error everywhere else: one rule for the layer and the layers further
+/// in.
+fn own_verdict(error: &BoxError) -> Verdict {
+    backstop_classify::classify_error(&**error).unwrap_or(Verdict::Fatal {
+        outcome: Outcome::Unknown,
+    })
+}
+
 fn attempt_span(dependency: &Dependency, attempt: u32) -> tracing::Span {
     tracing::debug_span!(target: "backstop::retry", "attempt", dependency = %dependency, attempt)
 }
@@ -209,44 +220,17 @@ where
         self.attempt_started = now;
         self.span = attempt_span(&self.dependency, self.attempt);
         let policy = &self.policy;
-        // Instants are compared, not subtracted: a comparison is two integer compares, a
-        // subtraction a checked library call.
-        let after = |limit: Duration| {
-            now.checked_add(limit)
-                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
-        };
-        self.expiry = match (policy.attempt_timeout, self.deadline) {
-            (None, None) => None,
-            (limit, Some(deadline)) => {
-                let end = deadline.instant();
-                if end <= now {
-                    return State::Stopped {
-                        error: Some(Box::new(DeadlineExceeded::new(
-                            Some(self.dependency.clone()),
-                            Outcome::NotSent,
-                        ))),
-                        verdict: Verdict::Fatal {
-                            outcome: Outcome::NotSent,
-                        },
-                    };
-                }
-                match limit.map(|limit| (limit, after(limit))) {
-                    Some((limit, at)) if at < end => Some(Expiry {
-                        at,
-                        limit: Some(limit),
-                    }),
-                    _ => Some(Expiry {
-                        at: end,
-                        limit: None,
-                    }),
-                }
+        self.expiry = match AttemptEnd::plan(now, policy.settings.attempt_timeout, self.deadline) {
+            Ok(end) => end,
+            Err(passed) => {
+                let error = passed.error(Some(self.dependency.clone()));
+                return State::Stopped {
+                    verdict: own_verdict(&error),
+                    error: Some(error),
+                };
             }
-            (Some(limit), None) => Some(Expiry {
-                at: after(limit),
-                limit: Some(limit),
-            }),
         };
-        if let Some(gate) = &policy.gate {
+        if let Some(gate) = &policy.settings.gate {
             match gate.admit(&self.dependency) {
                 Ok(ticket) => self.ticket = Some(ticket),
                 Err(refused) => {
@@ -260,7 +244,7 @@ where
             }
         }
         let ctx = CallContext::for_retry(self.dependency.clone(), self.deadline);
-        if policy.mark_requests {
+        if policy.settings.mark_requests {
             req.extensions_mut().insert(ctx.clone());
         }
         let _scope = ctx.make_current();
@@ -321,10 +305,12 @@ where
         let wait = match after {
             Some(after) => after,
             None => {
-                let (schedule, rng) = self
-                    .cold()
-                    .schedule
-                    .get_or_insert_with(|| (policy.backoff.schedule(), policy.rng.rng()));
+                let (schedule, rng) = self.cold().schedule.get_or_insert_with(|| {
+                    (
+                        policy.settings.backoff.schedule(),
+                        policy.settings.rng.rng(),
+                    )
+                });
                 schedule.next_delay(rng)
             }
         };
@@ -334,7 +320,7 @@ where
                 return Next::Stop(StopReason::DeadlineTooClose { wait, left });
             }
         }
-        if !policy.budget.withdraw(&self.dependency) {
+        if !policy.settings.budget.withdraw(&self.dependency) {
             crate::obs::budget_refused(&self.dependency);
             return Next::Stop(StopReason::BudgetExhausted);
         }
@@ -436,16 +422,7 @@ where
                             let verdict = call.policy.classifier.classify(result.as_ref());
                             if verdict == Verdict::Success && call.cold.is_none() {
                                 // The common case, kept short: a success with nothing to report.
-                                if let (Some(ticket), Some(gate)) =
-                                    (call.ticket.take(), &call.policy.gate)
-                                {
-                                    gate.complete(
-                                        &call.dependency,
-                                        ticket,
-                                        Some(verdict),
-                                        call.attempt_started,
-                                    );
-                                }
+                                call.end_attempt(Some(verdict));
                                 if !call.nested {
                                     crate::obs::finished(
                                         &call.dependency,
@@ -467,25 +444,9 @@ where
                                 timer.set(Some(sleep_until(expiry.at)));
                             }
                             ready!(timer.as_pin_mut().expect("set above").poll(cx));
-                            let dependency = Some(call.dependency.clone());
-                            match expiry.limit {
-                                Some(limit) => (
-                                    Ended::Own(Box::new(AttemptTimedOut::new(dependency, limit))),
-                                    Verdict::Retryable {
-                                        outcome: Outcome::Unknown,
-                                        after: None,
-                                    },
-                                ),
-                                None => (
-                                    Ended::Own(Box::new(DeadlineExceeded::new(
-                                        dependency,
-                                        Outcome::Unknown,
-                                    ))),
-                                    Verdict::Fatal {
-                                        outcome: Outcome::Unknown,
-                                    },
-                                ),
-                            }
+                            let error = expiry.error(Some(call.dependency.clone()));
+                            let verdict = own_verdict(&error);
+                            (Ended::Own(error), verdict)
                         }
                     }
                 }
@@ -550,14 +511,7 @@ where
             };
 
             // The attempt has ended.
-            if let (Some(ticket), Some(gate)) = (call.ticket.take(), &call.policy.gate) {
-                gate.complete(
-                    &call.dependency,
-                    ticket,
-                    Some(verdict),
-                    call.attempt_started,
-                );
-            }
+            call.end_attempt(Some(verdict));
             if call.nested {
                 // An outer retry layer owns the call: the result goes back as it is, for that
                 // layer to classify.

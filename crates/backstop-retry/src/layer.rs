@@ -24,6 +24,12 @@ pub(crate) struct Policy<C, P, K> {
     pub(crate) classifier: C,
     pub(crate) replay: P,
     pub(crate) key: K,
+    pub(crate) settings: Settings,
+}
+
+/// The settings that do not depend on the layer's type parameters.
+#[derive(Clone)]
+pub(crate) struct Settings {
     pub(crate) max_attempts: u32,
     pub(crate) backoff: Backoff,
     pub(crate) rng: RngSource,
@@ -32,19 +38,6 @@ pub(crate) struct Policy<C, P, K> {
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) gate: Option<Arc<dyn AttemptGate>>,
     pub(crate) mark_requests: bool,
-}
-
-/// The settings that do not depend on the layer's type parameters.
-#[derive(Clone)]
-struct Settings {
-    max_attempts: u32,
-    backoff: Backoff,
-    rng: RngSource,
-    budget: Arc<dyn RetryBudget>,
-    deadline: Option<Duration>,
-    attempt_timeout: Option<Duration>,
-    gate: Option<Arc<dyn AttemptGate>>,
-    mark_requests: bool,
 }
 
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
@@ -245,14 +238,7 @@ impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
                 classifier: self.classifier.clone(),
                 replay: self.replay.clone(),
                 key: self.key.clone(),
-                max_attempts: self.settings.max_attempts,
-                backoff: self.settings.backoff,
-                rng: self.settings.rng.clone(),
-                budget: self.settings.budget.clone(),
-                deadline: self.settings.deadline,
-                attempt_timeout: self.settings.attempt_timeout,
-                gate: self.settings.gate.clone(),
-                mark_requests: self.settings.mark_requests,
+                settings: self.settings.clone(),
             }),
         }
     }
@@ -279,8 +265,8 @@ impl<S: fmt::Debug, C, P, K> fmt::Debug for Retry<S, C, P, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Retry")
             .field("inner", &self.inner)
-            .field("max_attempts", &self.policy.max_attempts)
-            .field("backoff", &self.policy.backoff)
+            .field("max_attempts", &self.policy.settings.max_attempts)
+            .field("backoff", &self.policy.settings.backoff)
             .finish()
     }
 }
@@ -332,19 +318,17 @@ where
         // the reading.
         let now = Instant::now();
         if !nested {
-            policy.budget.deposit(&dependency, now);
+            policy.settings.budget.deposit(&dependency, now);
         }
-        let caller = match (Deadline::on(&req), scope_deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        let deadline = match (policy.deadline, caller) {
-            (Some(budget), caller) => {
-                let own = Deadline::after_from(now, budget);
-                Some(caller.map_or(own, |c| c.min(own)))
-            }
-            (None, caller) => caller,
-        };
+        // The earliest of the caller's deadline, the outer attempt's and this layer's own.
+        let own = policy
+            .settings
+            .deadline
+            .map(|budget| Deadline::after_from(now, budget));
+        let deadline = [Deadline::on(&req), scope_deadline, own]
+            .into_iter()
+            .flatten()
+            .min();
 
         // The readied service makes the first attempt; the clone stays behind for the next call.
         let clone = self.inner.clone();

@@ -1,4 +1,4 @@
-use crate::timed::{Expiry, TimedFuture};
+use crate::timed::{AttemptEnd, TimedFuture};
 use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use std::{
     task::{Context, Poll},
@@ -97,28 +97,14 @@ where
 
     fn call(&mut self, req: Req) -> Self::Future {
         let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
-        let now = Instant::now();
-        let mut limit = self.limit;
-        let mut by_deadline = false;
-        if let Some(deadline) = Deadline::of(&req) {
-            let left = deadline.instant().saturating_duration_since(now);
-            if left <= limit {
-                limit = left;
-                by_deadline = true;
-            }
+        match AttemptEnd::plan(Instant::now(), Some(self.limit), Deadline::of(&req)) {
+            Ok(end) => TimedFuture::new(
+                self.inner.call(req),
+                end.expect("an attempt timeout always sets an end"),
+                dependency,
+            ),
+            Err(passed) => TimedFuture::too_late(passed, dependency),
         }
-        if by_deadline && limit.is_zero() {
-            return TimedFuture::too_late(dependency);
-        }
-        let at = now
-            .checked_add(limit)
-            .unwrap_or(now + Duration::from_secs(86_400 * 365));
-        let expiry = if by_deadline {
-            Expiry::Deadline
-        } else {
-            Expiry::Attempt { limit }
-        };
-        TimedFuture::new(self.inner.call(req), at, expiry, dependency)
     }
 }
 

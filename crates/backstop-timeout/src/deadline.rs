@@ -1,9 +1,10 @@
-use crate::timed::{Expiry, TimedFuture};
+use crate::timed::{AttemptEnd, TimedFuture};
 use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use std::{
     task::{Context, Poll},
     time::Duration,
 };
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -99,17 +100,17 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        let deadline = Deadline::after(self.budget).tighten(&mut req);
+        let now = Instant::now();
+        let deadline = Deadline::after_from(now, self.budget).tighten(&mut req);
         let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
-        if deadline.has_passed() {
-            return TimedFuture::too_late(dependency);
+        match AttemptEnd::plan(now, None, Some(deadline)) {
+            Ok(end) => TimedFuture::new(
+                self.inner.call(req),
+                end.expect("a deadline always sets an end"),
+                dependency,
+            ),
+            Err(passed) => TimedFuture::too_late(passed, dependency),
         }
-        TimedFuture::new(
-            self.inner.call(req),
-            deadline.instant(),
-            Expiry::Deadline,
-            dependency,
-        )
     }
 }
 

@@ -54,6 +54,7 @@ mod timed;
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
 pub use deadline::{DeadlineLayer, WithDeadline};
+pub use timed::{AttemptEnd, DeadlinePassed, Expiry};
 
 /// Future types.
 pub mod future {

@@ -1,4 +1,4 @@
-use backstop_core::{AttemptTimedOut, BoxError, DeadlineExceeded, Dependency, Outcome};
+use backstop_core::{AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, Outcome};
 use pin_project::pin_project;
 use std::{
     future::Future,
@@ -8,13 +8,96 @@ use std::{
 };
 use tokio::time::{Instant, Sleep, sleep_until};
 
-/// What running out of time means for a [`TimedFuture`].
-#[derive(Debug)]
-pub(crate) enum Expiry {
-    /// The attempt timeout: an [`AttemptTimedOut`] error.
-    Attempt { limit: Duration },
-    /// The call's deadline: a [`DeadlineExceeded`] error with an unknown outcome.
+/// Which limit ends an attempt that runs out of time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expiry {
+    /// Its own attempt timeout: an [`AttemptTimedOut`] error (outcome unknown).
+    Attempt {
+        /// The attempt timeout.
+        limit: Duration,
+    },
+    /// The call's deadline, which came first: a [`DeadlineExceeded`] error (outcome unknown).
     Deadline,
+}
+
+/// When an attempt must end, and why: the one rule both timeout layers and the retry layer's
+/// own attempt timer follow. The attempt gets `min(attempt timeout, time left before the
+/// deadline)`, so the last attempt ends at the deadline with a verdict instead of being cut off
+/// from outside.
+///
+/// ```
+/// use backstop_timeout::{AttemptEnd, Deadline, Expiry};
+/// use std::time::Duration;
+/// use tokio::time::Instant;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let now = Instant::now();
+/// let limit = Some(Duration::from_secs(3));
+/// let end = AttemptEnd::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(2))));
+/// assert_eq!(end.unwrap().unwrap().expiry, Expiry::Deadline);
+/// let end = AttemptEnd::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(10))));
+/// assert_eq!(end.unwrap().unwrap().expiry, Expiry::Attempt { limit: Duration::from_secs(3) });
+/// assert!(AttemptEnd::plan(now, limit, Some(Deadline::at(now))).is_err());
+/// # }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttemptEnd {
+    /// The instant the attempt is cut at.
+    pub at: Instant,
+    /// Which limit that is.
+    pub expiry: Expiry,
+}
+
+/// The call's deadline had already passed when the attempt was to start: nothing is sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeadlinePassed;
+
+impl DeadlinePassed {
+    /// The error for it: [`DeadlineExceeded`], outcome not sent.
+    pub fn error(self, dependency: Option<Dependency>) -> BoxError {
+        Box::new(DeadlineExceeded::new(dependency, Outcome::NotSent))
+    }
+}
+
+impl AttemptEnd {
+    /// When an attempt starting at `now` ends, given its own `limit` and the call's `deadline`
+    /// (`Ok(None)`: neither is set). Instants are compared, never subtracted.
+    #[inline]
+    pub fn plan(
+        now: Instant,
+        limit: Option<Duration>,
+        deadline: Option<Deadline>,
+    ) -> Result<Option<AttemptEnd>, DeadlinePassed> {
+        let own = limit.map(|limit| AttemptEnd {
+            at: now
+                .checked_add(limit)
+                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365)),
+            expiry: Expiry::Attempt { limit },
+        });
+        let Some(deadline) = deadline else {
+            return Ok(own);
+        };
+        let end = deadline.instant();
+        if end <= now {
+            return Err(DeadlinePassed);
+        }
+        Ok(Some(match own {
+            Some(own) if own.at < end => own,
+            _ => AttemptEnd {
+                at: end,
+                expiry: Expiry::Deadline,
+            },
+        }))
+    }
+
+    /// The error of an attempt cut at this end.
+    pub fn error(self, dependency: Option<Dependency>) -> BoxError {
+        match self.expiry {
+            Expiry::Attempt { limit } => Box::new(AttemptTimedOut::new(dependency, limit)),
+            Expiry::Deadline => Box::new(DeadlineExceeded::new(dependency, Outcome::Unknown)),
+        }
+    }
 }
 
 /// Response future of both timeout layers: the inner future, bounded by an instant.
@@ -35,8 +118,7 @@ enum State<F> {
         /// at once never touches the timer.
         #[pin]
         sleep: Option<Sleep>,
-        at: Instant,
-        expiry: Expiry,
+        end: AttemptEnd,
         dependency: Option<Dependency>,
     },
     Failed {
@@ -45,28 +127,23 @@ enum State<F> {
 }
 
 impl<F> TimedFuture<F> {
-    pub(crate) fn new(
-        inner: F,
-        at: Instant,
-        expiry: Expiry,
-        dependency: Option<Dependency>,
-    ) -> Self {
+    /// `inner`, cut at `end`.
+    pub(crate) fn new(inner: F, end: AttemptEnd, dependency: Option<Dependency>) -> Self {
         TimedFuture {
             state: State::Running {
                 inner,
                 sleep: None,
-                at,
-                expiry,
+                end,
                 dependency,
             },
         }
     }
 
     /// A call refused before it started: its deadline had already passed.
-    pub(crate) fn too_late(dependency: Option<Dependency>) -> Self {
+    pub(crate) fn too_late(passed: DeadlinePassed, dependency: Option<Dependency>) -> Self {
         TimedFuture {
             state: State::Failed {
-                error: Some(DeadlineExceeded::new(dependency, Outcome::NotSent).into()),
+                error: Some(passed.error(dependency)),
             },
         }
     }
@@ -84,8 +161,7 @@ where
             StateProj::Running {
                 inner,
                 mut sleep,
-                at,
-                expiry,
+                end,
                 dependency,
             } => {
                 // The response wins a tie with the timer.
@@ -93,14 +169,10 @@ where
                     return Poll::Ready(r.map_err(Into::into));
                 }
                 if sleep.is_none() {
-                    sleep.set(Some(sleep_until(*at)));
+                    sleep.set(Some(sleep_until(end.at)));
                 }
                 ready!(sleep.as_pin_mut().expect("set above").poll(cx));
-                let dependency = dependency.take();
-                Poll::Ready(Err(match *expiry {
-                    Expiry::Attempt { limit } => AttemptTimedOut::new(dependency, limit).into(),
-                    Expiry::Deadline => DeadlineExceeded::new(dependency, Outcome::Unknown).into(),
-                }))
+                Poll::Ready(Err(end.error(dependency.take())))
             }
             StateProj::Failed { error } => Poll::Ready(Err(error
                 .take()
