@@ -257,6 +257,27 @@ pub fn retry_budget_timeout() -> impl Bench {
         .layer(ok_service())
 }
 
+/// The composed stack without its call layer, for `dependency`: the retry layer with its own
+/// budget, its own breaker as its gate, the attempt timeout and a 30 s deadline.
+pub fn retry_gate_layer(
+    dependency: &str,
+    attempt_timeout: Duration,
+) -> RetryLayer<HttpClassifier, HttpReplay, backstop::Dependency> {
+    let dependency = backstop::Dependency::new(dependency);
+    RetryLayer::http()
+        .dependency(dependency.clone())
+        .rng(RngSource::seeded(1))
+        .budget(Arc::new(Budget::default().bind(&dependency)))
+        .gate(Arc::new(Breaker::default().bind(&dependency)))
+        .attempt_timeout(attempt_timeout)
+        .deadline(Duration::from_secs(30))
+}
+
+/// [`retry_gate_layer`] over the immediately ready service.
+pub fn retry_gate_timeout() -> impl Bench {
+    retry_gate_layer("carrier-api", Duration::from_secs(3)).layer(ok_service())
+}
+
 /// The breaker alone.
 pub fn breaker_only() -> impl Bench {
     BreakerLayer::http(Breaker::default())

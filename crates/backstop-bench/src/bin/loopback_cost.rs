@@ -63,18 +63,8 @@ fn main() {
                 run(stack, &url, n).await;
             }
             "retry-gate-timeout" => {
-                // The composed stack without its call layer: the retry layer with the budget,
-                // the breaker as its gate, the attempt timeout and the deadline.
-                let budget = backstop::budget::Budget::default();
-                let breaker = backstop::breaker::Breaker::default();
-                let dep = backstop::Dependency::new("rates-api");
-                let stack = backstop::retry::RetryLayer::http()
-                    .dependency(dep.clone())
-                    .budget(std::sync::Arc::new(budget.bind(&dep)))
-                    .gate(std::sync::Arc::new(breaker.bind(&dep)))
-                    .attempt_timeout(Duration::from_secs(5))
-                    .deadline(Duration::from_secs(30))
-                    .layer(client);
+                let stack =
+                    stacks::retry_gate_layer("rates-api", Duration::from_secs(5)).layer(client);
                 run(stack, &url, n).await;
             }
             "tower" => {

@@ -5,7 +5,7 @@
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/per_call STACK N`
 //! for two values of N: the difference divided by the difference in N is the cost per call.
 //! STACK is one of: bare, tower, tower-resilience, backstop, retry, retry-budget,
-//! retry-budget-timeout, breaker, deadline, attempt-timeout. `per_call sizes` prints the size
+//! retry-budget-timeout, retry-gate-timeout, breaker, deadline, attempt-timeout. `per_call sizes` prints the size
 //! of each stack's response future (every outer layer moves it once more on every call).
 
 use backstop_bench::stacks::{self, Bench, drive};
@@ -31,6 +31,7 @@ fn main() {
         "retry" => run(stacks::retry_only(), n),
         "retry-budget" => run(stacks::retry_budget(), n),
         "retry-budget-timeout" => run(stacks::retry_budget_timeout(), n),
+        "retry-gate-timeout" => run(stacks::retry_gate_timeout(), n),
         "breaker" => run(stacks::breaker_only(), n),
         "deadline" => run(stacks::deadline_only(), n),
         "attempt-timeout" => run(stacks::attempt_timeout_only(), n),
