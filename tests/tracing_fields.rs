@@ -18,10 +18,13 @@ use tracing::{
 /// Field names and their recorded values.
 type FieldMap = BTreeMap<String, String>;
 
-/// Spans (name and fields) and events (fields), as a minimal subscriber saw them.
+/// Spans (name and fields) and events (fields), as a minimal subscriber saw them, with each
+/// span's parent (explicit, or the span entered when it was created).
 #[derive(Clone, Default)]
 struct Seen {
     spans: Arc<Mutex<Vec<(String, FieldMap)>>>,
+    parents: Arc<Mutex<Vec<Option<u64>>>>,
+    entered: Arc<Mutex<Vec<u64>>>,
     events: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
 }
 
@@ -43,6 +46,12 @@ impl Subscriber for Seen {
     fn new_span(&self, attrs: &Attributes<'_>) -> Id {
         let mut fields = BTreeMap::new();
         attrs.record(&mut Fields(&mut fields));
+        let parent = if attrs.is_contextual() {
+            self.entered.lock().unwrap().last().copied()
+        } else {
+            attrs.parent().map(Id::into_u64)
+        };
+        self.parents.lock().unwrap().push(parent);
         let mut spans = self.spans.lock().unwrap();
         spans.push((attrs.metadata().name().to_owned(), fields));
         Id::from_u64(spans.len() as u64)
@@ -57,8 +66,14 @@ impl Subscriber for Seen {
         event.record(&mut Fields(&mut fields));
         self.events.lock().unwrap().push(fields);
     }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
+    fn enter(&self, id: &Id) {
+        self.entered.lock().unwrap().push(id.into_u64());
+    }
+    fn exit(&self, id: &Id) {
+        let mut entered = self.entered.lock().unwrap();
+        let at = entered.iter().rposition(|e| *e == id.into_u64());
+        entered.remove(at.expect("exited a span that was entered"));
+    }
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -69,11 +84,12 @@ async fn spans_and_events_carry_the_fields_operators_need() {
     common::label_purchase_retried_once().await;
 
     let spans = seen.spans.lock().unwrap().clone();
-    let call = &spans
+    let parents = seen.parents.lock().unwrap().clone();
+    let call_at = spans
         .iter()
-        .find(|(name, _)| name == "call")
-        .expect("a call span")
-        .1;
+        .position(|(name, _)| name == "call")
+        .expect("a call span");
+    let call = &spans[call_at].1;
     assert_eq!(call["dependency"], "labels-api");
     assert_eq!(call["run_id"], "run-91f2");
     assert_eq!(call["tool_call_id"], "call-07");
@@ -89,6 +105,22 @@ async fn spans_and_events_carry_the_fields_operators_need() {
         .map(|(_, f)| f["attempt"].clone())
         .collect();
     assert_eq!(attempts, ["1", "2"]);
+    // Both attempts, the first begun in `call` and the retry begun in `poll`, sit inside the
+    // call's span.
+    let call_id = call_at as u64 + 1;
+    for (at, (name, _)) in spans.iter().enumerate() {
+        if name == "attempt" {
+            assert_eq!(
+                parents[at],
+                Some(call_id),
+                "attempt span {at} outside the call span"
+            );
+        }
+    }
+    assert!(
+        seen.entered.lock().unwrap().is_empty(),
+        "every span entered was exited"
+    );
     let events = seen.events.lock().unwrap().clone();
     let retrying = events
         .iter()

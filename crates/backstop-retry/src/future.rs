@@ -1,5 +1,5 @@
 use crate::{
-    AttemptRecord, NotReplayable, Replay, RetryError, RetryHistory, StopReason, Ticket,
+    AttemptRecord, CallHook, NotReplayable, Replay, RetryError, RetryHistory, StopReason, Ticket,
     layer::Policy,
 };
 use backstop_backoff::Schedule;
@@ -21,13 +21,33 @@ use tower_service::Service;
 
 /// Response future of [`Retry`](crate::Retry).
 #[pin_project]
-pub struct ResponseFuture<S, Req, C, P, K>
+pub struct ResponseFuture<S, Req, C, P, K, H>
 where
     S: Service<Req>,
+    H: CallHook<Req, S::Response>,
 {
     #[pin]
-    state: State<S::Future>,
-    call: CallState<S, Req, C, P, K>,
+    inner: Inner<S, Req, C, P, K, H>,
+}
+
+// Boxing the running call would cost every call an allocation; a refused call is the rare one.
+#[allow(clippy::large_enum_variant)]
+#[pin_project(project = InnerProj)]
+enum Inner<S, Req, C, P, K, H>
+where
+    S: Service<Req>,
+    H: CallHook<Req, S::Response>,
+{
+    /// The call is under way.
+    Running {
+        #[pin]
+        state: State<S::Future>,
+        call: CallState<S, Req, C, P, K, H>,
+        /// The hook's state for the call.
+        hooked: H::State,
+    },
+    /// The hook refused the call before anything was sent; taken when the future completes.
+    Refused { error: Option<H::Error> },
 }
 
 #[pin_project(project = StateProj)]
@@ -63,8 +83,8 @@ struct Cold {
     not_replayable: Option<NotReplayable>,
 }
 
-struct CallState<S, Req, C, P, K> {
-    policy: Arc<Policy<C, P, K>>,
+struct CallState<S, Req, C, P, K, H> {
+    policy: Arc<Policy<C, P, K, H>>,
     svc: S,
     /// The original request, kept for replays; `None` when it cannot be replayed.
     template: Option<Req>,
@@ -87,7 +107,7 @@ struct CallState<S, Req, C, P, K> {
     span: tracing::Span,
 }
 
-impl<S, Req, C, P, K> CallState<S, Req, C, P, K> {
+impl<S, Req, C, P, K, H> CallState<S, Req, C, P, K, H> {
     /// Tells the gate how the attempt it admitted ended (`None`: cancelled), once.
     fn end_attempt(&mut self, verdict: Option<Verdict>) {
         if let (Some(ticket), Some(gate)) = (self.ticket.take(), &self.policy.settings.gate) {
@@ -96,7 +116,7 @@ impl<S, Req, C, P, K> CallState<S, Req, C, P, K> {
     }
 }
 
-impl<S, Req, C, P, K> Drop for CallState<S, Req, C, P, K> {
+impl<S, Req, C, P, K, H> Drop for CallState<S, Req, C, P, K, H> {
     fn drop(&mut self) {
         // Cancelled mid-attempt: the gate learns it ended without a verdict.
         self.end_attempt(None);
@@ -115,34 +135,49 @@ enum Ended<T, E> {
     Own(BoxError),
 }
 
-impl<S, Req, C, P, K> fmt::Debug for ResponseFuture<S, Req, C, P, K>
+impl<S, Req, C, P, K, H> fmt::Debug for ResponseFuture<S, Req, C, P, K, H>
 where
     S: Service<Req>,
+    H: CallHook<Req, S::Response>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture")
-            .field("dependency", &self.call.dependency)
-            .field("attempt", &self.call.attempt)
-            .field("max_attempts", &self.call.max_attempts)
-            .finish()
+        match &self.inner {
+            Inner::Running { call, .. } => f
+                .debug_struct("ResponseFuture")
+                .field("dependency", &call.dependency)
+                .field("attempt", &call.attempt)
+                .field("max_attempts", &call.max_attempts)
+                .finish(),
+            Inner::Refused { .. } => f.write_str("ResponseFuture(refused)"),
+        }
     }
 }
 
-impl<S, Req, C, P, K> ResponseFuture<S, Req, C, P, K>
+impl<S, Req, C, P, K, H> ResponseFuture<S, Req, C, P, K, H>
 where
     S: Service<Req>,
     Req: HasExtensions,
     P: Replay<Req>,
+    H: CallHook<Req, S::Response>,
 {
+    /// A call the hook refused: it ends with `error` when first polled.
+    pub(crate) fn refused(error: H::Error) -> Self {
+        ResponseFuture {
+            inner: Inner::Refused { error: Some(error) },
+        }
+    }
+
     /// Starts the call's first attempt. `nested`: an outer retry layer owns retrying.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
-        policy: Arc<Policy<C, P, K>>,
+        policy: Arc<Policy<C, P, K, H>>,
         svc: S,
         req: Req,
         dependency: Dependency,
         deadline: Option<Deadline>,
         now: Instant,
         nested: bool,
+        hooked: H::State,
     ) -> Self {
         let max_attempts = if nested {
             1
@@ -183,8 +218,15 @@ where
         if !nested {
             crate::obs::call(&call.dependency);
         }
-        let state = call.begin(first, now);
-        ResponseFuture { state, call }
+        let parent = call.policy.hook.span(&hooked);
+        let state = call.begin(first, now, parent);
+        ResponseFuture {
+            inner: Inner::Running {
+                state,
+                call,
+                hooked,
+            },
+        }
     }
 }
 
@@ -197,11 +239,31 @@ fn own_verdict(error: &BoxError) -> Verdict {
     })
 }
 
-fn attempt_span(dependency: &Dependency, attempt: u32) -> tracing::Span {
-    tracing::debug_span!(target: "backstop::retry", "attempt", dependency = %dependency, attempt)
+/// The attempt's span: inside the call's span when the hook keeps one, else inside whatever
+/// span is current.
+fn attempt_span(
+    parent: Option<&tracing::Span>,
+    dependency: &Dependency,
+    attempt: u32,
+) -> tracing::Span {
+    match parent {
+        Some(call) if !call.is_disabled() => tracing::debug_span!(
+            target: "backstop::retry",
+            parent: call,
+            "attempt",
+            dependency = %dependency,
+            attempt
+        ),
+        _ => tracing::debug_span!(
+            target: "backstop::retry",
+            "attempt",
+            dependency = %dependency,
+            attempt
+        ),
+    }
 }
 
-impl<S, Req, C, P, K> CallState<S, Req, C, P, K>
+impl<S, Req, C, P, K, H> CallState<S, Req, C, P, K, H>
 where
     S: Service<Req>,
     Req: HasExtensions,
@@ -216,9 +278,14 @@ where
 
     /// Starts an attempt at `now`: checks the deadline, asks the gate, then calls the service
     /// inside the attempt scope.
-    fn begin(&mut self, mut req: Req, now: Instant) -> State<S::Future> {
+    fn begin(
+        &mut self,
+        mut req: Req,
+        now: Instant,
+        parent: Option<&tracing::Span>,
+    ) -> State<S::Future> {
         self.attempt_started = now;
-        self.span = attempt_span(&self.dependency, self.attempt);
+        self.span = attempt_span(parent, &self.dependency, self.attempt);
         let policy = &self.policy;
         self.expiry = match AttemptEnd::plan(now, policy.settings.attempt_timeout, self.deadline) {
             Ok(end) => end,
@@ -396,7 +463,47 @@ where
     }
 }
 
-impl<S, Req, C, P, K> Future for ResponseFuture<S, Req, C, P, K>
+impl<S, Req, C, P, K, H> Future for ResponseFuture<S, Req, C, P, K, H>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    S::Response: HasExtensions,
+    Req: HasExtensions,
+    C: Classify<Req, S::Response, S::Error>,
+    P: Replay<Req>,
+    H: CallHook<Req, S::Response>,
+{
+    type Output = Result<S::Response, H::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().inner.project() {
+            InnerProj::Running {
+                state,
+                call,
+                hooked,
+            } => {
+                let result = {
+                    let parent = call.policy.hook.span(hooked);
+                    let _entered = parent.map(tracing::Span::enter);
+                    ready!(poll_call(state, call, parent, cx))
+                };
+                let hook = &call.policy.hook;
+                Poll::Ready(hook.end(hooked, result))
+            }
+            InnerProj::Refused { error } => Poll::Ready(Err(error
+                .take()
+                .expect("retry ResponseFuture polled after completion"))),
+        }
+    }
+}
+
+/// Drives the call's attempts until one result is final.
+fn poll_call<S, Req, C, P, K, H>(
+    mut state: Pin<&mut State<S::Future>>,
+    call: &mut CallState<S, Req, C, P, K, H>,
+    parent: Option<&tracing::Span>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<S::Response, BoxError>>
 where
     S: Service<Req>,
     S::Error: Into<BoxError>,
@@ -405,133 +512,118 @@ where
     C: Classify<Req, S::Response, S::Error>,
     P: Replay<Req>,
 {
-    type Output = Result<S::Response, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.project();
-        let call = this.call;
-        loop {
-            let (ended, verdict) = match this.state.as_mut().project() {
-                StateProj::Calling { fut, mut timer } => {
-                    let polled = {
-                        let _entered = call.span.enter();
-                        fut.poll(cx)
-                    };
-                    match polled {
-                        Poll::Ready(result) => {
-                            let verdict = call.policy.classifier.classify(result.as_ref());
-                            if verdict == Verdict::Success && call.cold.is_none() {
-                                // The common case, kept short: a success with nothing to report.
-                                call.end_attempt(Some(verdict));
-                                if !call.nested {
-                                    crate::obs::finished(
-                                        &call.dependency,
-                                        call.attempt,
-                                        true,
-                                        false,
-                                    );
-                                }
-                                this.state.set(State::Done);
-                                return Poll::Ready(result.map_err(Into::into));
+    loop {
+        let (ended, verdict) = match state.as_mut().project() {
+            StateProj::Calling { fut, mut timer } => {
+                let polled = {
+                    let _entered = call.span.enter();
+                    fut.poll(cx)
+                };
+                match polled {
+                    Poll::Ready(result) => {
+                        let verdict = call.policy.classifier.classify(result.as_ref());
+                        if verdict == Verdict::Success && call.cold.is_none() {
+                            // The common case, kept short: a success with nothing to report.
+                            call.end_attempt(Some(verdict));
+                            if !call.nested {
+                                crate::obs::finished(&call.dependency, call.attempt, true, false);
                             }
-                            (Ended::Inner(result), verdict)
+                            state.set(State::Done);
+                            return Poll::Ready(result.map_err(Into::into));
                         }
-                        Poll::Pending => {
-                            let Some(expiry) = call.expiry else {
-                                return Poll::Pending;
-                            };
-                            if timer.is_none() {
-                                timer.set(Some(sleep_until(expiry.at)));
-                            }
-                            ready!(timer.as_pin_mut().expect("set above").poll(cx));
-                            let error = expiry.error(Some(call.dependency.clone()));
-                            let verdict = own_verdict(&error);
-                            (Ended::Own(error), verdict)
+                        (Ended::Inner(result), verdict)
+                    }
+                    Poll::Pending => {
+                        let Some(expiry) = call.expiry else {
+                            return Poll::Pending;
+                        };
+                        if timer.is_none() {
+                            timer.set(Some(sleep_until(expiry.at)));
                         }
+                        ready!(timer.as_pin_mut().expect("set above").poll(cx));
+                        let error = expiry.error(Some(call.dependency.clone()));
+                        let verdict = own_verdict(&error);
+                        (Ended::Own(error), verdict)
                     }
                 }
-                StateProj::Stopped { error, verdict } => (
-                    Ended::Own(
-                        error
-                            .take()
-                            .expect("retry ResponseFuture polled after completion"),
-                    ),
-                    *verdict,
+            }
+            StateProj::Stopped { error, verdict } => (
+                Ended::Own(
+                    error
+                        .take()
+                        .expect("retry ResponseFuture polled after completion"),
                 ),
-                StateProj::Waiting { sleep } => {
-                    ready!(sleep.as_mut().poll(cx));
-                    this.state.set(State::Readying);
-                    continue;
+                *verdict,
+            ),
+            StateProj::Waiting { sleep } => {
+                ready!(sleep.as_mut().poll(cx));
+                state.set(State::Readying);
+                continue;
+            }
+            StateProj::Readying => {
+                // Readiness is polled again before every attempt.
+                if let Err(e) = ready!(call.svc.poll_ready(cx)) {
+                    state.set(State::Done);
+                    let verdict = Verdict::Fatal {
+                        outcome: Outcome::NotSent,
+                    };
+                    let history = call.history(StopReason::NotRetryable);
+                    return Poll::Ready(Err(Box::new(RetryError::new(history, verdict, e.into()))));
                 }
-                StateProj::Readying => {
-                    // Readiness is polled again before every attempt.
-                    if let Err(e) = ready!(call.svc.poll_ready(cx)) {
-                        this.state.set(State::Done);
-                        let verdict = Verdict::Fatal {
-                            outcome: Outcome::NotSent,
-                        };
-                        let history = call.history(StopReason::NotRetryable);
+                let template = call
+                    .template
+                    .as_ref()
+                    .expect("only a replayable request is retried");
+                let req = match call.policy.replay.replay(template) {
+                    Ok(req) => req,
+                    Err(why) => {
+                        state.set(State::Done);
+                        let verdict = call
+                            .cold
+                            .as_ref()
+                            .and_then(|c| c.history.last())
+                            .map(|a| a.verdict)
+                            .unwrap_or(Verdict::Fatal {
+                                outcome: Outcome::NotSent,
+                            });
+                        let history = call.history(StopReason::NotReplayable(why.clone()));
                         return Poll::Ready(Err(Box::new(RetryError::new(
                             history,
                             verdict,
-                            e.into(),
+                            Box::new(why),
                         ))));
                     }
-                    let template = call
-                        .template
-                        .as_ref()
-                        .expect("only a replayable request is retried");
-                    let req = match call.policy.replay.replay(template) {
-                        Ok(req) => req,
-                        Err(why) => {
-                            this.state.set(State::Done);
-                            let verdict = call
-                                .cold
-                                .as_ref()
-                                .and_then(|c| c.history.last())
-                                .map(|a| a.verdict)
-                                .unwrap_or(Verdict::Fatal {
-                                    outcome: Outcome::NotSent,
-                                });
-                            let history = call.history(StopReason::NotReplayable(why.clone()));
-                            return Poll::Ready(Err(Box::new(RetryError::new(
-                                history,
-                                verdict,
-                                Box::new(why),
-                            ))));
-                        }
-                    };
-                    call.attempt += 1;
-                    crate::obs::retry(&call.dependency);
-                    let next = call.begin(req, Instant::now());
-                    this.state.set(next);
-                    continue;
-                }
-                StateProj::Done => panic!("retry ResponseFuture polled after completion"),
-            };
+                };
+                call.attempt += 1;
+                crate::obs::retry(&call.dependency);
+                let next = call.begin(req, Instant::now(), parent);
+                state.set(next);
+                continue;
+            }
+            StateProj::Done => panic!("retry ResponseFuture polled after completion"),
+        };
 
-            // The attempt has ended.
-            call.end_attempt(Some(verdict));
-            if call.nested {
-                // An outer retry layer owns the call: the result goes back as it is, for that
-                // layer to classify.
-                this.state.set(State::Done);
-                return Poll::Ready(match ended {
-                    Ended::Inner(r) => r.map_err(Into::into),
-                    Ended::Own(e) => Err(e),
+        // The attempt has ended.
+        call.end_attempt(Some(verdict));
+        if call.nested {
+            // An outer retry layer owns the call: the result goes back as it is, for that
+            // layer to classify.
+            state.set(State::Done);
+            return Poll::Ready(match ended {
+                Ended::Inner(r) => r.map_err(Into::into),
+                Ended::Own(e) => Err(e),
+            });
+        }
+        match call.next(verdict) {
+            Next::Wait(wait) => {
+                drop(ended);
+                state.set(State::Waiting {
+                    sleep: Box::pin(sleep(wait)),
                 });
             }
-            match call.next(verdict) {
-                Next::Wait(wait) => {
-                    drop(ended);
-                    this.state.set(State::Waiting {
-                        sleep: Box::pin(sleep(wait)),
-                    });
-                }
-                Next::Stop(stopped) => {
-                    this.state.set(State::Done);
-                    return Poll::Ready(call.finish(ended, verdict, stopped));
-                }
+            Next::Stop(stopped) => {
+                state.set(State::Done);
+                return Poll::Ready(call.finish(ended, verdict, stopped));
             }
         }
     }

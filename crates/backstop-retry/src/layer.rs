@@ -1,5 +1,6 @@
 use crate::{
-    AttemptGate, CloneRequest, HttpReplay, NoBudget, Replay, RetryBudget, future::ResponseFuture,
+    AttemptGate, CallHook, CloneRequest, HttpReplay, NoBudget, NoHook, Replay, RetryBudget,
+    future::ResponseFuture,
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -20,10 +21,11 @@ use tower_service::Service;
 /// The default number of attempts: one call and two retries.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
-pub(crate) struct Policy<C, P, K> {
+pub(crate) struct Policy<C, P, K, H> {
     pub(crate) classifier: C,
     pub(crate) replay: P,
     pub(crate) key: K,
+    pub(crate) hook: H,
     pub(crate) settings: Settings,
 }
 
@@ -43,14 +45,15 @@ pub(crate) struct Settings {
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
 /// shares the RNG source, the budget and the gate.
 #[derive(Clone)]
-pub struct RetryLayer<C, P = CloneRequest, K = Dependency> {
+pub struct RetryLayer<C, P = CloneRequest, K = Dependency, H = NoHook> {
     classifier: C,
     replay: P,
     key: K,
+    hook: H,
     settings: Settings,
 }
 
-impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug> fmt::Debug for RetryLayer<C, P, K> {
+impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, H> fmt::Debug for RetryLayer<C, P, K, H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.settings;
         f.debug_struct("RetryLayer")
@@ -77,6 +80,7 @@ impl<C> RetryLayer<C> {
             classifier,
             replay: CloneRequest,
             key: Dependency::new("the dependency"),
+            hook: NoHook,
             settings: Settings {
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
                 backoff: Backoff::default(),
@@ -101,39 +105,56 @@ impl RetryLayer<HttpClassifier, HttpReplay, ByAuthority> {
     }
 }
 
-impl<C, P, K> RetryLayer<C, P, K> {
+impl<C, P, K, H> RetryLayer<C, P, K, H> {
     /// Replaces the classifier.
-    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K> {
+    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K, H> {
         RetryLayer {
             classifier,
             replay: self.replay,
             key: self.key,
+            hook: self.hook,
             settings: self.settings,
         }
     }
 
     /// Replaces how requests are replayed.
-    pub fn replay<P2>(self, replay: P2) -> RetryLayer<C, P2, K> {
+    pub fn replay<P2>(self, replay: P2) -> RetryLayer<C, P2, K, H> {
         RetryLayer {
             classifier: self.classifier,
             replay,
             key: self.key,
+            hook: self.hook,
             settings: self.settings,
         }
     }
 
     /// Names the one dependency every request goes to.
-    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency> {
+    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency, H> {
         self.dependency_key(name.into())
     }
 
     /// Derives the dependency from each request. A [`Dependency`] already in the request's
     /// extensions (put there by the caller) wins.
-    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2> {
+    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2, H> {
         RetryLayer {
             classifier: self.classifier,
             replay: self.replay,
             key,
+            hook: self.hook,
+            settings: self.settings,
+        }
+    }
+
+    /// Runs `hook` once per call, around all of its attempts: before the first (it may change
+    /// the request or refuse the call) and with the result (it decides the error type). See
+    /// [`CallHook`]; the composed Backstop stack keeps its call layer here, so a call moves
+    /// and polls one future instead of two.
+    pub fn hook<H2>(self, hook: H2) -> RetryLayer<C, P, K, H2> {
+        RetryLayer {
+            classifier: self.classifier,
+            replay: self.replay,
+            key: self.key,
+            hook,
             settings: self.settings,
         }
     }
@@ -228,8 +249,8 @@ impl<C, P, K> RetryLayer<C, P, K> {
     }
 }
 
-impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
-    type Service = Retry<S, C, P, K>;
+impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K, H> {
+    type Service = Retry<S, C, P, K, H>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Retry {
@@ -238,6 +259,7 @@ impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
                 classifier: self.classifier.clone(),
                 replay: self.replay.clone(),
                 key: self.key.clone(),
+                hook: self.hook.clone(),
                 settings: self.settings.clone(),
             }),
         }
@@ -247,12 +269,12 @@ impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
 /// Retries failed attempts of a call when it is safe and useful; see the crate docs.
 ///
 /// `Clone`: clones share the policy, the RNG source and the budget.
-pub struct Retry<S, C, P = CloneRequest, K = Dependency> {
+pub struct Retry<S, C, P = CloneRequest, K = Dependency, H = NoHook> {
     inner: S,
-    policy: Arc<Policy<C, P, K>>,
+    policy: Arc<Policy<C, P, K, H>>,
 }
 
-impl<S: Clone, C, P, K> Clone for Retry<S, C, P, K> {
+impl<S: Clone, C, P, K, H> Clone for Retry<S, C, P, K, H> {
     fn clone(&self) -> Self {
         Retry {
             inner: self.inner.clone(),
@@ -261,7 +283,7 @@ impl<S: Clone, C, P, K> Clone for Retry<S, C, P, K> {
     }
 }
 
-impl<S: fmt::Debug, C, P, K> fmt::Debug for Retry<S, C, P, K> {
+impl<S: fmt::Debug, C, P, K, H> fmt::Debug for Retry<S, C, P, K, H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Retry")
             .field("inner", &self.inner)
@@ -271,7 +293,7 @@ impl<S: fmt::Debug, C, P, K> fmt::Debug for Retry<S, C, P, K> {
     }
 }
 
-impl<S, C, P, K> Retry<S, C, P, K> {
+impl<S, C, P, K, H> Retry<S, C, P, K, H> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -286,7 +308,7 @@ impl<S, C, P, K> Retry<S, C, P, K> {
     }
 }
 
-impl<S, Req, C, P, K> Service<Req> for Retry<S, C, P, K>
+impl<S, Req, C, P, K, H> Service<Req> for Retry<S, C, P, K, H>
 where
     S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
@@ -295,16 +317,19 @@ where
     C: Classify<Req, S::Response, S::Error>,
     P: Replay<Req>,
     K: DependencyKey<Req>,
+    H: CallHook<Req, S::Response>,
 {
     type Response = S::Response;
-    type Error = BoxError;
-    type Future = ResponseFuture<S, Req, C, P, K>;
+    type Error = H::Error;
+    type Future = ResponseFuture<S, Req, C, P, K, H>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| self.policy.hook.ready_error(e.into()))
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, mut req: Req) -> Self::Future {
         // An outer retry layer owns retrying: one attempt here (still gated and timed). The
         // attempt scope is read once, for the mark and the deadline together.
         let (scope_marked, scope_deadline) = CallContext::current_mark_and_deadline();
@@ -313,6 +338,10 @@ where
         let dependency = match Dependency::on(&req) {
             Some(d) => d.clone(),
             None => policy.key.dependency(&req),
+        };
+        let hooked = match policy.hook.begin(&mut req, &dependency) {
+            Ok(state) => state,
+            Err(refused) => return ResponseFuture::refused(refused),
         };
         // The clock is read once per call: the budget, the deadline and the attempt timer share
         // the reading.
@@ -333,6 +362,6 @@ where
         // The readied service makes the first attempt; the clone stays behind for the next call.
         let clone = self.inner.clone();
         let svc = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::start(policy, svc, req, dependency, deadline, now, nested)
+        ResponseFuture::start(policy, svc, req, dependency, deadline, now, nested, hooked)
     }
 }

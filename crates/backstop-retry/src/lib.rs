@@ -80,6 +80,7 @@ mod budget;
 mod error;
 mod future;
 mod gate;
+mod hook;
 mod layer;
 mod obs;
 mod replay;
@@ -91,6 +92,7 @@ pub use budget::{NoBudget, RetryBudget};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use future::ResponseFuture;
 pub use gate::{AttemptGate, Ticket};
+pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
 

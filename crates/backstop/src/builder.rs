@@ -1,7 +1,7 @@
 use crate::BoxErrors;
 use crate::{
     DeadLetterSink,
-    finish::{Finish, FinishLayer, Reconcile, Shared},
+    finish::{Finish, Reconcile, Shared},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
@@ -452,43 +452,39 @@ impl<C, P, I> Backstop<C, P, I> {
                 }
                 _ => self.keys.generator(Generator::Random),
             });
-        Ok(BackstopLayer {
-            finish: FinishLayer::new(Shared {
-                dependency: self.dependency.clone(),
-                inject: I::default(),
-                keys,
-                read_only: self.preset == Preset::ReadOnly,
-                sink: self.sink,
-                reconcile: self.reconcile,
-            }),
-            retry,
-            breaker,
-        })
+        // The call-level work (key, span, errors, dead letters) runs inside the retry layer's
+        // future: one future per call instead of two.
+        let retry = retry.hook(Finish::new(Shared {
+            dependency: self.dependency.clone(),
+            inject: I::default(),
+            keys,
+            read_only: self.preset == Preset::ReadOnly,
+            sink: self.sink,
+            reconcile: self.reconcile,
+        }));
+        Ok(BackstopLayer { retry, breaker })
     }
 }
 
-type Retried<S, C, P> = Retry<BoxErrors<S>, C, P, Dependency>;
-
 /// The service a [`BackstopLayer`] builds: every error is an [`Error`](crate::Error).
 ///
-/// Two layers, whatever the configuration: the call layer (idempotency key, call span, errors
-/// and dead letters) around the retry layer, which keeps the deadline, times each attempt and
-/// asks the breaker before each one itself.
-pub type BackstopService<S, C, P, I> = Finish<Retried<S, C, P>, I>;
+/// One retry layer over the client, whatever the configuration: it keeps the deadline, times
+/// each attempt and asks the breaker before each one itself, and runs the call-level work
+/// ([`Finish`]: idempotency key, call span, errors and dead letters) once per call as its hook.
+/// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
+pub type BackstopService<S, C, P, I> = Retry<BoxErrors<S>, C, P, Dependency, Finish<I>>;
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
 #[derive(Clone)]
 pub struct BackstopLayer<C, P, I> {
-    finish: FinishLayer<I>,
-    retry: RetryLayer<C, P, Dependency>,
+    retry: RetryLayer<C, P, Dependency, Finish<I>>,
     breaker: Option<Breaker>,
 }
 
 impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackstopLayer")
-            .field("finish", &self.finish)
             .field("retry", &self.retry)
             .field("breaker", &self.breaker)
             .finish()
@@ -521,6 +517,6 @@ impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
     type Service = BackstopService<S, C, P, I>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.finish.layer(self.retry.layer(BoxErrors(inner)))
+        self.retry.layer(BoxErrors(inner))
     }
 }

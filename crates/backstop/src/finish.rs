@@ -2,17 +2,9 @@ use crate::Generator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};
+use backstop_retry::CallHook;
 use backstop_retry::RetryHistory;
-use pin_project::pin_project;
-use std::{
-    fmt,
-    future::Future,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll, ready},
-};
-use tower_layer::Layer;
-use tower_service::Service;
+use std::{fmt, sync::Arc};
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
 
@@ -26,70 +18,38 @@ pub(crate) struct Shared<I> {
     pub(crate) reconcile: Option<Reconcile>,
 }
 
-/// The call-level layer of the composed stack: attaches the idempotency key (once per logical
-/// call, before the retry layer), opens the call's span, marks read-only calls replay-safe, turns
-/// every error into an [`Error`], and hands failed mutating calls to the dead-letter sink (and
-/// unknown outcomes to the reconciliation hook).
+/// The call-level work of the composed stack, run by the retry layer as its [`CallHook`]:
+/// attaches the idempotency key (once per logical call, before the request is copied for
+/// replays), keeps the call's span, marks read-only calls replay-safe, turns every error into
+/// an [`Error`], and hands failed mutating calls to the dead-letter sink (and unknown outcomes
+/// to the reconciliation hook).
 ///
-/// One layer rather than four, because every layer a call goes through moves its whole future
-/// once more.
-pub struct FinishLayer<I> {
+/// A hook rather than a layer of its own: every layer a call goes through moves its whole
+/// future once more and polls it once more.
+pub struct Finish<I> {
     shared: Arc<Shared<I>>,
 }
 
-impl<I> FinishLayer<I> {
+impl<I> Finish<I> {
     pub(crate) fn new(shared: Shared<I>) -> Self {
-        FinishLayer {
+        Finish {
             shared: Arc::new(shared),
         }
     }
 }
 
-impl<I> Clone for FinishLayer<I> {
-    fn clone(&self) -> Self {
-        FinishLayer {
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-impl<I> fmt::Debug for FinishLayer<I> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FinishLayer")
-            .field("dependency", &self.shared.dependency)
-            .finish()
-    }
-}
-
-impl<S, I> Layer<S> for FinishLayer<I> {
-    type Service = Finish<S, I>;
-    fn layer(&self, inner: S) -> Self::Service {
-        Finish {
-            inner,
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-/// See [`FinishLayer`].
-pub struct Finish<S, I> {
-    inner: S,
-    shared: Arc<Shared<I>>,
-}
-
-impl<S: Clone, I> Clone for Finish<S, I> {
+impl<I> Clone for Finish<I> {
     fn clone(&self) -> Self {
         Finish {
-            inner: self.inner.clone(),
             shared: self.shared.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, I> fmt::Debug for Finish<S, I> {
+impl<I> fmt::Debug for Finish<I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Finish")
-            .field("inner", &self.inner)
+            .field("dependency", &self.shared.dependency)
             .finish()
     }
 }
@@ -101,36 +61,42 @@ struct Letterhead {
     key: Option<IdempotencyKey>,
 }
 
-impl<S, I, Req> Service<Req> for Finish<S, I>
+/// What [`Finish`] keeps for one call: its span, and what a dead letter would need.
+pub struct FinishState {
+    span: tracing::Span,
+    /// Boxed: only a mutating call that may need a dead letter carries it, and the future
+    /// every call moves stays small.
+    letterhead: Option<Box<Letterhead>>,
+}
+
+impl fmt::Debug for FinishState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FinishState")
+            .field("span", &self.span)
+            .field("letter", &self.letterhead.is_some())
+            .finish()
+    }
+}
+
+impl<I, Req, Res> CallHook<Req, Res> for Finish<I>
 where
-    S: Service<Req>,
-    S::Error: Into<BoxError>,
-    S::Response: HasExtensions,
     Req: HasExtensions,
+    Res: HasExtensions,
     I: Inject<Req>,
 {
-    type Response = S::Response;
+    type State = FinishState;
     type Error = Error;
-    type Future = FinishFuture<S::Future, I>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
-        self.inner
-            .poll_ready(cx)
-            .map_err(|e| Error::from_box(e.into()))
-    }
-
-    fn call(&mut self, mut req: Req) -> Self::Future {
-        let sh = &self.shared;
+    fn begin(&self, req: &mut Req, _dependency: &Dependency) -> Result<FinishState, Error> {
+        let sh = &*self.shared;
         if sh.read_only {
             req.extensions_mut().insert(ReplaySafe);
         }
         if let Some(keys) = &sh.keys {
-            if let Err(refused) = keys.attach(&mut req) {
+            if let Err(refused) = keys.attach(req) {
                 let mut err = Error::from_box(Box::new(refused));
                 err.set_dependency_if_missing(&sh.dependency);
-                return FinishFuture {
-                    state: State::Refused { error: Some(err) },
-                };
+                return Err(err);
             }
         }
         let span = tracing::info_span!(
@@ -148,7 +114,7 @@ where
         // is being recorded, or a dead letter a failed mutating call may need.
         let wants_letter = (sh.sink.is_some() || sh.reconcile.is_some())
             && !sh.read_only
-            && sh.inject.needs_key(&req);
+            && sh.inject.needs_key(req);
         let mut letterhead = None;
         if wants_letter || !span.is_disabled() {
             let ext = req.extensions();
@@ -165,8 +131,6 @@ where
                     span.record("idempotency_key", k.as_str());
                 }
             }
-            // Boxed: only a mutating call that may need a dead letter carries it, and the
-            // future every call moves stays small.
             letterhead = wants_letter.then(|| {
                 Box::new(Letterhead {
                     run_id: action.map(|a| Arc::from(a.run_id())),
@@ -175,122 +139,56 @@ where
                 })
             });
         }
-        let fut = {
-            let _entered = span.enter();
-            self.inner.call(req)
-        };
-        FinishFuture {
-            state: State::Running {
-                fut,
-                span,
-                letterhead,
-                shared: self.shared.clone(),
-            },
-        }
+        Ok(FinishState { span, letterhead })
     }
-}
 
-/// Response future of [`Finish`].
-#[pin_project]
-pub struct FinishFuture<F, I> {
-    #[pin]
-    state: State<F, I>,
-}
-
-#[pin_project(project = StateProj)]
-enum State<F, I> {
-    Running {
-        #[pin]
-        fut: F,
-        span: tracing::Span,
-        letterhead: Option<Box<Letterhead>>,
-        shared: Arc<Shared<I>>,
-    },
-    Refused {
-        error: Option<Error>,
-    },
-}
-
-impl<F, I> fmt::Debug for FinishFuture<F, I> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FinishFuture").finish_non_exhaustive()
+    fn span<'a>(&self, state: &'a FinishState) -> Option<&'a tracing::Span> {
+        Some(&state.span)
     }
-}
 
-impl<F, I, T, E> Future for FinishFuture<F, I>
-where
-    F: Future<Output = Result<T, E>>,
-    E: Into<BoxError>,
-    T: HasExtensions,
-{
-    type Output = Result<T, Error>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = match self.project().state.project() {
-            StateProj::Refused { error } => {
-                return Poll::Ready(Err(error
-                    .take()
-                    .expect("FinishFuture polled after completion")));
-            }
-            StateProj::Running {
-                fut,
-                span,
-                letterhead,
-                shared,
-            } => Running {
-                fut,
-                span,
-                letterhead,
-                shared,
-            },
-        };
-        let result = {
-            let _entered = this.span.enter();
-            ready!(this.fut.poll(cx))
-        };
-        match result {
+    fn end(&self, state: &mut FinishState, result: Result<Res, BoxError>) -> Result<Res, Error> {
+        let span = &state.span;
+        let e = match result {
             Ok(res) => {
-                if !this.span.is_disabled() {
+                if !span.is_disabled() {
                     let attempts = RetryHistory::of(&res).map_or(1, |h| h.attempts.len());
-                    this.span.record("attempts", attempts);
-                    this.span.record("outcome", Outcome::Completed.as_str());
+                    span.record("attempts", attempts);
+                    span.record("outcome", Outcome::Completed.as_str());
                 }
-                Poll::Ready(Ok(res))
+                return Ok(res);
             }
-            Err(e) => {
-                let mut err = Error::from_box(e.into());
-                err.set_dependency_if_missing(&this.shared.dependency);
-                this.span.record("attempts", err.attempts());
-                this.span.record("outcome", err.outcome().as_str());
-                this.span.record("error", err.kind().as_str());
-                if let Some(head) = this.letterhead.take() {
-                    let head = *head;
-                    let letter = DeadLetter::new(&err, head.run_id, head.call_id, head.key);
-                    if let (Some(hook), Outcome::Unknown) = (&this.shared.reconcile, err.outcome())
-                    {
-                        hook(&letter);
-                    }
-                    if let Some(sink) = &this.shared.sink {
-                        tracing::warn!(
-                            target: "backstop::dead_letter",
-                            dependency = ?letter.dependency,
-                            run_id = ?letter.run_id,
-                            outcome = letter.outcome.as_str(),
-                            "a mutating call failed for good"
-                        );
-                        sink.record(letter);
-                    }
-                }
-                Poll::Ready(Err(err))
+            Err(e) => e,
+        };
+        let shared = &*self.shared;
+        let mut err = Error::from_box(e);
+        err.set_dependency_if_missing(&shared.dependency);
+        span.record("attempts", err.attempts());
+        span.record("outcome", err.outcome().as_str());
+        span.record("error", err.kind().as_str());
+        if let Some(head) = state.letterhead.take() {
+            let head = *head;
+            let letter = DeadLetter::new(&err, head.run_id, head.call_id, head.key);
+            if let (Some(hook), Outcome::Unknown) = (&shared.reconcile, err.outcome()) {
+                hook(&letter);
+            }
+            if let Some(sink) = &shared.sink {
+                let _entered = span.enter();
+                tracing::warn!(
+                    target: "backstop::dead_letter",
+                    dependency = ?letter.dependency,
+                    run_id = ?letter.run_id,
+                    outcome = letter.outcome.as_str(),
+                    "a mutating call failed for good"
+                );
+                sink.record(letter);
             }
         }
+        Err(err)
     }
-}
 
-/// The running state's fields, borrowed.
-struct Running<'a, F, I> {
-    fut: Pin<&'a mut F>,
-    span: &'a mut tracing::Span,
-    letterhead: &'a mut Option<Box<Letterhead>>,
-    shared: &'a mut Arc<Shared<I>>,
+    fn ready_error(&self, error: BoxError) -> Error {
+        let mut err = Error::from_box(error);
+        err.set_dependency_if_missing(&self.shared.dependency);
+        err
+    }
 }

@@ -117,7 +117,7 @@ pub use builder::{
 };
 pub use dead_letter::{DeadLetter, DeadLetterSink, JsonLinesSink, MemorySink};
 pub use error::{Error, ErrorKind};
-pub use finish::{Finish, FinishFuture, FinishLayer};
+pub use finish::{Finish, FinishState};
 pub use optional::{Optional, OptionalFuture, OptionalLayer};
 
 #[doc(inline)]

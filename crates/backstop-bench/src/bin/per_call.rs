@@ -54,6 +54,12 @@ async fn sizes() {
     size("backstop full stack", stacks::backstop_stack());
     size("backstop retry", stacks::retry_only());
     println!(
+        "(tokio Sleep: {} bytes; Option<Sleep>: {} bytes; Instant: {} bytes)",
+        std::mem::size_of::<tokio::time::Sleep>(),
+        std::mem::size_of::<Option<tokio::time::Sleep>>(),
+        std::mem::size_of::<tokio::time::Instant>()
+    );
+    println!(
         "(the request: {} bytes)",
         std::mem::size_of::<stacks::Req>()
     );
