@@ -316,6 +316,7 @@ impl Inner {
     }
 
     /// Admits one call through `circuit`, or says why not.
+    #[inline]
     pub(crate) fn admit(
         &self,
         circuit: &Circuit,
@@ -369,6 +370,7 @@ impl Inner {
 
     /// Records how a call ended. `now` dates a success in the ratio window (a gate passes the
     /// attempt's start, which it has already read); failures read the clock themselves.
+    #[inline]
     pub(crate) fn record(
         &self,
         c: &Circuit,

@@ -27,6 +27,7 @@ fn unpack(ticket: Ticket) -> (Kind, u64) {
 }
 
 impl Breaker {
+    #[inline]
     fn admit_through(
         &self,
         circuit: &Circuit,
@@ -41,6 +42,7 @@ impl Breaker {
         }
     }
 
+    #[inline]
     fn complete_through(
         &self,
         circuit: &Circuit,

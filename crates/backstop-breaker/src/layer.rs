@@ -203,6 +203,7 @@ enum State<F, C> {
     },
 }
 
+#[inline]
 pub(crate) fn signal(verdict: Verdict) -> Signal {
     match verdict {
         Verdict::Success

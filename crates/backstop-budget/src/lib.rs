@@ -270,6 +270,7 @@ impl fmt::Debug for BoundBudget {
 }
 
 impl RetryBudget for BoundBudget {
+    #[inline]
     fn deposit(&self, dependency: &Dependency, now: Instant) {
         if *dependency == self.dependency {
             self.account.requests.add(now, 1);

@@ -14,6 +14,7 @@ pub struct ScopeGuard {
 }
 
 impl Drop for ScopeGuard {
+    #[inline]
     fn drop(&mut self) {
         let prev = self.prev.take();
         // `try_with`: during thread teardown there is nothing to restore.
@@ -78,6 +79,7 @@ impl CallContext {
 
     /// Makes this context the current attempt scope on this thread until the guard is dropped:
     /// [`enter`](Self::enter) without a closure.
+    #[inline]
     pub fn make_current(self) -> ScopeGuard {
         ScopeGuard {
             prev: CURRENT.with(|c| c.replace(Some(self))),
@@ -93,6 +95,7 @@ impl CallContext {
 
     /// The current attempt scope's retry mark and deadline: what a retry layer reads on every
     /// call, without copying the scope (`(false, None)` outside any scope).
+    #[inline]
     pub fn current_mark_and_deadline() -> (bool, Option<Deadline>) {
         CURRENT.with(|c| {
             c.borrow()

@@ -27,6 +27,7 @@ impl Deadline {
 
     /// A deadline `budget` after `now` (saturating far in the future on overflow): for a caller
     /// that has already read the clock.
+    #[inline]
     pub fn after_from(now: Instant, budget: Duration) -> Self {
         Deadline(
             now.checked_add(budget)

@@ -79,6 +79,7 @@ impl Dependency {
 }
 
 impl PartialEq for Dependency {
+    #[inline]
     fn eq(&self, other: &Self) -> bool {
         self.hash == other.hash && (Arc::ptr_eq(&self.name, &other.name) || self.name == other.name)
     }

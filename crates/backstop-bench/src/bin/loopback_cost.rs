@@ -17,6 +17,35 @@ use tower::{Layer, Service, ServiceExt};
 
 async fn run<S, B>(svc: S, url: &str, n: u64)
 where
+    S: Service<Request<Full<Bytes>>, Response = http::Response<B>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: std::fmt::Debug + Send,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: std::fmt::Debug,
+{
+    let tasks: u64 = std::env::var("LOOPBACK_TASKS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    if tasks > 1 {
+        // Concurrent: `tasks` tasks share the N requests, as in the wall-clock bench.
+        let mut set = tokio::task::JoinSet::new();
+        for t in 0..tasks {
+            let (svc, url) = (svc.clone(), url.to_owned());
+            let share = n / tasks + u64::from(t < n % tasks);
+            set.spawn(async move { sequential(svc, &url, share).await });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+    } else {
+        sequential(svc, url, n).await;
+    }
+}
+
+async fn sequential<S, B>(svc: S, url: &str, n: u64)
+where
     S: Service<Request<Full<Bytes>>, Response = http::Response<B>> + Clone,
     S::Error: std::fmt::Debug,
     B: http_body::Body,
@@ -37,10 +66,24 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let which = args.get(1).cloned().unwrap_or_else(|| "backstop".into());
     let n: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1_000);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    // LOOPBACK_WORKERS=2 LOOPBACK_TASKS=32: the wall-clock bench's set-up (a 2-worker runtime,
+    // 32 requests in flight); by default one thread, one request at a time.
+    let workers: usize = std::env::var("LOOPBACK_WORKERS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let rt = if workers > 0 {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .unwrap()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
     rt.block_on(async {
         let stacks::Loopback {
             server: _server,
