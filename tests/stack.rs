@@ -380,3 +380,40 @@ async fn behind_a_buffer_a_second_stack_sees_the_mark_only_with_mark_requests() 
         "one retry layer with the mark"
     );
 }
+
+/// A client that cannot take requests: its pool is shut.
+#[derive(Clone)]
+struct Shut;
+
+impl Service<Request<Body>> for Shut {
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = std::future::Ready<Result<Response<Body>, BoxError>>;
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Err("the connection pool is shut".into()))
+    }
+    fn call(&mut self, _req: Request<Body>) -> Self::Future {
+        unreachable!("never ready")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_is_not_ready_fails_with_an_error_naming_the_dependency() {
+    let svc = builder("rates-api").build().unwrap().layer(Shut);
+    let err = svc
+        .oneshot(
+            Request::get("http://rates.local/")
+                .body(Body::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.dependency().map(|d| d.as_str()), Some("rates-api"));
+    assert!(
+        err.to_string().contains("the connection pool is shut"),
+        "{err}"
+    );
+}

@@ -83,9 +83,42 @@ where
     }
 }
 
+/// The median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A 95 % interval for the median of `ratios`: the percentile bootstrap (2,000 resamples, a
+/// seeded generator, so the same rounds give the same interval).
+fn median_interval(ratios: &[f64]) -> (f64, f64) {
+    use rand::{RngExt, SeedableRng, rngs::SmallRng};
+    let mut rng = SmallRng::seed_from_u64(6);
+    let mut medians: Vec<f64> = (0..2_000)
+        .map(|_| {
+            let mut sample: Vec<f64> = (0..ratios.len())
+                .map(|_| ratios[rng.random_range(0..ratios.len())])
+                .collect();
+            median(&mut sample)
+        })
+        .collect();
+    medians.sort_by(f64::total_cmp);
+    (medians[50], medians[1_949])
+}
+
 fn main() {
     let full = full_run();
-    let (total, concurrency, rounds) = if full { (10_000, 32, 21) } else { (400, 8, 1) };
+    // BACKSTOP_LOOPBACK_ROUNDS: more rounds, a narrower interval (each round is about 1 s).
+    let rounds = std::env::var("BACKSTOP_LOOPBACK_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .filter(|r| *r > 0)
+        .unwrap_or(21);
+    let (total, concurrency, rounds) = if full {
+        (10_000, 32, rounds)
+    } else {
+        (400, 8, 1)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -124,6 +157,14 @@ fn main() {
             .map(|(b, w)| 100.0 * w.rps / b.rps)
             .collect();
         let shown: Vec<String> = ratios.iter().map(|r| format!("{r:.1}")).collect();
+        let (low, high) = median_interval(&ratios);
+        let (t_low, t_high) = median_interval(
+            &bare
+                .iter()
+                .zip(&towers)
+                .map(|(b, t)| 100.0 * t.rps / b.rps)
+                .collect::<Vec<_>>(),
+        );
         ratios.sort_by(f64::total_cmp);
         let mut tower_ratios: Vec<f64> = bare
             .iter()
@@ -149,12 +190,12 @@ fn main() {
         println!("| hyper-util + Backstop | {w_rps:.0} | {w50:?} | {w99:?} |");
         println!("| hyper-util + tower retry (TpsBudget) + timeout | {t_rps:.0} | {t50:?} | {t99:?} |");
         println!(
-            "\nthroughput with Backstop, per round: {} % of the bare client; median {:.1} %",
+            "\nthroughput with Backstop, per round: {} % of the bare client; median {:.1} % (95 % interval {low:.1}-{high:.1} %)",
             shown.join(" / "),
             ratios[ratios.len() / 2]
         );
         println!(
-            "throughput with tower's retry + timeout: median {:.1} % of the bare client",
+            "throughput with tower's retry + timeout: median {:.1} % of the bare client (95 % interval {t_low:.1}-{t_high:.1} %)",
             tower_ratios[tower_ratios.len() / 2]
         );
         // CPU time per request, summed over every round of a client (the process's clock ticks

@@ -78,6 +78,9 @@ fn shared_breaker() -> Breaker {
 /// idempotency key -> (call span, errors, dead letters) -> deadline + retry (budget) -> breaker -> attempt timeout -> service
 /// ```
 ///
+/// All of it in one layer and one future per call: the retry layer runs the call-level work as
+/// its hook ([`Finish`]) and keeps the deadline, the breaker and the attempt timeout itself.
+///
 /// The deadline is kept by the retry layer itself (`RetryLayer::deadline`): waits never cross
 /// it, the attempt timeout cuts the last attempt to fit it, and a caller's tighter deadline on
 /// the request wins.

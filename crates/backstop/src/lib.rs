@@ -24,8 +24,9 @@
 //! Stack them in this order, outermost first: idempotency key, deadline, retry (with the
 //! budget), breaker, attempt timeout, the client. The retry layer can keep the deadline, ask the
 //! breaker before each attempt and time each attempt itself, which is what the [`Backstop`]
-//! builder does (one future per call instead of four, and the budget and the breaker account to
-//! the dependency the retry layer names). By hand:
+//! builder does (one future per call instead of five: its call-level work runs in the retry
+//! future too, as a [`retry::CallHook`]; and the budget and the breaker account to the dependency
+//! the retry layer names). By hand:
 //!
 //! ```
 //! use backstop::{breaker::Breaker, budget::Budget, retry::RetryLayer, Dependency};
