@@ -1,6 +1,6 @@
 use crate::{
     AttemptRecord, CallHook, NotReplayable, Replay, RetryError, RetryHistory, StopReason, Ticket,
-    layer::Policy,
+    layer::{Policy, Settings},
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
@@ -26,32 +26,17 @@ where
     S: Service<Req>,
     H: CallHook<Req, S::Response>,
 {
+    // One struct, built in place: a wrapper (an enum of "running" and "refused", say) would
+    // cost every call one more copy of the whole future.
     #[pin]
-    inner: Inner<S, Req, C, P, K, H>,
-}
-
-// Boxing the running call would cost every call an allocation; a refused call is the rare one.
-#[allow(clippy::large_enum_variant)]
-#[pin_project(project = InnerProj)]
-enum Inner<S, Req, C, P, K, H>
-where
-    S: Service<Req>,
-    H: CallHook<Req, S::Response>,
-{
-    /// The call is under way.
-    Running {
-        #[pin]
-        state: State<S::Future>,
-        call: CallState<S, Req, C, P, K, H>,
-        /// The hook's state for the call.
-        hooked: H::State,
-    },
-    /// The hook refused the call before anything was sent; taken when the future completes.
-    Refused { error: Option<H::Error> },
+    state: State<S::Future, H::Error>,
+    call: CallState<S, Req, C, P, K, H>,
+    /// The hook's state for the call; `None` when the hook refused it.
+    hooked: Option<H::State>,
 }
 
 #[pin_project(project = StateProj)]
-enum State<F> {
+enum State<F, E> {
     Calling {
         #[pin]
         fut: F,
@@ -71,6 +56,10 @@ enum State<F> {
         sleep: Pin<Box<Sleep>>,
     },
     Readying,
+    /// The hook refused the call before anything was sent; taken when the future completes.
+    Refused {
+        error: Option<E>,
+    },
     Done,
 }
 
@@ -141,15 +130,12 @@ where
     H: CallHook<Req, S::Response>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.inner {
-            Inner::Running { call, .. } => f
-                .debug_struct("ResponseFuture")
-                .field("dependency", &call.dependency)
-                .field("attempt", &call.attempt)
-                .field("max_attempts", &call.max_attempts)
-                .finish(),
-            Inner::Refused { .. } => f.write_str("ResponseFuture(refused)"),
-        }
+        f.debug_struct("ResponseFuture")
+            .field("dependency", &self.call.dependency)
+            .field("attempt", &self.call.attempt)
+            .field("max_attempts", &self.call.max_attempts)
+            .field("refused", &self.hooked.is_none())
+            .finish()
     }
 }
 
@@ -160,10 +146,33 @@ where
     P: Replay<Req>,
     H: CallHook<Req, S::Response>,
 {
-    /// A call the hook refused: it ends with `error` when first polled.
-    pub(crate) fn refused(error: H::Error) -> Self {
+    /// A call the hook refused: it ends with `error` when first polled, without sending.
+    pub(crate) fn refused(
+        policy: Arc<Policy<C, P, K, H>>,
+        svc: S,
+        dependency: Dependency,
+        now: Instant,
+        error: H::Error,
+    ) -> Self {
         ResponseFuture {
-            inner: Inner::Refused { error: Some(error) },
+            state: State::Refused { error: Some(error) },
+            call: CallState {
+                policy,
+                svc,
+                template: None,
+                dependency,
+                deadline: None,
+                started: now,
+                attempt_started: now,
+                attempt: 0,
+                max_attempts: 0,
+                nested: false,
+                ticket: None,
+                expiry: None,
+                cold: None,
+                span: tracing::Span::none(),
+            },
+            hooked: None,
         }
     }
 
@@ -184,31 +193,20 @@ where
         } else {
             policy.settings.max_attempts
         };
-        let mut call = CallState {
-            policy,
-            svc,
-            template: None,
-            dependency,
-            deadline,
-            started: now,
-            attempt_started: now,
-            attempt: 1,
-            max_attempts,
-            nested,
-            ticket: None,
-            expiry: None,
-            cold: None,
-            span: tracing::Span::none(),
-        };
         // The template stays as the caller sent it; each attempt is a copy.
+        let mut template = None;
+        let mut cold = None;
         let first = if max_attempts > 1 {
-            match call.policy.replay.replay(&req) {
+            match policy.replay.replay(&req) {
                 Ok(copy) => {
-                    call.template = Some(req);
+                    template = Some(req);
                     copy
                 }
                 Err(why) => {
-                    call.cold().not_replayable = Some(why);
+                    cold = Some(Box::new(Cold {
+                        not_replayable: Some(why),
+                        ..Cold::default()
+                    }));
                     req
                 }
             }
@@ -216,17 +214,123 @@ where
             req
         };
         if !nested {
-            crate::obs::call(&call.dependency);
+            crate::obs::call(&dependency);
         }
-        let parent = call.policy.hook.span(&hooked);
-        let state = call.begin(first, now, parent);
+        let mut svc = svc;
+        let Began {
+            state,
+            span,
+            expiry,
+            ticket,
+        } = begin_attempt(
+            &policy.settings,
+            &mut svc,
+            first,
+            &dependency,
+            deadline,
+            1,
+            now,
+            policy.hook.span(&hooked),
+        );
+        // Built in place, field by field: the call state is not moved again on the way out.
         ResponseFuture {
-            inner: Inner::Running {
-                state,
-                call,
-                hooked,
+            state,
+            call: CallState {
+                policy,
+                svc,
+                template,
+                dependency,
+                deadline,
+                started: now,
+                attempt_started: now,
+                attempt: 1,
+                max_attempts,
+                nested,
+                ticket,
+                expiry,
+                cold,
+                span,
             },
+            hooked: Some(hooked),
         }
+    }
+}
+
+/// What beginning an attempt sets up: the state the call is in, the attempt's span, when the
+/// attempt is cut short, and the gate's ticket.
+struct Began<F, E> {
+    state: State<F, E>,
+    span: tracing::Span,
+    expiry: Option<AttemptEnd>,
+    ticket: Option<Ticket>,
+}
+
+/// Begins attempt number `attempt` at `now`: checks the deadline, asks the gate, then calls the
+/// service inside the attempt scope.
+#[allow(clippy::too_many_arguments)]
+fn begin_attempt<S, Req, E>(
+    settings: &Settings,
+    svc: &mut S,
+    mut req: Req,
+    dependency: &Dependency,
+    deadline: Option<Deadline>,
+    attempt: u32,
+    now: Instant,
+    parent: Option<&tracing::Span>,
+) -> Began<S::Future, E>
+where
+    S: Service<Req>,
+    Req: HasExtensions,
+{
+    let span = attempt_span(parent, dependency, attempt);
+    let expiry = match AttemptEnd::plan(now, settings.attempt_timeout, deadline) {
+        Ok(end) => end,
+        Err(passed) => {
+            let error = passed.error(Some(dependency.clone()));
+            return Began {
+                state: State::Stopped {
+                    verdict: own_verdict(&error),
+                    error: Some(error),
+                },
+                span,
+                expiry: None,
+                ticket: None,
+            };
+        }
+    };
+    let mut ticket = None;
+    if let Some(gate) = &settings.gate {
+        match gate.admit(dependency) {
+            Ok(t) => ticket = Some(t),
+            Err(refused) => {
+                return Began {
+                    state: State::Stopped {
+                        error: Some(refused),
+                        verdict: Verdict::Fatal {
+                            outcome: Outcome::NotSent,
+                        },
+                    },
+                    span,
+                    expiry,
+                    ticket: None,
+                };
+            }
+        }
+    }
+    let ctx = CallContext::for_retry(dependency.clone(), deadline);
+    if settings.mark_requests {
+        req.extensions_mut().insert(ctx.clone());
+    }
+    let fut = {
+        let _scope = ctx.make_current();
+        let _entered = span.enter();
+        svc.call(req)
+    };
+    Began {
+        state: State::Calling { fut, timer: None },
+        span,
+        expiry,
+        ticket,
     }
 }
 
@@ -267,6 +371,7 @@ impl<S, Req, C, P, K, H> CallState<S, Req, C, P, K, H>
 where
     S: Service<Req>,
     Req: HasExtensions,
+    H: CallHook<Req, S::Response>,
 {
     fn cold(&mut self) -> &mut Cold {
         self.cold.get_or_insert_with(Box::default)
@@ -280,46 +385,25 @@ where
     /// inside the attempt scope.
     fn begin(
         &mut self,
-        mut req: Req,
+        req: Req,
         now: Instant,
         parent: Option<&tracing::Span>,
-    ) -> State<S::Future> {
+    ) -> State<S::Future, H::Error> {
         self.attempt_started = now;
-        self.span = attempt_span(parent, &self.dependency, self.attempt);
-        let policy = &self.policy;
-        self.expiry = match AttemptEnd::plan(now, policy.settings.attempt_timeout, self.deadline) {
-            Ok(end) => end,
-            Err(passed) => {
-                let error = passed.error(Some(self.dependency.clone()));
-                return State::Stopped {
-                    verdict: own_verdict(&error),
-                    error: Some(error),
-                };
-            }
-        };
-        if let Some(gate) = &policy.settings.gate {
-            match gate.admit(&self.dependency) {
-                Ok(ticket) => self.ticket = Some(ticket),
-                Err(refused) => {
-                    return State::Stopped {
-                        error: Some(refused),
-                        verdict: Verdict::Fatal {
-                            outcome: Outcome::NotSent,
-                        },
-                    };
-                }
-            }
-        }
-        let ctx = CallContext::for_retry(self.dependency.clone(), self.deadline);
-        if policy.settings.mark_requests {
-            req.extensions_mut().insert(ctx.clone());
-        }
-        let _scope = ctx.make_current();
-        let _entered = self.span.enter();
-        State::Calling {
-            fut: self.svc.call(req),
-            timer: None,
-        }
+        let began = begin_attempt(
+            &self.policy.settings,
+            &mut self.svc,
+            req,
+            &self.dependency,
+            self.deadline,
+            self.attempt,
+            now,
+            parent,
+        );
+        self.span = began.span;
+        self.expiry = began.expiry;
+        self.ticket = began.ticket;
+        began.state
     }
 
     fn record(&mut self, verdict: Verdict) {
@@ -476,30 +560,28 @@ where
     type Output = Result<S::Response, H::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().inner.project() {
-            InnerProj::Running {
-                state,
-                call,
-                hooked,
-            } => {
-                let result = {
-                    let parent = call.policy.hook.span(hooked);
-                    let _entered = parent.map(tracing::Span::enter);
-                    ready!(poll_call(state, call, parent, cx))
-                };
-                let hook = &call.policy.hook;
-                Poll::Ready(hook.end(hooked, result))
-            }
-            InnerProj::Refused { error } => Poll::Ready(Err(error
-                .take()
-                .expect("retry ResponseFuture polled after completion"))),
-        }
+        let this = self.project();
+        let call = this.call;
+        let Some(hooked) = this.hooked.as_mut() else {
+            return match this.state.project() {
+                StateProj::Refused { error } => Poll::Ready(Err(error
+                    .take()
+                    .expect("retry ResponseFuture polled after completion"))),
+                _ => unreachable!("only a refused call has no hook state"),
+            };
+        };
+        let result = {
+            let parent = call.policy.hook.span(hooked);
+            let _entered = parent.map(tracing::Span::enter);
+            ready!(poll_call(this.state, call, parent, cx))
+        };
+        Poll::Ready(call.policy.hook.end(hooked, result))
     }
 }
 
 /// Drives the call's attempts until one result is final.
 fn poll_call<S, Req, C, P, K, H>(
-    mut state: Pin<&mut State<S::Future>>,
+    mut state: Pin<&mut State<S::Future, H::Error>>,
     call: &mut CallState<S, Req, C, P, K, H>,
     parent: Option<&tracing::Span>,
     cx: &mut Context<'_>,
@@ -511,6 +593,7 @@ where
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
     P: Replay<Req>,
+    H: CallHook<Req, S::Response>,
 {
     loop {
         let (ended, verdict) = match state.as_mut().project() {
@@ -600,7 +683,9 @@ where
                 state.set(next);
                 continue;
             }
-            StateProj::Done => panic!("retry ResponseFuture polled after completion"),
+            StateProj::Done | StateProj::Refused { .. } => {
+                panic!("retry ResponseFuture polled after completion")
+            }
         };
 
         // The attempt has ended.

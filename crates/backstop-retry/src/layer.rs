@@ -341,7 +341,11 @@ where
         };
         let hooked = match policy.hook.begin(&mut req, &dependency) {
             Ok(state) => state,
-            Err(refused) => return ResponseFuture::refused(refused),
+            // Nothing is sent: the ready service stays here for the next call.
+            Err(refused) => {
+                let svc = self.inner.clone();
+                return ResponseFuture::refused(policy, svc, dependency, Instant::now(), refused);
+            }
         };
         // The clock is read once per call: the budget, the deadline and the attempt timer share
         // the reading.
