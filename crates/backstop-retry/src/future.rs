@@ -381,8 +381,7 @@ where
         self.cold.as_ref().is_none_or(|c| c.history.is_empty())
     }
 
-    /// Starts an attempt at `now`: checks the deadline, asks the gate, then calls the service
-    /// inside the attempt scope.
+    /// Begins the next attempt at `now` (see [`begin_attempt`]) and keeps what it set up.
     fn begin(
         &mut self,
         req: Req,
