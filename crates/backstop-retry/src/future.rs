@@ -21,7 +21,7 @@ use tower_service::Service;
 
 /// Response future of [`Retry`](crate::Retry).
 #[pin_project]
-pub struct ResponseFuture<S, Req, C, P, K, H>
+pub struct ResponseFuture<S, Req, C, P, K, H = crate::NoHook>
 where
     S: Service<Req>,
     H: CallHook<Req, S::Response>,
