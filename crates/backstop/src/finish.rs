@@ -2,8 +2,7 @@ use crate::Generator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};
-use backstop_retry::CallHook;
-use backstop_retry::RetryHistory;
+use backstop_retry::{CallHook, RetryHistory};
 use std::{fmt, sync::Arc};
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
