@@ -89,6 +89,14 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Throughput of `other` as a percentage of `bare`'s, round by round.
+fn ratios(bare: &[Run], other: &[Run]) -> Vec<f64> {
+    bare.iter()
+        .zip(other)
+        .map(|(b, o)| 100.0 * o.rps / b.rps)
+        .collect()
+}
+
 /// A 95 % interval for the median of `ratios`: the percentile bootstrap (2,000 resamples, a
 /// seeded generator, so the same rounds give the same interval).
 fn median_interval(ratios: &[f64]) -> (f64, f64) {
@@ -114,6 +122,9 @@ fn main() {
         .and_then(|r| r.parse().ok())
         .filter(|r| *r > 0)
         .unwrap_or(21);
+    // BACKSTOP_LOOPBACK_AA=1: the bare client in all three slots, to check that a slot's place
+    // in the round favours no client (both ratios should sit at 100 %).
+    let aa = std::env::var_os("BACKSTOP_LOOPBACK_AA").is_some();
     let (total, concurrency, rounds) = if full {
         (10_000, 32, rounds)
     } else {
@@ -145,42 +156,36 @@ fn main() {
         // Interleave the rounds so drift on the machine hits every client alike.
         for _ in 0..rounds {
             bare.push(load(client.clone(), url.clone(), total, concurrency).await);
-            with.push(load(stack.clone(), url.clone(), total, concurrency).await);
-            towers.push(load(tower.clone(), url.clone(), total, concurrency).await);
+            if aa {
+                with.push(load(client.clone(), url.clone(), total, concurrency).await);
+                towers.push(load(client.clone(), url.clone(), total, concurrency).await);
+            } else {
+                with.push(load(stack.clone(), url.clone(), total, concurrency).await);
+                towers.push(load(tower.clone(), url.clone(), total, concurrency).await);
+            }
         }
         // Each round runs the bare client and then the stack back to back; the ratio of the pair
         // is what drifts least on a shared machine, so the headline is the median of the
         // per-round ratios (with every ratio shown), next to the median round of each client.
-        let mut ratios: Vec<f64> = bare
-            .iter()
-            .zip(&with)
-            .map(|(b, w)| 100.0 * w.rps / b.rps)
-            .collect();
-        let shown: Vec<String> = ratios.iter().map(|r| format!("{r:.1}")).collect();
-        let (low, high) = median_interval(&ratios);
-        let (t_low, t_high) = median_interval(
-            &bare
-                .iter()
-                .zip(&towers)
-                .map(|(b, t)| 100.0 * t.rps / b.rps)
-                .collect::<Vec<_>>(),
-        );
-        ratios.sort_by(f64::total_cmp);
-        let mut tower_ratios: Vec<f64> = bare
-            .iter()
-            .zip(&towers)
-            .map(|(b, t)| 100.0 * t.rps / b.rps)
-            .collect();
-        tower_ratios.sort_by(f64::total_cmp);
-        let median = |v: &[Run]| {
+        let mut with_ratios = ratios(&bare, &with);
+        let mut tower_ratios = ratios(&bare, &towers);
+        let shown: Vec<String> = with_ratios.iter().map(|r| format!("{r:.1}")).collect();
+        let (low, high) = median_interval(&with_ratios);
+        let (t_low, t_high) = median_interval(&tower_ratios);
+        let with_median = median(&mut with_ratios);
+        let tower_median = median(&mut tower_ratios);
+        let median_round = |v: &[Run]| {
             let mut v: Vec<&Run> = v.iter().collect();
             v.sort_by(|a, b| a.rps.total_cmp(&b.rps));
             let r = v[v.len() / 2];
             (r.rps, r.p50, r.p99)
         };
-        let (b_rps, b50, b99) = median(&bare);
-        let (w_rps, w50, w99) = median(&with);
-        let (t_rps, t50, t99) = median(&towers);
+        let (b_rps, b50, b99) = median_round(&bare);
+        let (w_rps, w50, w99) = median_round(&with);
+        let (t_rps, t50, t99) = median_round(&towers);
+        if aa {
+            println!("A/A check: every slot below ran the bare client");
+        }
         println!(
             "Loopback HTTP: {total} GETs, {concurrency} concurrent, {rounds} interleaved rounds (median round shown)"
         );
@@ -190,13 +195,11 @@ fn main() {
         println!("| hyper-util + Backstop | {w_rps:.0} | {w50:?} | {w99:?} |");
         println!("| hyper-util + tower retry (TpsBudget) + timeout | {t_rps:.0} | {t50:?} | {t99:?} |");
         println!(
-            "\nthroughput with Backstop, per round: {} % of the bare client; median {:.1} % (95 % interval {low:.1}-{high:.1} %)",
+            "\nthroughput with Backstop, per round: {} % of the bare client; median {with_median:.1} % (95 % interval {low:.1}-{high:.1} %)",
             shown.join(" / "),
-            ratios[ratios.len() / 2]
         );
         println!(
-            "throughput with tower's retry + timeout: median {:.1} % of the bare client (95 % interval {t_low:.1}-{t_high:.1} %)",
-            tower_ratios[tower_ratios.len() / 2]
+            "throughput with tower's retry + timeout: median {tower_median:.1} % of the bare client (95 % interval {t_low:.1}-{t_high:.1} %)",
         );
         // CPU time per request, summed over every round of a client (the process's clock ticks
         // are 10 ms, so one round alone would be measured to a few percent; all rounds together

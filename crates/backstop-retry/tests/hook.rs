@@ -62,7 +62,7 @@ impl CallHook<Req, Res> for Stamp {
         let key = self.next_key.fetch_add(1, Ordering::SeqCst);
         req.headers_mut()
             .insert("idempotency-key", HeaderValue::from(key));
-        // Marked replay-safe by the key: the classifier may retry an unknown outcome.
+        // One key per call: were `begin` run per attempt, the retries would carry 42 and 43.
         Ok(dependency.clone())
     }
 
