@@ -574,7 +574,9 @@ async fn an_open_circuit_stops_retries_at_once<S>(
     let e = call(svc).await.unwrap_err();
     assert_eq!(dep.calls(), 4);
     let e = e.downcast::<RetryError>().unwrap();
-    assert_eq!(e.attempts(), 2);
+    // Two attempts were made; the second was refused by the circuit, so only one was sent.
+    assert_eq!(e.history().attempts.len(), 2);
+    assert_eq!(e.attempts(), 1);
     assert_eq!(e.stop_reason(), &StopReason::NotRetryable);
     assert!(e.cause().is::<CircuitOpen>());
     assert!(
@@ -590,7 +592,11 @@ async fn an_open_circuit_stops_retries_at_once<S>(
         .unwrap_err()
         .downcast::<RetryError>()
         .unwrap();
-    assert_eq!(e.attempts(), 1);
+    assert_eq!(
+        e.attempts(),
+        0,
+        "a refusal by the circuit is no attempt sent"
+    );
     assert_eq!(start.elapsed(), Duration::ZERO);
     assert_eq!(dep.calls(), 4);
     // The breaker's circuit and the budget's account are both "carrier-api".

@@ -4,20 +4,29 @@ use tokio::time::Instant;
 
 /// The instant by which a whole logical call (every attempt and every backoff sleep) must end.
 ///
-/// The deadline layer stores it in the request's extensions and the retry layer keeps its own
-/// (making it current for its attempts, see [`CallContext`](crate::CallContext)); the retry
+/// The deadline layer and the retry layer store it in the request's extensions (see
+/// [`CallContext`](crate::CallContext)), so every layer further in sees it; the retry
 /// layer refuses to sleep past it and the attempt timeout shortens the last attempt to fit
 /// inside it. A caller that has its own, tighter deadline puts it in the request first: the
 /// tighter one always wins.
 ///
 /// It uses tokio's clock, so tests on paused time control it.
+///
+/// A deadline made with [`after`](Self::after) also knows its length, so an error can say
+/// "its 2 s deadline"; ordering and equality are by instant first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Deadline(Instant);
+pub struct Deadline {
+    at: Instant,
+    length: Option<Duration>,
+}
 
 impl Deadline {
-    /// A deadline at the given instant.
+    /// A deadline at the given instant (of no known length).
     pub const fn at(instant: Instant) -> Self {
-        Deadline(instant)
+        Deadline {
+            at: instant,
+            length: None,
+        }
     }
 
     /// A deadline `budget` from now (saturating far in the future on overflow).
@@ -29,39 +38,44 @@ impl Deadline {
     /// that has already read the clock.
     #[inline]
     pub fn after_from(now: Instant, budget: Duration) -> Self {
-        Deadline(
-            now.checked_add(budget)
+        Deadline {
+            at: now
+                .checked_add(budget)
                 .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30)),
-        )
+            length: Some(budget),
+        }
     }
 
     /// The instant.
     pub const fn instant(self) -> Instant {
-        self.0
+        self.at
+    }
+
+    /// How long the call was given, when the deadline was made with [`after`](Self::after).
+    pub const fn length(self) -> Option<Duration> {
+        self.length
     }
 
     /// Time left until the deadline, zero once it has passed.
     pub fn remaining(self) -> Duration {
-        self.0.saturating_duration_since(Instant::now())
+        self.at.saturating_duration_since(Instant::now())
     }
 
     /// Whether the deadline has passed.
     pub fn has_passed(self) -> bool {
-        Instant::now() >= self.0
+        Instant::now() >= self.at
     }
 
-    /// The deadline in force for a request: the earliest of the one in its
-    /// [`CallContext`](crate::CallContext) extension (or else a bare `Deadline` a caller
-    /// inserted) and the one of the attempt scope a retry layer made current on this thread
-    /// ([`CallContext::enter`](crate::CallContext::enter)).
+    /// The deadline in force for a request: the one in its [`CallContext`](crate::CallContext)
+    /// extension (a retry layer's or a deadline layer's), or else a bare `Deadline` a caller
+    /// inserted.
+    #[inline]
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
-        let (_, scoped) = crate::CallContext::current_mark_and_deadline();
-        [Deadline::on(req), scoped].into_iter().flatten().min()
+        Deadline::on(req)
     }
 
-    /// The deadline a request carries itself, in its extensions (its
-    /// [`CallContext`](crate::CallContext), or a bare `Deadline` a caller inserted); unlike
-    /// [`of`](Self::of), not the attempt scope's.
+    /// The same as [`of`](Self::of).
+    #[inline]
     pub fn on<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()

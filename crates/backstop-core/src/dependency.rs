@@ -54,17 +54,13 @@ impl Dependency {
 
     /// The dependency recorded on a request: the one in its
     /// [`CallContext`](crate::CallContext) extension, or else a bare `Dependency` a caller
-    /// inserted, or else the one of the attempt scope a retry layer made current on this thread
-    /// ([`CallContext::enter`](crate::CallContext::enter)).
+    /// inserted.
     pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<Dependency> {
-        Dependency::on(req)
-            .cloned()
-            .or_else(crate::CallContext::current_dependency)
+        Dependency::on(req).cloned()
     }
 
-    /// The dependency a request names itself, in its extensions (its
-    /// [`CallContext`](crate::CallContext), or a bare `Dependency` a caller inserted); unlike
-    /// [`of`](Self::of), not the attempt scope's.
+    /// The dependency a request names, borrowed: [`of`](Self::of) without the clone.
+    #[inline]
     pub fn on<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()

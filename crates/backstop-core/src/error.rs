@@ -131,6 +131,7 @@ impl Error for AttemptTimedOut {}
 pub struct DeadlineExceeded {
     dependency: Option<Dependency>,
     outcome: Outcome,
+    length: Option<Duration>,
 }
 
 impl DeadlineExceeded {
@@ -139,7 +140,20 @@ impl DeadlineExceeded {
         DeadlineExceeded {
             dependency,
             outcome,
+            length: None,
         }
+    }
+
+    /// The same, saying how long the deadline was (`None`: not known).
+    #[must_use]
+    pub fn with_length(mut self, length: Option<Duration>) -> Self {
+        self.length = length;
+        self
+    }
+
+    /// How long the deadline was, when known.
+    pub fn length(&self) -> Option<Duration> {
+        self.length
     }
 
     /// The dependency, when known.
@@ -153,18 +167,31 @@ impl DeadlineExceeded {
     }
 }
 
+/// "its 2 s deadline", or "its deadline" when the length is not known.
+#[derive(Clone, Copy, Debug)]
+pub struct DeadlineWords(pub Option<Duration>);
+
+impl fmt::Display for DeadlineWords {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(d) => write!(f, "its {} deadline", HumanDuration(d)),
+            None => f.write_str("its deadline"),
+        }
+    }
+}
+
 impl fmt::Display for DeadlineExceeded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dep = Named(self.dependency.as_ref());
+        let its = DeadlineWords(self.length);
         match self.outcome {
             Outcome::NotSent => write!(
                 f,
-                "the deadline for the call to {} had already passed, so it was not sent",
-                Named(self.dependency.as_ref())
+                "the call to {dep} reached {its} before it could be sent, so it was not sent"
             ),
             _ => write!(
                 f,
-                "the deadline for the call to {} passed while waiting for its reply",
-                Named(self.dependency.as_ref())
+                "the call to {dep} reached {its} while waiting for its reply"
             ),
         }
     }

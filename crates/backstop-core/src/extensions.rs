@@ -82,9 +82,8 @@ impl ReplaySafe {
 /// The mark of the outermost retry layer. A retry layer that finds it makes exactly one attempt
 /// and leaves retrying to the outer one.
 ///
-/// The outer layer sets it in the attempt scope while it calls its inner service
-/// ([`CallContext::enter`](crate::CallContext::enter)), and, when asked to, in the attempt's
-/// extensions too, so that it also crosses a task boundary.
+/// The outer layer sets it in the request's [`CallContext`](crate::CallContext) before its
+/// first attempt, so it reaches every layer further in, across tasks and futures too.
 ///
 /// Any other retrying code can honour it too: if a request carries it, someone outside is
 /// already retrying.
@@ -92,13 +91,15 @@ impl ReplaySafe {
 pub struct RetryScope;
 
 impl RetryScope {
-    /// Whether a retry layer already owns the call: the request carries the mark, or a retry
-    /// layer's call into its service is in progress on this thread.
+    /// Whether a retry layer already owns the call: the request carries the mark (in its
+    /// [`CallContext`](crate::CallContext), or a bare `RetryScope` a caller inserted).
+    #[inline]
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
-        RetryScope::is_marked_on(req) || crate::CallContext::current_mark_and_deadline().0
+        RetryScope::is_marked_on(req)
     }
 
-    /// Whether the request itself carries the mark, in its extensions (not the attempt scope).
+    /// The same as [`is_marked`](Self::is_marked): the mark only ever travels in the request.
+    #[inline]
     pub fn is_marked_on<R: HasExtensions + ?Sized>(req: &R) -> bool {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()

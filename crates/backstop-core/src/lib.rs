@@ -33,12 +33,12 @@ mod error;
 mod extensions;
 mod outcome;
 
-pub use context::{CallContext, ScopeGuard};
+pub use context::CallContext;
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    HumanDuration, InvalidConfig,
+    DeadlineWords, HumanDuration, InvalidConfig,
 };
 pub use extensions::{HasExtensions, ReplaySafe, RetryScope, is_idempotent_method};
 pub use outcome::Outcome;

@@ -61,6 +61,10 @@ impl StopReason {
 pub struct AttemptRecord {
     /// 1 for the first attempt.
     pub attempt: u32,
+    /// Whether the request was handed to the dependency's service. A refusal by the gate (an
+    /// open circuit), a deadline that passed before the attempt, or a service that did not
+    /// become ready in time is recorded, but it is no attempt sent.
+    pub sent: bool,
     /// The classifier's verdict.
     pub verdict: Verdict,
     /// How long the attempt took.
@@ -81,11 +85,19 @@ pub struct RetryHistory {
     pub attempts: Vec<AttemptRecord>,
     /// From the call to the end of the last attempt.
     pub elapsed: Duration,
+    /// How long the call's deadline was, when it had one of known length.
+    pub deadline: Option<Duration>,
     /// Why no further attempt was made.
     pub stopped: StopReason,
 }
 
 impl RetryHistory {
+    /// How many attempts were sent (handed to the dependency's service).
+    pub fn sent(&self) -> u32 {
+        let n = self.attempts.iter().filter(|a| a.sent).count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
     /// The history recorded on a response, if any.
     pub fn of<R: backstop_core::HasExtensions + ?Sized>(res: &R) -> Option<&RetryHistory> {
         res.extensions().get::<RetryHistory>()
@@ -120,9 +132,10 @@ impl RetryError {
         &self.history.dependency
     }
 
-    /// How many attempts were made.
+    /// How many attempts were sent (handed to the dependency's service): an attempt the gate
+    /// refused, or one the deadline stopped before it started, does not count.
     pub fn attempts(&self) -> u32 {
-        u32::try_from(self.history.attempts.len()).unwrap_or(u32::MAX)
+        self.history.sent()
     }
 
     /// From the call to the end of the last attempt.

@@ -4,7 +4,7 @@ use crate::{
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{BoxError, CallContext, Deadline, Dependency, HasExtensions, Outcome};
+use backstop_core::{BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome};
 use backstop_timeout::AttemptEnd;
 use pin_project::pin_project;
 use rand::rngs::SmallRng;
@@ -29,14 +29,15 @@ where
     // One struct, built in place: a wrapper (an enum of "running" and "refused", say) would
     // cost every call one more copy of the whole future.
     #[pin]
-    state: State<S::Future, H::Error>,
+    state: State<S::Future, H::Error, Req>,
     call: CallState<S, Req, C, P, K, H>,
-    /// The hook's state for the call; `None` when the hook refused it.
+    /// The hook's state for the call; `None` when the hook refused it, or when an outer retry
+    /// layer owns the call (the call-level work is that layer's).
     hooked: Option<H::State>,
 }
 
 #[pin_project(project = StateProj)]
-enum State<F, E> {
+enum State<F, E, Req> {
     Calling {
         #[pin]
         fut: F,
@@ -53,9 +54,15 @@ enum State<F, E> {
     /// Boxed: only a call that retries pays for the timer, and the future stays small (it is
     /// moved through every outer layer on every call).
     Waiting {
-        sleep: Pin<Box<Sleep>>,
+        sleep: Option<Pin<Box<Sleep>>>,
     },
-    Readying,
+    /// Waiting for the service to be ready, under the deadline: `sleep` is the deadline's
+    /// timer once one is needed (the backoff's, reset), `first` the first attempt's request
+    /// when the service was not ready at `call` (boxed: only that case pays for it).
+    Readying {
+        sleep: Option<Pin<Box<Sleep>>>,
+        first: Option<Box<Req>>,
+    },
     /// The hook refused the call before anything was sent; taken when the future completes.
     Refused {
         error: Option<E>,
@@ -82,6 +89,9 @@ struct CallState<S, Req, C, P, K, H> {
     started: Instant,
     attempt_started: Instant,
     attempt: u32,
+    /// Whether the current attempt was handed to the service (a gate refusal, a deadline
+    /// that passed first or a service never ready is no attempt sent).
+    handed: bool,
     /// 1 when an outer retry layer owns retrying.
     max_attempts: u32,
     /// An outer retry layer owns retrying: this layer makes one attempt, still gated and
@@ -165,6 +175,7 @@ where
                 started: now,
                 attempt_started: now,
                 attempt: 0,
+                handed: false,
                 max_attempts: 0,
                 nested: false,
                 ticket: None,
@@ -176,7 +187,9 @@ where
         }
     }
 
-    /// Starts the call's first attempt. `nested`: an outer retry layer owns retrying.
+    /// Starts the call: its first attempt at once when `svc` is `ready`, else once it is
+    /// (within the deadline). `nested`: an outer retry layer owns retrying, and `hooked` is
+    /// `None`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         policy: Arc<Policy<C, P, K, H>>,
@@ -186,7 +199,8 @@ where
         deadline: Option<Deadline>,
         now: Instant,
         nested: bool,
-        hooked: H::State,
+        ready: bool,
+        hooked: Option<H::State>,
     ) -> Self {
         let max_attempts = if nested {
             1
@@ -217,21 +231,38 @@ where
             crate::obs::call(&dependency);
         }
         let mut svc = svc;
+        let (began, attempt) = if ready {
+            let began = begin_attempt(
+                &policy.settings,
+                &mut svc,
+                first,
+                &dependency,
+                deadline,
+                1,
+                now,
+                hooked.as_ref().and_then(|h| policy.hook.span(h)),
+            );
+            (began, 1)
+        } else {
+            let began = Began {
+                state: State::Readying {
+                    sleep: None,
+                    first: Some(Box::new(first)),
+                },
+                span: tracing::Span::none(),
+                expiry: None,
+                ticket: None,
+                handed: false,
+            };
+            (began, 0)
+        };
         let Began {
             state,
             span,
             expiry,
             ticket,
-        } = begin_attempt(
-            &policy.settings,
-            &mut svc,
-            first,
-            &dependency,
-            deadline,
-            1,
-            now,
-            policy.hook.span(&hooked),
-        );
+            handed,
+        } = began;
         // Built in place, field by field: the call state is not moved again on the way out.
         ResponseFuture {
             state,
@@ -243,7 +274,8 @@ where
                 deadline,
                 started: now,
                 attempt_started: now,
-                attempt: 1,
+                attempt,
+                handed,
                 max_attempts,
                 nested,
                 ticket,
@@ -251,33 +283,35 @@ where
                 cold,
                 span,
             },
-            hooked: Some(hooked),
+            hooked,
         }
     }
 }
 
 /// What beginning an attempt sets up: the state the call is in, the attempt's span, when the
 /// attempt is cut short, and the gate's ticket.
-struct Began<F, E> {
-    state: State<F, E>,
+struct Began<F, E, Req> {
+    state: State<F, E, Req>,
     span: tracing::Span,
     expiry: Option<AttemptEnd>,
     ticket: Option<Ticket>,
+    /// The request was handed to the service.
+    handed: bool,
 }
 
 /// Begins attempt number `attempt` at `now`: checks the deadline, asks the gate, then calls the
-/// service inside the attempt scope.
+/// service (the request carries the call's context already).
 #[allow(clippy::too_many_arguments)]
 fn begin_attempt<S, Req, E>(
     settings: &Settings,
     svc: &mut S,
-    mut req: Req,
+    req: Req,
     dependency: &Dependency,
     deadline: Option<Deadline>,
     attempt: u32,
     now: Instant,
     parent: Option<&tracing::Span>,
-) -> Began<S::Future, E>
+) -> Began<S::Future, E, Req>
 where
     S: Service<Req>,
     Req: HasExtensions,
@@ -295,6 +329,7 @@ where
                 span,
                 expiry: None,
                 ticket: None,
+                handed: false,
             };
         }
     };
@@ -313,16 +348,12 @@ where
                     span,
                     expiry,
                     ticket: None,
+                    handed: false,
                 };
             }
         }
     }
-    let ctx = CallContext::for_retry(dependency.clone(), deadline);
-    if settings.mark_requests {
-        req.extensions_mut().insert(ctx.clone());
-    }
     let fut = {
-        let _scope = ctx.make_current();
         let _entered = span.enter();
         svc.call(req)
     };
@@ -331,6 +362,7 @@ where
         span,
         expiry,
         ticket,
+        handed: true,
     }
 }
 
@@ -341,6 +373,22 @@ fn own_verdict(error: &BoxError) -> Verdict {
     backstop_classify::classify_error(&**error).unwrap_or(Verdict::Fatal {
         outcome: Outcome::Unknown,
     })
+}
+
+/// Whether a Backstop layer further in refused the attempt before anything was sent (an open
+/// circuit, a deadline already passed): then it is no attempt sent.
+fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<backstop_core::CircuitOpen>()
+            || e.downcast_ref::<DeadlineExceeded>()
+                .is_some_and(|d| d.outcome() == Outcome::NotSent)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// The attempt's span: inside the call's span when the hook keeps one, else inside whatever
@@ -387,7 +435,7 @@ where
         req: Req,
         now: Instant,
         parent: Option<&tracing::Span>,
-    ) -> State<S::Future, H::Error> {
+    ) -> State<S::Future, H::Error, Req> {
         self.attempt_started = now;
         let began = begin_attempt(
             &self.policy.settings,
@@ -402,14 +450,17 @@ where
         self.span = began.span;
         self.expiry = began.expiry;
         self.ticket = began.ticket;
+        self.handed = began.handed;
         began.state
     }
 
     fn record(&mut self, verdict: Verdict) {
         let took = self.attempt_started.elapsed();
         let attempt = self.attempt;
+        let sent = self.handed;
         self.cold().history.push(AttemptRecord {
             attempt,
+            sent,
             verdict,
             took,
             wait: None,
@@ -498,6 +549,7 @@ where
                 .map(|c| std::mem::take(&mut c.history))
                 .unwrap_or_default(),
             elapsed: self.started.elapsed(),
+            deadline: self.deadline.and_then(Deadline::length),
             stopped,
         }
     }
@@ -559,15 +611,18 @@ where
     type Output = Result<S::Response, H::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
+        let mut this = self.project();
         let call = this.call;
         let Some(hooked) = this.hooked.as_mut() else {
-            return match this.state.project() {
-                StateProj::Refused { error } => Poll::Ready(Err(error
+            if let StateProj::Refused { error } = this.state.as_mut().project() {
+                return Poll::Ready(Err(error
                     .take()
-                    .expect("retry ResponseFuture polled after completion"))),
-                _ => unreachable!("only a refused call has no hook state"),
-            };
+                    .expect("retry ResponseFuture polled after completion")));
+            }
+            // An outer retry layer owns the call: its raw result goes back, with no call-level
+            // work of this layer's (no span, no error mapping, no dead letter).
+            let result = ready!(poll_call(this.state, call, None, cx));
+            return Poll::Ready(result.map_err(|e| call.policy.hook.pass(e)));
         };
         let result = {
             let parent = call.policy.hook.span(hooked);
@@ -578,9 +633,41 @@ where
     }
 }
 
+/// The attempt has ended with `ended` and `verdict`: tell the gate, then hand the result back
+/// (nested), wait for the next attempt, or stop. Continues the caller's loop or returns.
+macro_rules! finish_attempt {
+    ($state:ident, $call:ident, $ended:expr, $verdict:expr) => {{
+        let ended = $ended;
+        let verdict = $verdict;
+        $call.end_attempt(Some(verdict));
+        if $call.nested {
+            // An outer retry layer owns the call: the result goes back as it is, for that
+            // layer to classify.
+            $state.set(State::Done);
+            return Poll::Ready(match ended {
+                Ended::Inner(r) => r.map_err(Into::into),
+                Ended::Own(e) => Err(e),
+            });
+        }
+        match $call.next(verdict) {
+            Next::Wait(wait) => {
+                drop(ended);
+                $state.set(State::Waiting {
+                    sleep: Some(Box::pin(sleep(wait))),
+                });
+                continue;
+            }
+            Next::Stop(stopped) => {
+                $state.set(State::Done);
+                return Poll::Ready($call.finish(ended, verdict, stopped));
+            }
+        }
+    }};
+}
+
 /// Drives the call's attempts until one result is final.
 fn poll_call<S, Req, C, P, K, H>(
-    mut state: Pin<&mut State<S::Future, H::Error>>,
+    mut state: Pin<&mut State<S::Future, H::Error, Req>>,
     call: &mut CallState<S, Req, C, P, K, H>,
     parent: Option<&tracing::Span>,
     cx: &mut Context<'_>,
@@ -613,7 +700,23 @@ where
                             state.set(State::Done);
                             return Poll::Ready(result.map_err(Into::into));
                         }
-                        (Ended::Inner(result), verdict)
+                        let ended = match result {
+                            Err(e)
+                                if verdict
+                                    == (Verdict::Fatal {
+                                        outcome: Outcome::NotSent,
+                                    }) =>
+                            {
+                                let e: BoxError = e.into();
+                                if refused_before_sending(&*e) {
+                                    // A breaker or deadline layer further in refused it.
+                                    call.handed = false;
+                                }
+                                Ended::Own(e)
+                            }
+                            r => Ended::Inner(r),
+                        };
+                        (ended, verdict)
                     }
                     Poll::Pending => {
                         let Some(expiry) = call.expiry else {
@@ -638,46 +741,88 @@ where
                 *verdict,
             ),
             StateProj::Waiting { sleep } => {
-                ready!(sleep.as_mut().poll(cx));
-                state.set(State::Readying);
+                let timer = sleep.as_mut().expect("a wait always has its timer");
+                ready!(timer.as_mut().poll(cx));
+                // The same timer bounds the wait for readiness: reset to the deadline.
+                let mut sleep = sleep.take();
+                match (call.deadline, sleep.as_mut()) {
+                    (Some(deadline), Some(timer)) => timer.as_mut().reset(deadline.instant()),
+                    _ => sleep = None,
+                }
+                state.set(State::Readying { sleep, first: None });
                 continue;
             }
-            StateProj::Readying => {
-                // Readiness is polled again before every attempt.
-                if let Err(e) = ready!(call.svc.poll_ready(cx)) {
-                    state.set(State::Done);
-                    let verdict = Verdict::Fatal {
-                        outcome: Outcome::NotSent,
-                    };
-                    let history = call.history(StopReason::NotRetryable);
-                    return Poll::Ready(Err(Box::new(RetryError::new(history, verdict, e.into()))));
-                }
-                let template = call
-                    .template
-                    .as_ref()
-                    .expect("only a replayable request is retried");
-                let req = match call.policy.replay.replay(template) {
-                    Ok(req) => req,
-                    Err(why) => {
+            StateProj::Readying { sleep, first } => {
+                // Readiness is polled again before every attempt, and never past the deadline.
+                match call.svc.poll_ready(cx) {
+                    Poll::Ready(Ok(())) => {}
+                    Poll::Ready(Err(e)) => {
                         state.set(State::Done);
-                        let verdict = call
-                            .cold
-                            .as_ref()
-                            .and_then(|c| c.history.last())
-                            .map(|a| a.verdict)
-                            .unwrap_or(Verdict::Fatal {
-                                outcome: Outcome::NotSent,
-                            });
-                        let history = call.history(StopReason::NotReplayable(why.clone()));
+                        let verdict = Verdict::Fatal {
+                            outcome: Outcome::NotSent,
+                        };
+                        let history = call.history(StopReason::NotRetryable);
                         return Poll::Ready(Err(Box::new(RetryError::new(
                             history,
                             verdict,
-                            Box::new(why),
+                            e.into(),
                         ))));
+                    }
+                    Poll::Pending => {
+                        let Some(deadline) = call.deadline else {
+                            return Poll::Pending;
+                        };
+                        let timer =
+                            sleep.get_or_insert_with(|| Box::pin(sleep_until(deadline.instant())));
+                        ready!(timer.as_mut().poll(cx));
+                        // The deadline passed before the service was ready: nothing was sent.
+                        call.attempt += 1;
+                        call.handed = false;
+                        call.attempt_started = Instant::now();
+                        let error: BoxError = Box::new(
+                            DeadlineExceeded::new(Some(call.dependency.clone()), Outcome::NotSent)
+                                .with_length(deadline.length()),
+                        );
+                        let verdict = Verdict::Fatal {
+                            outcome: Outcome::NotSent,
+                        };
+                        first.take();
+                        finish_attempt!(state, call, Ended::Own(error), verdict);
+                    }
+                }
+                let req = match first.take() {
+                    Some(req) => *req,
+                    None => {
+                        let template = call
+                            .template
+                            .as_ref()
+                            .expect("only a replayable request is retried");
+                        match call.policy.replay.replay(template) {
+                            Ok(req) => req,
+                            Err(why) => {
+                                state.set(State::Done);
+                                let verdict = call
+                                    .cold
+                                    .as_ref()
+                                    .and_then(|c| c.history.last())
+                                    .map(|a| a.verdict)
+                                    .unwrap_or(Verdict::Fatal {
+                                        outcome: Outcome::NotSent,
+                                    });
+                                let history = call.history(StopReason::NotReplayable(why.clone()));
+                                return Poll::Ready(Err(Box::new(RetryError::new(
+                                    history,
+                                    verdict,
+                                    Box::new(why),
+                                ))));
+                            }
+                        }
                     }
                 };
                 call.attempt += 1;
-                crate::obs::retry(&call.dependency);
+                if call.attempt > 1 {
+                    crate::obs::retry(&call.dependency);
+                }
                 let next = call.begin(req, Instant::now(), parent);
                 state.set(next);
                 continue;
@@ -687,28 +832,6 @@ where
             }
         };
 
-        // The attempt has ended.
-        call.end_attempt(Some(verdict));
-        if call.nested {
-            // An outer retry layer owns the call: the result goes back as it is, for that
-            // layer to classify.
-            state.set(State::Done);
-            return Poll::Ready(match ended {
-                Ended::Inner(r) => r.map_err(Into::into),
-                Ended::Own(e) => Err(e),
-            });
-        }
-        match call.next(verdict) {
-            Next::Wait(wait) => {
-                drop(ended);
-                state.set(State::Waiting {
-                    sleep: Box::pin(sleep(wait)),
-                });
-            }
-            Next::Stop(stopped) => {
-                state.set(State::Done);
-                return Poll::Ready(call.finish(ended, verdict, stopped));
-            }
-        }
+        finish_attempt!(state, call, ended, verdict);
     }
 }

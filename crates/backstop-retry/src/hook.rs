@@ -79,6 +79,13 @@ pub trait CallHook<Req, Res> {
 
     /// Turns an error from the inner service's `poll_ready` into the call's error type.
     fn ready_error(&self, error: BoxError) -> Self::Error;
+
+    /// Turns the raw error of a call that an outer retry layer owns into the error type,
+    /// without any of the call-level work: that call's `begin` and `end` are the outer
+    /// layer's. By default, [`ready_error`](Self::ready_error).
+    fn pass(&self, error: BoxError) -> Self::Error {
+        self.ready_error(error)
+    }
 }
 
 /// The hook that does nothing: the retry layer's errors are [`BoxError`]s.

@@ -39,7 +39,6 @@ pub(crate) struct Settings {
     pub(crate) deadline: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) gate: Option<Arc<dyn AttemptGate>>,
-    pub(crate) mark_requests: bool,
 }
 
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
@@ -66,7 +65,6 @@ impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, H> fmt::Debug for RetryLayer<C
             .field("deadline", &s.deadline)
             .field("attempt_timeout", &s.attempt_timeout)
             .field("gate", &s.gate)
-            .field("mark_requests", &s.mark_requests)
             .finish()
     }
 }
@@ -89,7 +87,6 @@ impl<C> RetryLayer<C> {
                 deadline: None,
                 attempt_timeout: None,
                 gate: None,
-                mark_requests: false,
             },
         }
     }
@@ -222,14 +219,11 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
         self
     }
 
-    /// Also puts the attempt's context (the retry mark, the dependency, the deadline) in each
-    /// attempt's request extensions, not only in the attempt scope. Needed when layers further
-    /// in run behind a task boundary (a `tower::buffer::Buffer`, a worker task): the scope is
-    /// only seen by code that the retry layer's `call` reaches on the same thread. Costs the
-    /// extension map's allocations on every attempt, so it is off by default.
+    /// Does nothing any more: the call's context (the retry mark, the dependency, the
+    /// deadline) always travels in the request's extensions.
+    #[deprecated(note = "the call's context always travels with the request now")]
     #[must_use]
-    pub fn mark_requests(mut self, yes: bool) -> Self {
-        self.settings.mark_requests = yes;
+    pub fn mark_requests(self, _yes: bool) -> Self {
         self
     }
 
@@ -255,6 +249,7 @@ impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K,
     fn layer(&self, inner: S) -> Self::Service {
         Retry {
             inner,
+            ready: false,
             policy: Arc::new(Policy {
                 classifier: self.classifier.clone(),
                 replay: self.replay.clone(),
@@ -272,6 +267,8 @@ impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K,
 pub struct Retry<S, C, P = CloneRequest, K = Dependency, H = NoHook> {
     inner: S,
     policy: Arc<Policy<C, P, K, H>>,
+    /// The inner service said it was ready in the last `poll_ready`.
+    ready: bool,
 }
 
 impl<S: Clone, C, P, K, H> Clone for Retry<S, C, P, K, H> {
@@ -279,6 +276,7 @@ impl<S: Clone, C, P, K, H> Clone for Retry<S, C, P, K, H> {
         Retry {
             inner: self.inner.clone(),
             policy: self.policy.clone(),
+            ready: false,
         }
     }
 }
@@ -323,28 +321,48 @@ where
     type Error = H::Error;
     type Future = ResponseFuture<S, Req, C, P, K, H>;
 
+    /// Never waits. When the inner service is ready, the first attempt is sent from `call`;
+    /// when it is not, the call's future waits for it, and that wait is bounded by the call's
+    /// deadline like everything else (a service still not ready then ends the call with
+    /// `DeadlineExceeded`, not sent). An error from the inner service's `poll_ready` is
+    /// returned here.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner
-            .poll_ready(cx)
-            .map_err(|e| self.policy.hook.ready_error(e.into()))
+        match self.inner.poll_ready(cx) {
+            Poll::Ready(Ok(())) => self.ready = true,
+            Poll::Ready(Err(e)) => {
+                self.ready = false;
+                return Poll::Ready(Err(self.policy.hook.ready_error(e.into())));
+            }
+            Poll::Pending => self.ready = false,
+        }
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        // An outer retry layer owns retrying: one attempt here (still gated and timed). The
-        // attempt scope is read once, for the mark and the deadline together.
-        let (scope_marked, scope_deadline) = CallContext::current_mark_and_deadline();
-        let nested = scope_marked || RetryScope::is_marked_on(&req);
+        // An outer retry layer owns retrying: one attempt here (still gated and timed), under
+        // this layer's own dependency name, and none of the call-level work.
+        let nested = RetryScope::is_marked(&req);
         let policy = self.policy.clone();
         let dependency = match Dependency::on(&req) {
-            Some(d) => d.clone(),
-            None => policy.key.dependency(&req),
+            Some(d) if !nested => d.clone(),
+            _ => policy.key.dependency(&req),
         };
-        let hooked = match policy.hook.begin(&mut req, &dependency) {
-            Ok(state) => state,
-            // Nothing is sent: the ready service stays here for the next call.
-            Err(refused) => {
-                let svc = self.inner.clone();
-                return ResponseFuture::refused(policy, svc, dependency, Instant::now(), refused);
+        let hooked = if nested {
+            None
+        } else {
+            match policy.hook.begin(&mut req, &dependency) {
+                Ok(state) => Some(state),
+                // Nothing is sent: the ready service stays here for the next call.
+                Err(refused) => {
+                    let svc = self.inner.clone();
+                    return ResponseFuture::refused(
+                        policy,
+                        svc,
+                        dependency,
+                        Instant::now(),
+                        refused,
+                    );
+                }
             }
         };
         // The clock is read once per call: the budget, the deadline and the attempt timer share
@@ -353,19 +371,31 @@ where
         if !nested {
             policy.settings.budget.deposit(&dependency, now);
         }
-        // The earliest of the caller's deadline, the outer attempt's and this layer's own.
+        // The earlier of the request's deadline (the caller's, or an outer layer's) and this
+        // layer's own.
         let own = policy
             .settings
             .deadline
             .map(|budget| Deadline::after_from(now, budget));
-        let deadline = [Deadline::on(&req), scope_deadline, own]
-            .into_iter()
-            .flatten()
-            .min();
+        let deadline = match (Deadline::on(&req), own) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        // The call's context travels with the request, set once before it is kept for
+        // replays: every attempt's copy carries it, across tasks and futures.
+        CallContext::claim(&mut req, dependency.clone(), deadline);
 
-        // The readied service makes the first attempt; the clone stays behind for the next call.
-        let clone = self.inner.clone();
-        let svc = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::start(policy, svc, req, dependency, deadline, now, nested, hooked)
+        // A readied service makes the first attempt now; the clone stays behind for the next
+        // call. Otherwise a clone waits for readiness inside the future, under the deadline.
+        let ready = std::mem::take(&mut self.ready);
+        let svc = if ready {
+            let clone = self.inner.clone();
+            std::mem::replace(&mut self.inner, clone)
+        } else {
+            self.inner.clone()
+        };
+        ResponseFuture::start(
+            policy, svc, req, dependency, deadline, now, nested, ready, hooked,
+        )
     }
 }

@@ -303,30 +303,102 @@ fn always_503(
     })
 }
 
-#[tokio::test(start_paused = true)]
-async fn behind_a_task_boundary_the_mark_travels_only_in_the_request() {
-    // Without the mark in the request, the inner layer cannot know it is nested: 3 x 3.
-    let attempts = Arc::new(AtomicU32::new(0));
-    let inner = layer().layer(always_503(Arc::clone(&attempts)));
-    let res = layer()
-        .layer(across_a_task(inner))
-        .oneshot(get())
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 503);
-    assert_eq!(attempts.load(Ordering::SeqCst), 9);
+/// The most common tower idiom: the inner stack is called from the future, not from `call`.
+fn lazily<S>(
+    inner: S,
+) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static
+where
+    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+{
+    service_fn(move |req: Req| {
+        let inner = inner.clone();
+        async move { inner.oneshot(req).await }
+    })
+}
 
-    // With `mark_requests`, it crosses: 3.
+#[tokio::test(start_paused = true)]
+async fn nested_layers_make_one_set_of_attempts_across_tasks_and_lazy_futures() {
+    // Behind a spawned task (a Buffer's worker), and behind `async move { inner.oneshot(req) }`:
+    // the inner layer sees the mark in the request and makes one attempt per outer attempt.
+    for wrap in [0, 1] {
+        let attempts = Arc::new(AtomicU32::new(0));
+        let inner = layer().layer(always_503(Arc::clone(&attempts)));
+        let res = if wrap == 0 {
+            layer().layer(across_a_task(inner)).oneshot(get()).await
+        } else {
+            layer().layer(lazily(inner)).oneshot(get()).await
+        }
+        .unwrap();
+        assert_eq!(res.status(), 503);
+        assert_eq!(attempts.load(Ordering::SeqCst), 3, "wrapper {wrap}");
+    }
+    // Three stacks deep, lazily: 3 attempts, not 27.
     let attempts = Arc::new(AtomicU32::new(0));
     let inner = layer().layer(always_503(Arc::clone(&attempts)));
-    let res = layer()
-        .mark_requests(true)
-        .layer(across_a_task(inner))
-        .oneshot(get())
-        .await
-        .unwrap();
+    let middle = layer().layer(lazily(inner));
+    let res = layer().layer(lazily(middle)).oneshot(get()).await.unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(attempts.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leaf_reads_the_deadline_in_its_future() {
+    let seen: Arc<std::sync::Mutex<Vec<Option<Deadline>>>> = Arc::default();
+    let log = Arc::clone(&seen);
+    let leaf = service_fn(move |req: Req| {
+        let log = Arc::clone(&log);
+        async move {
+            tokio::task::yield_now().await;
+            log.lock().unwrap().push(Deadline::of(&req));
+            Ok::<_, BoxError>(Response::new("ok"))
+        }
+    });
+    let start = Instant::now();
+    layer()
+        .deadline(Duration::from_secs(2))
+        .layer(lazily(leaf))
+        .oneshot(get())
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap();
+    assert_eq!(
+        seen[0].map(Deadline::instant),
+        Some(start + Duration::from_secs(2))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_inside_call_that_is_not_this_request_sees_no_context() {
+    // A service whose `call` makes a new request of its own (to another dependency) through
+    // another retry layer: that one is not nested, and owns its own three attempts.
+    let other = Arc::new(AtomicU32::new(0));
+    let side = layer()
+        .dependency("audit-log")
+        .layer(always_503(Arc::clone(&other)));
+    let unmarked = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&unmarked);
+    let svc = service_fn(move |req: Req| {
+        assert!(RetryScope::is_marked(&req));
+        let fresh = get();
+        if !RetryScope::is_marked(&fresh) && Deadline::of(&fresh).is_none() {
+            seen.fetch_add(1, Ordering::SeqCst);
+        }
+        let side = side.clone();
+        async move {
+            let res = side.oneshot(fresh).await?;
+            assert_eq!(res.status(), 503);
+            Ok::<_, BoxError>(Response::new("ok"))
+        }
+    });
+    let res = layer()
+        .deadline(Duration::from_secs(30))
+        .layer(svc)
+        .oneshot(get())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(unmarked.load(Ordering::SeqCst), 1);
+    assert_eq!(other.load(Ordering::SeqCst), 3);
 }
 
 #[tokio::test(start_paused = true)]
@@ -350,16 +422,4 @@ async fn a_nested_layer_still_applies_its_own_attempt_timeout() {
     let err = retry_error(err);
     assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
     assert_eq!(err.history().attempts.len(), 2);
-}
-
-#[test]
-fn the_scope_is_restored_after_a_panic() {
-    let caught = std::panic::catch_unwind(|| {
-        backstop_core::CallContext::for_retry(Dependency::new("x"), None).enter(|| {
-            assert!(RetryScope::is_marked(&get()));
-            panic!("boom");
-        })
-    });
-    assert!(caught.is_err());
-    assert!(!RetryScope::is_marked(&get()));
 }

@@ -17,7 +17,10 @@ pub enum Expiry {
         limit: Duration,
     },
     /// The call's deadline, which came first: a [`DeadlineExceeded`] error (outcome unknown).
-    Deadline,
+    Deadline {
+        /// How long the deadline was, when known.
+        length: Option<Duration>,
+    },
 }
 
 /// When an attempt must end, and why: the one rule both timeout layers and the retry layer's
@@ -35,7 +38,7 @@ pub enum Expiry {
 /// let now = Instant::now();
 /// let limit = Some(Duration::from_secs(3));
 /// let end = AttemptEnd::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(2))));
-/// assert_eq!(end.unwrap().unwrap().expiry, Expiry::Deadline);
+/// assert!(matches!(end.unwrap().unwrap().expiry, Expiry::Deadline { .. }));
 /// let end = AttemptEnd::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(10))));
 /// assert_eq!(end.unwrap().unwrap().expiry, Expiry::Attempt { limit: Duration::from_secs(3) });
 /// assert!(AttemptEnd::plan(now, limit, Some(Deadline::at(now))).is_err());
@@ -51,12 +54,15 @@ pub struct AttemptEnd {
 
 /// The call's deadline had already passed when the attempt was to start: nothing is sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeadlinePassed;
+pub struct DeadlinePassed {
+    /// How long the deadline was, when known.
+    pub length: Option<Duration>,
+}
 
 impl DeadlinePassed {
     /// The error for it: [`DeadlineExceeded`], outcome not sent.
     pub fn error(self, dependency: Option<Dependency>) -> BoxError {
-        Box::new(DeadlineExceeded::new(dependency, Outcome::NotSent))
+        Box::new(DeadlineExceeded::new(dependency, Outcome::NotSent).with_length(self.length))
     }
 }
 
@@ -80,13 +86,17 @@ impl AttemptEnd {
         };
         let end = deadline.instant();
         if end <= now {
-            return Err(DeadlinePassed);
+            return Err(DeadlinePassed {
+                length: deadline.length(),
+            });
         }
         Ok(Some(match own {
             Some(own) if own.at < end => own,
             _ => AttemptEnd {
                 at: end,
-                expiry: Expiry::Deadline,
+                expiry: Expiry::Deadline {
+                    length: deadline.length(),
+                },
             },
         }))
     }
@@ -95,7 +105,9 @@ impl AttemptEnd {
     pub fn error(self, dependency: Option<Dependency>) -> BoxError {
         match self.expiry {
             Expiry::Attempt { limit } => Box::new(AttemptTimedOut::new(dependency, limit)),
-            Expiry::Deadline => Box::new(DeadlineExceeded::new(dependency, Outcome::Unknown)),
+            Expiry::Deadline { length } => {
+                Box::new(DeadlineExceeded::new(dependency, Outcome::Unknown).with_length(length))
+            }
         }
     }
 }

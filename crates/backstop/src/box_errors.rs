@@ -10,7 +10,9 @@ use tower_service::Service;
 /// Turns a service's errors into `BoxError`, so that one classifier (which walks a boxed
 /// error's chain) serves every client the stack wraps. A named type rather than tower's
 /// `MapErr` with a function: the compiler then proves `Send` for the whole stack without
-/// tripping over a higher-ranked function pointer.
+/// tripping over a higher-ranked function pointer. The raw error that a nested Backstop stack
+/// passes out (its call is owned by this one) is unwrapped again, so one logical call makes
+/// one [`Error`](crate::Error).
 #[derive(Clone, Debug)]
 pub struct BoxErrors<S>(pub S);
 
@@ -25,7 +27,7 @@ where
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.0.poll_ready(cx).map_err(Into::into)
+        self.0.poll_ready(cx).map_err(crate::error::unpass)
     }
 
     #[inline]
@@ -48,6 +50,6 @@ where
 
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Poll::Ready(ready!(self.project().0.poll(cx)).map_err(Into::into))
+        Poll::Ready(ready!(self.project().0.poll(cx)).map_err(crate::error::unpass))
     }
 }

@@ -126,7 +126,6 @@ pub struct Backstop<C, P, I> {
     budget: Option<Option<Budget>>,
     breaker: Option<Option<Breaker>>,
     idempotency: bool,
-    mark_requests: bool,
     sink: Option<Arc<dyn DeadLetterSink>>,
     reconcile: Option<Reconcile>,
 }
@@ -195,21 +194,17 @@ impl<C, P, I> Backstop<C, P, I> {
             budget: None,
             breaker: None,
             idempotency: true,
-            mark_requests: false,
             sink: None,
             reconcile: None,
         }
     }
 
-    /// Also carries each attempt's context (the retry mark, the dependency, the deadline) in
-    /// the request's extensions, for a client that hands requests to another task (behind a
-    /// `tower::buffer::Buffer`, say) where a second Backstop stack or layer further in must
-    /// still see them. Without it they travel in the attempt scope, which costs nothing but
-    /// only reaches code the stack's `call` runs on the same thread. See
+    /// Does nothing any more: the call's context (the retry mark, the dependency, the
+    /// deadline) always travels in the request's extensions, across tasks and futures. See
     /// `backstop_core::CallContext`.
+    #[deprecated(note = "the call's context always travels with the request now")]
     #[must_use]
-    pub fn mark_requests(mut self) -> Self {
-        self.mark_requests = true;
+    pub fn mark_requests(self) -> Self {
         self
     }
 
@@ -340,7 +335,6 @@ impl<C, P, I> Backstop<C, P, I> {
             budget: self.budget,
             breaker: self.breaker,
             idempotency: self.idempotency,
-            mark_requests: self.mark_requests,
             sink: self.sink,
             reconcile: self.reconcile,
         }
@@ -439,9 +433,6 @@ impl<C, P, I> Backstop<C, P, I> {
         }
         if let Some(rng) = self.rng {
             retry = retry.rng(rng);
-        }
-        if self.mark_requests {
-            retry = retry.mark_requests(true);
         }
         match self.budget {
             Some(None) => {}

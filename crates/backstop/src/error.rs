@@ -1,6 +1,6 @@
 use backstop_core::{
-    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, Dependency,
-    HumanDuration, InvalidConfig, Outcome,
+    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
+    DeadlineWords, Dependency, HumanDuration, InvalidConfig, Outcome,
 };
 use backstop_retry::{RetryError, StopReason};
 use std::{error::Error as StdError, fmt, time::Duration};
@@ -54,10 +54,34 @@ pub struct Error {
     attempts: u32,
     elapsed: Duration,
     circuit: Option<CircuitState>,
+    /// The deadline's length, when it was the deadline that ended the call.
+    deadline: Option<Duration>,
+    /// A nested stack's raw error, on its way to the stack outside that owns the call.
+    passing: bool,
     source: BoxError,
 }
 
+/// Takes the raw error back out of an [`Error`] a nested stack passed out; anything else is
+/// boxed as it is.
+pub(crate) fn unpass<E: Into<BoxError>>(e: E) -> BoxError {
+    let e: BoxError = e.into();
+    if e.downcast_ref::<Error>().is_some_and(|e| e.passing) {
+        if let Ok(err) = e.downcast::<Error>() {
+            return err.source;
+        }
+        unreachable!("checked above");
+    }
+    e
+}
+
 impl Error {
+    /// A raw error that a nested stack hands to the stack outside, which owns the call.
+    pub(crate) fn passing(source: BoxError) -> Error {
+        let mut err = Error::from_box(source);
+        err.passing = true;
+        err
+    }
+
     /// The kind of failure.
     pub fn kind(&self) -> ErrorKind {
         self.kind
@@ -114,9 +138,11 @@ impl Error {
             attempts: 1,
             elapsed: Duration::ZERO,
             circuit: None,
+            deadline: None,
+            passing: false,
             source: e,
         };
-        err.refine_from_cause();
+        err.refine_from_cause(false);
         err
     }
 
@@ -135,25 +161,28 @@ impl Error {
             attempts: r.attempts(),
             elapsed: r.elapsed(),
             circuit: None,
+            deadline: r.history().deadline,
+            passing: false,
             source: Box::new(r),
         };
         if kind == ErrorKind::Failed {
-            err.refine_from_cause();
+            err.refine_from_cause(true);
         }
         err
     }
 
-    /// Looks through the cause chain for Backstop's own errors.
-    fn refine_from_cause(&mut self) {
+    /// Looks through the cause chain for Backstop's own errors. `counted`: the attempts and
+    /// the side effect come from the retry layer's history and stay as they are.
+    fn refine_from_cause(&mut self, counted: bool) {
         let mut next: Option<&(dyn StdError + 'static)> = Some(&*self.source);
         while let Some(e) = next {
             if let Some(open) = e.downcast_ref::<CircuitOpen>() {
                 self.kind = ErrorKind::Unavailable;
-                self.outcome = if self.attempts > 1 {
-                    self.outcome
-                } else {
-                    Outcome::NotSent
-                };
+                if !counted {
+                    // A breaker layer's own refusal: nothing was sent.
+                    self.outcome = Outcome::NotSent;
+                    self.attempts = 0;
+                }
                 self.retry_after = open.retry_in();
                 self.circuit = Some(open.state());
                 self.dependency
@@ -162,8 +191,12 @@ impl Error {
             }
             if let Some(d) = e.downcast_ref::<DeadlineExceeded>() {
                 self.kind = ErrorKind::DeadlineExceeded;
-                if self.attempts <= 1 {
+                self.deadline = d.length();
+                if !counted {
                     self.outcome = d.outcome();
+                    if d.outcome() == Outcome::NotSent {
+                        self.attempts = 0;
+                    }
                 }
                 if let Some(dep) = d.dependency() {
                     self.dependency.get_or_insert_with(|| dep.clone());
@@ -251,7 +284,8 @@ impl fmt::Display for Error {
             ),
             ErrorKind::DeadlineExceeded => write!(
                 f,
-                "the call to {dep} ran out of time ({tries}); {}",
+                "the call to {dep} reached {} ({tries}); {}",
+                DeadlineWords(self.deadline),
                 self.outcome.guidance()
             ),
             ErrorKind::NotRetried => write!(

@@ -150,7 +150,7 @@ where
         let e = match result {
             Ok(res) => {
                 if !span.is_disabled() {
-                    let attempts = RetryHistory::of(&res).map_or(1, |h| h.attempts.len());
+                    let attempts = RetryHistory::of(&res).map_or(1, RetryHistory::sent);
                     span.record("attempts", attempts);
                     span.record("outcome", Outcome::Completed.as_str());
                 }
@@ -189,5 +189,11 @@ where
         let mut err = Error::from_box(error);
         err.set_dependency_if_missing(&self.shared.dependency);
         err
+    }
+
+    fn pass(&self, error: BoxError) -> Error {
+        // Another Backstop stack outside owns this call: hand it the raw error, which its
+        // `BoxErrors` takes out again, so one logical call makes one `Error`.
+        Error::passing(error)
     }
 }
