@@ -23,6 +23,7 @@ use backstop::{
     idempotency::ActionContext,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody, ReplayResponseBody},
     retry::RetryHistory,
+    timeout::TimedBody,
 };
 use bytes::Bytes;
 use http::{Request, Response};
@@ -136,11 +137,13 @@ fn purchase(step: &str, call: &str, order: serde_json::Value) -> Request<Full<By
 }
 
 /// What the tool returns to the model: the label, or an actionable sentence.
-async fn tool_reply(res: Result<Response<ReplayResponseBody>, backstop::Error>) -> String {
+async fn tool_reply(
+    res: Result<Response<TimedBody<ReplayResponseBody>>, backstop::Error>,
+) -> String {
     match res {
         Ok(r) if r.status().is_success() => {
             let replayed = r.headers().contains_key("idempotent-replayed");
-            let attempts = RetryHistory::of(&r).map_or(1, |h| h.attempts.len());
+            let attempts = RetryHistory::of(&r).map_or(1, RetryHistory::sent);
             let body = r
                 .into_body()
                 .collect()

@@ -1,6 +1,7 @@
 //! The composed stack: one builder, validated configuration, presets, the unified error,
 //! dead letters, tracing and metrics. Real loopback HTTP through hyper-util's client.
 
+use backstop::timeout::TimedBody;
 use backstop::{
     Backstop, BoxError, DeadLetterSink, Error, ErrorKind, JsonLinesSink, MemorySink, Outcome,
     Preset,
@@ -51,8 +52,9 @@ fn stack(
         backstop::retry::HttpReplay,
         backstop::idempotency::HttpKeys,
     >,
-) -> impl Service<Request<Body>, Response = Response<Incoming>, Error = Error, Future: Send> + Clone + Send
-{
+) -> impl Service<Request<Body>, Response = Response<TimedBody<Incoming>>, Error = Error, Future: Send>
++ Clone
++ Send {
     b.build().unwrap().layer(client())
 }
 

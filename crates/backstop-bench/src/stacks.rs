@@ -81,12 +81,16 @@ where
 
 /// A service under test, as the benchmarks need it.
 pub trait Bench:
-    Service<Req, Response = Res, Error: Into<BoxError>> + Clone + Send + Sync + 'static
+    Service<Req, Response: Send + 'static, Error: Into<BoxError>> + Clone + Send + Sync + 'static
 {
 }
 
 impl<S> Bench for S where
-    S: Service<Req, Response = Res, Error: Into<BoxError>> + Clone + Send + Sync + 'static
+    S: Service<Req, Response: Send + 'static, Error: Into<BoxError>>
+        + Clone
+        + Send
+        + Sync
+        + 'static
 {
 }
 

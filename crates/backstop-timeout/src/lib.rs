@@ -19,6 +19,10 @@
 //! margin, for example p99 1.2 s -> 3 s), not from hope. A timed-out attempt's side effect is
 //! *unknown*, never "failed": the errors say so ([`AttemptTimedOut`], [`DeadlineExceeded`]).
 //!
+//! - [`BodyTimeoutLayer`] keeps the attempt's limit and the deadline running over the
+//!   response body, which the two layers above stop at when the headers arrive. The composed
+//!   HTTP stack puts it inside its retry layer.
+//!
 //! Neither layer bounds `poll_ready`: readiness is the inner service's backpressure and is
 //! passed through untouched (as tower's `Timeout` does); put a load-shed or buffer layer
 //! outside if readiness itself can hang.
@@ -48,11 +52,13 @@
 #![deny(missing_docs)]
 
 mod attempt;
+mod body;
 mod deadline;
 mod timed;
 
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
+pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};
 pub use deadline::{DeadlineLayer, WithDeadline};
 pub use timed::{AttemptEnd, DeadlinePassed, Expiry};
 

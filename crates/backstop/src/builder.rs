@@ -12,6 +12,7 @@ use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
 };
 use backstop_retry::{CloneRequest, HttpReplay, Retry, RetryLayer};
+use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
 use std::{
     fmt,
     sync::{Arc, OnceLock},
@@ -361,6 +362,7 @@ impl<C, P, I> Backstop<C, P, I> {
     pub fn build(self) -> Result<BackstopLayer<C, P, I>, InvalidConfig>
     where
         C: Clone,
+        P: Clone,
         I: Default,
     {
         let timeout = self.effective_attempt_timeout()?;
@@ -417,6 +419,7 @@ impl<C, P, I> Backstop<C, P, I> {
                 "the create and payment presets require idempotency keys: remove no_idempotency(), or choose another preset",
             ));
         }
+        let transport = self.replay.clone();
         let mut retry = RetryLayer::new(self.classifier)
             .replay(self.replay)
             .dependency(self.dependency.clone())
@@ -456,7 +459,36 @@ impl<C, P, I> Backstop<C, P, I> {
             sink: self.sink,
             reconcile: self.reconcile,
         }));
-        Ok(BackstopLayer { retry, breaker })
+        Ok(BackstopLayer {
+            retry,
+            transport,
+            breaker,
+        })
+    }
+}
+
+/// How the composed stack wraps the client for its kind of request: for HTTP
+/// ([`HttpReplay`]), a [`BodyTimeout`] keeps each attempt's limit and the deadline running over
+/// the response body; tool calls ([`CloneRequest`]) are passed as they are. Either way
+/// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
+pub trait Transport<S> {
+    /// The wrapped client.
+    type Client;
+    /// Wraps `client`; `attempt_timeout` is the stack's.
+    fn wrap(&self, client: S, attempt_timeout: Option<Duration>) -> Self::Client;
+}
+
+impl<S> Transport<S> for HttpReplay {
+    type Client = BoxErrors<BodyTimeout<S>>;
+    fn wrap(&self, client: S, attempt_timeout: Option<Duration>) -> Self::Client {
+        BoxErrors(BodyTimeoutLayer::new(attempt_timeout).layer(client))
+    }
+}
+
+impl<S> Transport<S> for CloneRequest {
+    type Client = BoxErrors<S>;
+    fn wrap(&self, client: S, _attempt_timeout: Option<Duration>) -> Self::Client {
+        BoxErrors(client)
     }
 }
 
@@ -465,14 +497,17 @@ impl<C, P, I> Backstop<C, P, I> {
 /// One retry layer over the client, whatever the configuration: it keeps the deadline, times
 /// each attempt and asks the breaker before each one itself, and runs the call-level work
 /// ([`Finish`]: idempotency key, call span, errors and dead letters) once per call as its hook.
-/// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
-pub type BackstopService<S, C, P, I> = Retry<BoxErrors<S>, C, P, Dependency, Finish<I>>;
+/// For HTTP the response's body is returned as a [`TimedBody`](backstop_timeout::TimedBody):
+/// the attempt's limit and the deadline keep running while the caller reads it.
+pub type BackstopService<S, C, P, I> =
+    Retry<<P as Transport<S>>::Client, C, P, Dependency, Finish<I>>;
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
 #[derive(Clone)]
 pub struct BackstopLayer<C, P, I> {
     retry: RetryLayer<C, P, Dependency, Finish<I>>,
+    transport: P,
     breaker: Option<Breaker>,
 }
 
@@ -507,10 +542,11 @@ impl<C, P, I> BackstopLayer<C, P, I> {
     }
 }
 
-impl<S, C: Clone, P: Clone, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
+impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
     type Service = BackstopService<S, C, P, I>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.retry.layer(BoxErrors(inner))
+        let client = self.transport.wrap(inner, self.retry.get_attempt_timeout());
+        self.retry.layer(client)
     }
 }

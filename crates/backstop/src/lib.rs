@@ -114,7 +114,7 @@ mod optional;
 pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
     Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Generator,
-    Preset,
+    Preset, Transport,
 };
 pub use dead_letter::{DeadLetter, DeadLetterSink, JsonLinesSink, MemorySink};
 pub use error::{Error, ErrorKind};
