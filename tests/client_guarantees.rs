@@ -207,13 +207,14 @@ async fn the_deadline_bounds_readiness_before_the_first_attempt() {
         .unwrap()
         .layer(client.clone());
     let start = Instant::now();
-    let err: Error = svc
-        .oneshot(
-            Request::get("http://rates.local/")
-                .body(Body::default())
-                .unwrap(),
-        )
+    let call = svc.oneshot(
+        Request::get("http://rates.local/")
+            .body(Body::default())
+            .unwrap(),
+    );
+    let err: Error = tokio::time::timeout(Duration::from_secs(5), call)
         .await
+        .expect("the call ends at its deadline, not when the client is ready")
         .unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_millis(500));
     assert_eq!(err.kind(), ErrorKind::DeadlineExceeded);
@@ -233,13 +234,14 @@ async fn the_deadline_bounds_readiness_before_a_retry() {
         .unwrap()
         .layer(client.clone());
     let start = Instant::now();
-    let err: Error = svc
-        .oneshot(
-            Request::get("http://rates.local/")
-                .body(Body::default())
-                .unwrap(),
-        )
+    let call = svc.oneshot(
+        Request::get("http://rates.local/")
+            .body(Body::default())
+            .unwrap(),
+    );
+    let err: Error = tokio::time::timeout(Duration::from_secs(5), call)
         .await
+        .expect("the call ends at its deadline, not when the client is ready")
         .unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_millis(500));
     assert_eq!(err.kind(), ErrorKind::DeadlineExceeded);
