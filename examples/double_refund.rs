@@ -136,7 +136,8 @@ pub(crate) async fn main() -> Result<(), BoxError> {
     );
     let (server, refunds) = payment_service(true).await;
     let keyed = ServiceBuilder::new()
-        .layer(IdempotencyLayer::http())
+        // The refund service runs the replay layer: it honours keys.
+        .layer(IdempotencyLayer::http().vouched(true))
         .layer(DeadlineLayer::new(Duration::from_secs(10)))
         .layer(retry())
         .layer(AttemptTimeoutLayer::new(Duration::from_secs(3)))

@@ -28,7 +28,10 @@ use tower::{Layer, ServiceExt, service_fn};
 pub(crate) async fn main() -> Result<(), BoxError> {
     // The client: hyper-util's, with the Backstop stack on top. Nothing else changes.
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    // The carrier runs Backstop's replay layer: it honours keys, so a key the stack attaches
+    // makes a lost reply safe to repeat.
     let carrier = Backstop::http("carrier-api")
+        .honours_keys()
         .p99(Duration::from_millis(200))
         .deadline(Duration::from_secs(5))
         .build()?
@@ -47,7 +50,7 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         .clone()
         .oneshot(Request::get(rates.url("/rates")).body(Full::default())?)
         .await?;
-    let attempts = RetryHistory::of(&res).map_or(1, |h| h.attempts.len());
+    let attempts = RetryHistory::of(&res).map_or(1, RetryHistory::sent);
     println!(
         "GET /rates -> {} after {attempts} attempts: {}",
         res.status(),
@@ -87,7 +90,7 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         .insert(ActionContext::tool_call("run-91f2", "step-3", "call-07"));
     let res = carrier.oneshot(req).await?;
     let replayed = res.headers().contains_key("idempotent-replayed");
-    let attempts = RetryHistory::of(&res).map_or(1, |h| h.attempts.len());
+    let attempts = RetryHistory::of(&res).map_or(1, RetryHistory::sent);
     println!(
         "POST /labels -> {} after {attempts} attempts (replayed: {replayed}): {}; labels bought: {}",
         res.status(),

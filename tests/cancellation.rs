@@ -102,7 +102,9 @@ async fn a_call_dropped_at_any_point_leaves_no_claim_no_stuck_breaker_and_no_dup
     let effects = Effects::default();
     let budget = Budget::default();
     let breaker = Breaker::new(BreakerConfig::default()).unwrap();
+    // The dependency is a ReplayLayer server: it honours keys.
     let stack = Backstop::http("payments-api")
+        .honours_keys()
         .budget(budget.clone())
         .breaker(breaker.clone())
         .backoff(Backoff::constant(Duration::from_millis(100)))

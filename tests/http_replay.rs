@@ -127,7 +127,7 @@ fn client_stack()
 + Clone
 + Send {
     ServiceBuilder::new()
-        .layer(IdempotencyLayer::http())
+        .layer(IdempotencyLayer::http().vouched(true))
         .layer(DeadlineLayer::new(Duration::from_secs(5)))
         .layer(
             RetryLayer::http()
@@ -248,7 +248,7 @@ async fn two_replicas_sharing_redis_refund_once_when_the_retry_lands_on_the_othe
     let b = TestServer::serve(lose_first(0)(protected(store_b, refunds.clone()))).await;
     let targets = Arc::new(vec![a.addr().to_string(), b.addr().to_string()]);
     let svc = ServiceBuilder::new()
-        .layer(IdempotencyLayer::http())
+        .layer(IdempotencyLayer::http().vouched(true))
         .layer(
             RetryLayer::http()
                 .dependency("payments-api")

@@ -209,10 +209,59 @@ async fn a_lost_reply_to_an_unkeyed_post_is_not_retried_and_is_reported_unknown(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_stack_minted_is_sent_but_does_not_make_a_lost_post_retryable() {
+    // A server that ignores keys and whose replies are lost: three sends would be three charges.
+    for derived in [false, true] {
+        let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+        let svc = stack(builder("payments-api"));
+        let mut req = post(server.url("/charges"));
+        if derived {
+            req.extensions_mut()
+                .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
+        }
+        let err = svc.oneshot(req).await.unwrap_err();
+        assert_eq!(server.requests(), 1, "derived key: {derived}");
+        assert!(server.seen()[0].header("idempotency-key").is_some());
+        assert_eq!(err.kind(), ErrorKind::NotRetried);
+        assert_eq!(err.outcome(), Outcome::Unknown);
+        let text = err.to_string();
+        assert!(
+            text.contains("it was not repeated because nobody declared that payments-api honours idempotency keys"),
+            "{text}"
+        );
+        assert!(text.contains("honours_keys()"), "{text}");
+    }
+    // A key the caller set itself is its word: retried.
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let mut req = post(server.url("/charges"));
+    req.headers_mut()
+        .insert("idempotency-key", "caller-key-1".parse().unwrap());
+    let err = stack(builder("payments-api"))
+        .oneshot(req)
+        .await
+        .unwrap_err();
+    assert_eq!(server.requests(), 3, "{err}");
+    // So does a preset that requires keys.
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let mut req = post(server.url("/charges"));
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
+    let err = stack(builder("payments-api").preset(Preset::Create))
+        .oneshot(req)
+        .await
+        .unwrap_err();
+    assert_eq!(server.requests(), 3, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
     let sink = Arc::new(MemorySink::default());
-    let svc = stack(builder("payments-api").dead_letters(sink.clone()));
+    let svc = stack(
+        builder("payments-api")
+            .honours_keys()
+            .dead_letters(sink.clone()),
+    );
     let mut req = post(server.url("/refunds"));
     req.extensions_mut()
         .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
@@ -313,7 +362,11 @@ async fn the_json_lines_sink_writes_one_object_per_line() {
     let _ = std::fs::remove_file(&path);
     let sink = Arc::new(JsonLinesSink::open(&path).unwrap());
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
-    let svc = stack(builder("payments-api").dead_letters(sink.clone() as Arc<dyn DeadLetterSink>));
+    let svc = stack(
+        builder("payments-api")
+            .honours_keys()
+            .dead_letters(sink.clone() as Arc<dyn DeadLetterSink>),
+    );
     for call in ["call-1", "call-2"] {
         let mut req = post(server.url("/refunds"));
         req.extensions_mut()

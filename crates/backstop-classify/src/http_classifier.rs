@@ -178,14 +178,17 @@ impl HttpClassifier {
         Verdict::Retryable { outcome, after }
     }
 
-    /// Whether the request may be sent again after an attempt with an unknown outcome.
+    /// Whether the request may be sent again after an attempt with an unknown outcome: an
+    /// idempotent method, a [`ReplaySafe`] marker, or an idempotency key that someone vouched
+    /// for (one the stack attached on its own, marked `UnvouchedKey`, does not count).
     pub fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
         backstop_core::is_idempotent_method(req.method())
-            || req
+            || ReplaySafe::is_marked(req)
+            || (req
                 .headers()
                 .get(&self.key_header)
                 .is_some_and(|v| !v.is_empty())
-            || ReplaySafe::is_marked(req)
+                && !backstop_core::UnvouchedKey::is_marked(req))
     }
 }
 

@@ -79,6 +79,24 @@ impl ReplaySafe {
     }
 }
 
+/// A marker in a request's extensions saying that its idempotency key was attached by the
+/// stack itself (random, or derived from an `ActionContext`) and that nobody vouched that the
+/// dependency honours keys.
+///
+/// Such a key is sent (harmless) but does not make an unknown outcome safe to repeat: a server
+/// that ignores keys would act on the repeat a second time. A key the caller set itself, the
+/// presets that require keys, or a dependency declared key-honouring attach no such marker
+/// (they mark the request [`ReplaySafe`] instead).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnvouchedKey;
+
+impl UnvouchedKey {
+    /// Whether the request carries the marker.
+    pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
+        req.extensions().get::<UnvouchedKey>().is_some()
+    }
+}
+
 /// The mark of the outermost retry layer. A retry layer that finds it makes exactly one attempt
 /// and leaves retrying to the outer one.
 ///

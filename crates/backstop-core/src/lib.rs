@@ -40,5 +40,5 @@ pub use error::{
     AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
     DeadlineWords, HumanDuration, InvalidConfig,
 };
-pub use extensions::{HasExtensions, ReplaySafe, RetryScope, is_idempotent_method};
+pub use extensions::{HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, is_idempotent_method};
 pub use outcome::Outcome;

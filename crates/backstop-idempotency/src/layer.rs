@@ -1,5 +1,5 @@
 use crate::{ActionContext, IdempotencyKey, KeyFormat};
-use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe, RetryScope};
+use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe, RetryScope, UnvouchedKey};
 use http::{HeaderName, Request};
 use pin_project::pin_project;
 use rand::{TryRng, rngs::SysRng};
@@ -152,6 +152,7 @@ pub struct IdempotencyLayer<I, G = RandomKey> {
     inject: I,
     make: G,
     require: bool,
+    vouched: bool,
 }
 
 impl IdempotencyLayer<HttpKeys> {
@@ -161,6 +162,7 @@ impl IdempotencyLayer<HttpKeys> {
             inject: HttpKeys::default(),
             make: RandomKey,
             require: false,
+            vouched: false,
         }
     }
 
@@ -186,6 +188,7 @@ impl IdempotencyLayer<ToolKeys> {
             inject: ToolKeys,
             make: RandomKey,
             require: false,
+            vouched: false,
         }
     }
 }
@@ -197,6 +200,7 @@ impl<I, G> IdempotencyLayer<I, G> {
             inject: self.inject,
             make,
             require: self.require,
+            vouched: self.vouched,
         }
     }
 
@@ -218,6 +222,7 @@ impl<S, I: Clone, G: Clone> Layer<S> for IdempotencyLayer<I, G> {
             inject: self.inject.clone(),
             make: self.make.clone(),
             require: self.require,
+            vouched: self.vouched,
         }
     }
 }
@@ -229,6 +234,7 @@ pub struct SetIdempotencyKey<S, I, G> {
     inject: I,
     make: G,
     require: bool,
+    vouched: bool,
 }
 
 impl<S, I, G> SetIdempotencyKey<S, I, G> {
@@ -263,7 +269,13 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        match attach(&self.inject, &self.make, self.require, &mut req) {
+        match attach(
+            &self.inject,
+            &self.make,
+            self.require,
+            self.vouched,
+            &mut req,
+        ) {
             Ok(()) => KeyFuture::Inner(self.inner.call(req)),
             Err(refused) => KeyFuture::Refused(Some(refused)),
         }
@@ -276,6 +288,7 @@ fn attach<Req, I, G>(
     inject: &I,
     make: &G,
     require: bool,
+    vouched: bool,
     req: &mut Req,
 ) -> Result<(), InvalidConfig>
 where
@@ -291,8 +304,13 @@ where
         return Ok(());
     }
     let ext = req.extensions();
+    // A key the caller gave itself is its word that the dependency honours it.
+    let mut vouched = vouched;
     let key = match ext.get::<IdempotencyKey>() {
-        Some(k) => Some(k.clone()),
+        Some(k) => {
+            vouched = true;
+            Some(k.clone())
+        }
         None => match ext.get::<ActionContext>() {
             Some(action) => Some(action.key()),
             None if RetryScope::is_marked(req) => {
@@ -309,7 +327,12 @@ where
             inject.inject(req, &key);
             let ext = req.extensions_mut();
             ext.insert(key);
-            ext.insert(ReplaySafe);
+            if vouched {
+                ext.insert(ReplaySafe);
+            } else {
+                // Sent, but a lost reply is not repeated on its strength alone.
+                ext.insert(UnvouchedKey);
+            }
             Ok(())
         }
         None if require => Err(InvalidConfig::new(
@@ -330,7 +353,17 @@ impl<I, G> IdempotencyLayer<I, G> {
         I: Inject<Req>,
         G: MakeKey<Req>,
     {
-        attach(&self.inject, &self.make, self.require, req)
+        attach(&self.inject, &self.make, self.require, self.vouched, req)
+    }
+
+    /// Declares that the dependency honours idempotency keys (it runs a keyed request once and
+    /// answers repeats with the stored result), so a key this layer attaches makes an unknown
+    /// outcome safe to repeat. Without it only a key the caller set itself does; a key derived
+    /// or generated here is still sent.
+    #[must_use]
+    pub fn vouched(mut self, yes: bool) -> Self {
+        self.vouched = yes;
+        self
     }
 }
 

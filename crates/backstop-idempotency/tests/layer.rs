@@ -51,9 +51,28 @@ fn retry() -> RetryLayer<
 
 #[tokio::test(start_paused = true)]
 async fn every_attempt_carries_the_one_key_made_before_the_retry_loop() {
+    // A key the layer generates, for a dependency nobody vouched for: sent, but the POST whose
+    // reply was lost is not repeated on its strength.
     let keys = Keys::default();
     let svc = ServiceBuilder::new()
         .layer(IdempotencyLayer::http())
+        .layer(retry())
+        .service(recording(keys.clone()));
+    let lost = svc
+        .oneshot(
+            Request::post("http://pay/refunds")
+                .body(String::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(keys.lock().unwrap().len(), 1, "{lost}");
+    assert!(keys.lock().unwrap()[0].is_some(), "the key is still sent");
+
+    // Declared key-honouring: the one key makes the lost reply safe to repeat.
+    let keys = Keys::default();
+    let svc = ServiceBuilder::new()
+        .layer(IdempotencyLayer::http().vouched(true))
         .layer(retry())
         .service(recording(keys.clone()));
     svc.oneshot(
@@ -237,6 +256,7 @@ async fn non_http_tool_calls_carry_their_key_and_are_marked_replay_safe() {
     let s = seen.clone();
     let svc = IdempotencyLayer::tool_calls()
         .generator(NoKey)
+        .vouched(true)
         .layer(service_fn(move |call: ToolCall| {
             s.lock()
                 .unwrap()

@@ -127,6 +127,7 @@ pub struct Backstop<C, P, I> {
     budget: Option<Option<Budget>>,
     breaker: Option<Option<Breaker>>,
     idempotency: bool,
+    honours_keys: bool,
     sink: Option<Arc<dyn DeadLetterSink>>,
     reconcile: Option<Reconcile>,
 }
@@ -195,6 +196,7 @@ impl<C, P, I> Backstop<C, P, I> {
             budget: None,
             breaker: None,
             idempotency: true,
+            honours_keys: false,
             sink: None,
             reconcile: None,
         }
@@ -296,6 +298,18 @@ impl<C, P, I> Backstop<C, P, I> {
         self
     }
 
+    /// Declares that the dependency honours idempotency keys (it runs a keyed request once and
+    /// replays the stored result to repeats, as Backstop's `ReplayLayer` does): then a key the
+    /// stack derives or generates makes a lost reply safe to repeat. Without it only a key the
+    /// caller set, or the `Create` and `Payment` presets (which require keys), do; a key the
+    /// stack minted on its own is still sent, but a mutating call whose outcome is unknown is
+    /// not repeated on its strength, and its error says how to declare this.
+    #[must_use]
+    pub fn honours_keys(mut self) -> Self {
+        self.honours_keys = true;
+        self
+    }
+
     /// No idempotency keys: mutating requests are sent as they are (and not repeated after a
     /// lost reply unless they carry a key of their own).
     #[must_use]
@@ -336,6 +350,7 @@ impl<C, P, I> Backstop<C, P, I> {
             budget: self.budget,
             breaker: self.breaker,
             idempotency: self.idempotency,
+            honours_keys: self.honours_keys,
             sink: self.sink,
             reconcile: self.reconcile,
         }
@@ -444,10 +459,16 @@ impl<C, P, I> Backstop<C, P, I> {
         }
         let keys =
             (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
-                Preset::Create | Preset::Payment => {
-                    self.keys.generator(Generator::None).require_key()
-                }
-                _ => self.keys.generator(Generator::Random),
+                // Requiring keys is declaring that the dependency honours them.
+                Preset::Create | Preset::Payment => self
+                    .keys
+                    .generator(Generator::None)
+                    .require_key()
+                    .vouched(true),
+                _ => self
+                    .keys
+                    .generator(Generator::Random)
+                    .vouched(self.honours_keys),
             });
         // The call-level work (key, span, errors, dead letters) runs inside the retry layer's
         // future: one future per call instead of two.
