@@ -5,7 +5,11 @@ use std::{
 };
 use tokio::time::Instant;
 
-const COUNT_BITS: u32 = 40;
+// 24 bits of count (16.7 million events per bucket, saturating) and 40 bits of period: at the
+// finest bucket (1 ms) an idle bucket is told from a newer one for 2^39 periods (17 years; at
+// the breaker's default 100 ms buckets, 1,742 years), and uptime itself never matters, since
+// periods are compared modulo 2^40.
+const COUNT_BITS: u32 = 24;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 const EPOCH_MASK: u64 = (1 << (64 - COUNT_BITS)) - 1;
 
@@ -128,10 +132,11 @@ impl SlidingCount {
             .sum()
     }
 
-    /// Forgets every event.
+    /// Forgets every event. Each bucket keeps its period and loses its count, so the next add
+    /// counts as usual whenever it comes (a reset never makes a bucket look newer than it is).
     pub fn reset(&self) {
         for b in self.buckets.iter() {
-            b.store(EPOCH_MASK << COUNT_BITS, Ordering::Release);
+            b.fetch_and(!COUNT_MASK, Ordering::AcqRel);
         }
     }
 }
@@ -182,6 +187,51 @@ mod tests {
         assert_eq!(c.sum(t), 0);
         c.add(t, 1);
         assert_eq!(c.sum(t), 1);
+    }
+
+    /// Years of uptime, idle gaps of any length up to years, and resets late in any epoch:
+    /// every add counts and every old event leaves the window.
+    #[tokio::test(start_paused = true)]
+    async fn counts_correctly_after_years_of_uptime_idle_gaps_and_resets() {
+        const YEAR: Duration = Duration::from_secs(365 * 86_400);
+        // The breaker's finest default: a 1 s window in 10 buckets of 100 ms.
+        let c = SlidingCount::new(Duration::from_secs(1), 10);
+        let t0 = Instant::now();
+        let mut t = t0;
+        for gap in [
+            Duration::from_secs(97 * 86_400), // 2^23 one-second periods and more
+            Duration::from_secs(10 * 86_400), // 2^23 periods of 100 ms: 9.7 days
+            YEAR,
+            3 * YEAR,
+            Duration::from_millis(100) * (1 << 23),
+            Duration::from_millis(100) * (1 << 24),
+            Duration::from_millis(100) * ((1 << 24) + 5),
+            20 * YEAR,
+        ] {
+            t += gap;
+            c.add(t, 1);
+            c.add(t + Duration::from_millis(150), 2);
+            assert_eq!(c.sum(t + Duration::from_millis(150)), 3, "after {gap:?}");
+            assert_eq!(c.sum(t + Duration::from_millis(1_200)), 0, "after {gap:?}");
+            c.reset();
+            assert_eq!(c.sum(t + Duration::from_millis(150)), 0);
+            c.add(t + Duration::from_millis(160), 1);
+            assert_eq!(c.sum(t + Duration::from_millis(160)), 1, "reset, after {gap:?}");
+        }
+        // The finest buckets (1 ms), past half of the 40-bit epoch (17.4 years), with a reset.
+        let fine = SlidingCount::new(Duration::from_millis(10), 10);
+        let late = t0 + 18 * YEAR;
+        fine.add(late, 1);
+        fine.reset();
+        fine.add(late + Duration::from_millis(1), 1);
+        assert_eq!(fine.sum(late + Duration::from_millis(1)), 1);
+        // The budget's shape: a 10 s window of 1 s buckets, years on.
+        let b = SlidingCount::new(Duration::from_secs(10), 10);
+        let late = t0 + 50 * YEAR;
+        for i in 0..10u64 {
+            b.add(late + Duration::from_secs(i), 1);
+        }
+        assert_eq!(b.sum(late + Duration::from_millis(9_500)), 10);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
