@@ -5,11 +5,14 @@ use std::{
 };
 use tokio::time::Instant;
 
-// 24 bits of count (16.7 million events per bucket, saturating) and 40 bits of period: at the
-// finest bucket (1 ms) an idle bucket is told from a newer one for 2^39 periods (17 years; at
-// the breaker's default 100 ms buckets, 1,742 years), and uptime itself never matters, since
-// periods are compared modulo 2^40.
+// 24 bits of count (16.7 million events per bucket, saturating) and 40 bits of period, compared
+// modulo 2^40: uptime never matters, and an idle bucket is only mistaken for a live one after a
+// gap within a window (or `MAX_LATE`) of a multiple of 2^40 periods: 34.8 years at the finest
+// 1 ms bucket, 3,484 years at the breaker's 100 ms, 34,842 years at the budget's 1 s.
 const COUNT_BITS: u32 = 24;
+/// How many periods late an event may be dated (a caller passing the time its call started)
+/// and still be told from an idle bucket: 2^20 (17 minutes at the finest 1 ms bucket).
+const MAX_LATE: u64 = 1 << 20;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 const EPOCH_MASK: u64 = (1 << (64 - COUNT_BITS)) - 1;
 
@@ -82,8 +85,11 @@ impl SlidingCount {
             // A slot already holding a later period means `now` is a whole window old (a caller
             // passing the time its call started): the event is outside the window, drop it
             // rather than overwrite the newer bucket.
+            // Only a bucket a little ahead is newer: an event is late by the length of a call
+            // at most, while a bucket left idle for ages is simply old, however its period
+            // compares modulo 2^40.
             let ahead = held.wrapping_sub(epoch) & EPOCH_MASK;
-            if held != epoch && ahead < EPOCH_MASK / 2 {
+            if held != epoch && ahead < MAX_LATE {
                 return;
             }
             let next = if held == epoch {
