@@ -231,6 +231,14 @@ mod tests {
         fine.reset();
         fine.add(late + Duration::from_millis(1), 1);
         assert_eq!(fine.sum(late + Duration::from_millis(1)), 1);
+        // A reset at the very end of the epoch (2^40 ms, 34.8 years), and past it.
+        let edge = t0 + Duration::from_millis((1 << 40) - 500);
+        for at in [edge, edge + Duration::from_secs(1)] {
+            fine.add(at, 1);
+            fine.reset();
+            fine.add(at + Duration::from_millis(1), 1);
+            assert_eq!(fine.sum(at + Duration::from_millis(1)), 1, "at {at:?}");
+        }
         // The budget's shape: a 10 s window of 1 s buckets, years on.
         let b = SlidingCount::new(Duration::from_secs(10), 10);
         let late = t0 + 50 * YEAR;
