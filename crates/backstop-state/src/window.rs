@@ -88,8 +88,9 @@ impl SlidingCount {
             // Only a bucket a little ahead is newer: an event is late by the length of a call
             // at most, while a bucket left idle for ages is simply old, however its period
             // compares modulo 2^40.
+            // An empty bucket (never used, or reset) holds nothing to protect: it is taken.
             let ahead = held.wrapping_sub(epoch) & EPOCH_MASK;
-            if held != epoch && ahead < MAX_LATE {
+            if held != epoch && ahead < MAX_LATE && current & COUNT_MASK != 0 {
                 return;
             }
             let next = if held == epoch {
@@ -231,9 +232,13 @@ mod tests {
         fine.reset();
         fine.add(late + Duration::from_millis(1), 1);
         assert_eq!(fine.sum(late + Duration::from_millis(1)), 1);
-        // A reset at the very end of the epoch (2^40 ms, 34.8 years), and past it.
+        // A reset at the very end of the epoch (2^40 ms, 34.8 years), and past it, with every
+        // bucket in use (a bucket idle for exactly 2^40 periods is the documented limit).
         let edge = t0 + Duration::from_millis((1 << 40) - 500);
-        for at in [edge, edge + Duration::from_secs(1)] {
+        for i in 1..=10 {
+            fine.add(edge - Duration::from_millis(i), 1);
+        }
+        for at in [edge, edge + Duration::from_millis(600)] {
             fine.add(at, 1);
             fine.reset();
             fine.add(at + Duration::from_millis(1), 1);
