@@ -323,3 +323,38 @@ async fn three_nested_stacks_through_lazy_futures_make_one_call() {
     }
     assert_eq!(err.to_string().matches("payments-api").count(), 1, "{err}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_timeout_raised_under_the_stack_is_an_attempt_timeout() {
+    // tower's `TimeoutLayer` under the stack, around a client that never answers: a GET is
+    // retried (outcome unknown, but safe to repeat), not failed as "unrecognised".
+    let sent = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let count = sent.clone();
+    let hangs = service_fn(move |_req: Request<Body>| {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async {
+            std::future::pending::<()>().await;
+            Ok::<Response<Body>, BoxError>(Response::new(Body::default()))
+        }
+    });
+    let client = tower::ServiceBuilder::new()
+        .timeout(Duration::from_millis(100))
+        .service(hangs);
+    let svc = builder("rates-api")
+        .deadline(Duration::from_secs(10))
+        .attempt_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap()
+        .layer(client);
+    let err = svc
+        .oneshot(
+            Request::get("http://rates.local/")
+                .body(Body::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(sent.load(std::sync::atomic::Ordering::SeqCst), 3, "{err}");
+    assert_eq!(err.attempts(), 3);
+    assert_eq!(err.outcome(), Outcome::Unknown);
+}

@@ -61,7 +61,7 @@ impl AsError for std::convert::Infallible {
 ///
 /// | error | verdict | outcome |
 /// |---|---|---|
-/// | [`AttemptTimedOut`] | retryable | unknown |
+/// | [`AttemptTimedOut`], tower's `timeout::error::Elapsed`, tokio's `time::error::Elapsed` | retryable | unknown |
 /// | [`DeadlineExceeded`] | fatal (no time left) | as recorded |
 /// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
@@ -90,7 +90,12 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
             after: None,
         })
     };
-    if e.is::<AttemptTimedOut>() {
+    // Attempt timeouts, Backstop's own and those of layers under the stack (tower's
+    // `TimeoutLayer`, tokio's `timeout`): the request went out, the reply did not come.
+    if e.is::<AttemptTimedOut>()
+        || e.is::<tower::timeout::error::Elapsed>()
+        || e.is::<tokio::time::error::Elapsed>()
+    {
         return retry(Outcome::Unknown);
     }
     if e.is::<CircuitOpen>() {
@@ -191,6 +196,22 @@ mod tests {
                 outcome: Outcome::NotSent
             })
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn timeouts_raised_under_the_stack_are_attempt_timeouts() {
+        let unknown = Some(Verdict::Retryable {
+            outcome: Outcome::Unknown,
+            after: None,
+        });
+        let tower_elapsed: BoxError = Box::new(tower::timeout::error::Elapsed::new());
+        assert_eq!(classify_error(&*tower_elapsed), unknown);
+        let tokio_elapsed =
+            tokio::time::timeout(Duration::from_millis(1), std::future::pending::<()>())
+                .await
+                .unwrap_err();
+        assert_eq!(classify_error(&tokio_elapsed), unknown);
+        assert_eq!(classify_error(&Wrapper(Box::new(tokio_elapsed))), unknown);
     }
 
     #[test]

@@ -223,7 +223,11 @@ mod tests {
             c.reset();
             assert_eq!(c.sum(t + Duration::from_millis(150)), 0);
             c.add(t + Duration::from_millis(160), 1);
-            assert_eq!(c.sum(t + Duration::from_millis(160)), 1, "reset, after {gap:?}");
+            assert_eq!(
+                c.sum(t + Duration::from_millis(160)),
+                1,
+                "reset, after {gap:?}"
+            );
         }
         // The finest buckets (1 ms), past half of the 40-bit epoch (17.4 years), with a reset.
         let fine = SlidingCount::new(Duration::from_millis(10), 10);
