@@ -22,13 +22,14 @@
 //! first ([`RetryLayer::gate`]: the dependency's circuit breaker; a refusal stops the call, not
 //! sent). The timer is created only for an attempt that does not finish at once.
 //!
-//! **Retries happen in exactly one place.** While the first retry layer makes an attempt, the
-//! attempt's context (the [`RetryScope`] mark, the dependency, the deadline) is current on the
-//! thread (`backstop_core::CallContext`); every retry layer further in sees the mark and makes a
-//! single attempt, so three nested stacks against a failing dependency make 3 attempts, not 27.
-//! The scope reaches what the layer's `call` reaches on the same thread; behind a task boundary
-//! (a `tower::buffer::Buffer`, a worker task), [`RetryLayer::mark_requests`] carries it in the
-//! request's extensions too.
+//! **Retries happen in exactly one place.** The first retry layer puts the call's context (the
+//! [`RetryScope`] mark, the dependency, the deadline: `backstop_core::CallContext`) in the
+//! request's extensions before its first attempt; every retry layer further in sees the mark and
+//! makes a single attempt, so three nested stacks against a failing dependency make 3 attempts,
+//! not 27, whether the inner stack is called from `call`, from a future, or from another task.
+//!
+//! `poll_ready` never waits: a service that is not ready is waited for inside the call's future,
+//! bounded by the deadline.
 //!
 //! Each attempt runs inside a `tracing` span `attempt` (target `backstop::retry`, fields
 //! `dependency` and `attempt`); each retry emits a `retrying` event with the outcome, the wait and
