@@ -85,6 +85,14 @@ pub struct CircuitStats {
     pub retry_in: Option<Duration>,
 }
 
+const SLOTS: u64 = 0xffff_ffff;
+
+/// The tag of a generation's trial slots.
+#[inline]
+fn trial_tag(generation: u64) -> u64 {
+    generation & SLOTS
+}
+
 /// One dependency's circuit.
 pub(crate) struct Circuit {
     dependency: Dependency,
@@ -96,10 +104,28 @@ pub(crate) struct Circuit {
     consecutive: AtomicU32,
     calls: Option<SlidingCount>,
     failures: Option<SlidingCount>,
-    trials_left: AtomicU32,
+    /// The trial slots left, tagged with the generation they belong to (high 32 bits: the
+    /// generation's low bits; low 32 bits: slots). Taking a slot checks the tag in the same
+    /// compare-and-swap, so a caller that read the generation before a transition cannot take
+    /// (and then never return) a slot of the next half-open period.
+    trials: AtomicU64,
     /// Opens in a row without a successful trial, for the growing cooldown.
     opens: AtomicU32,
     transition: Mutex<()>,
+}
+
+impl Circuit {
+    /// Takes one trial slot of `generation`'s half-open period, if that period is still the
+    /// current one and has a slot left: the tag and the count change in one compare-and-swap.
+    #[inline]
+    fn take_trial(&self, generation: u64) -> bool {
+        let tag = trial_tag(generation);
+        self.trials
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w >> 32 == tag && w & SLOTS != 0).then(|| w - 1)
+            })
+            .is_ok()
+    }
 }
 
 /// What a finished call tells the circuit.
@@ -217,7 +243,7 @@ impl Breaker {
             consecutive: AtomicU32::new(0),
             calls: ratio.then(|| SlidingCount::new(window, 10)),
             failures: ratio.then(|| SlidingCount::new(window, 10)),
-            trials_left: AtomicU32::new(0),
+            trials: AtomicU64::new(0),
             opens: AtomicU32::new(0),
             transition: Mutex::new(()),
         });
@@ -344,12 +370,12 @@ impl Inner {
                 }
                 HALF_OPEN => {
                     let generation = circuit.generation.load(Ordering::Acquire);
-                    let took = circuit
-                        .trials_left
-                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| t.checked_sub(1))
-                        .is_ok();
-                    if took {
+                    if circuit.take_trial(generation) {
                         return Ok((Kind::Trial, generation));
+                    }
+                    if circuit.generation.load(Ordering::Acquire) != generation {
+                        // The circuit moved on between the two reads: look again.
+                        continue;
                     }
                     return Err(CircuitOpen::new(
                         dependency.clone(),
@@ -382,9 +408,14 @@ impl Inner {
         let current = c.generation.load(Ordering::Acquire) == generation;
         match (kind, signal) {
             (Kind::Trial, Signal::Ignore) => {
-                if current && c.state.load(Ordering::Acquire) == HALF_OPEN {
-                    c.trials_left.fetch_add(1, Ordering::AcqRel);
-                }
+                // Back into the generation it came from only: a slot of an earlier half-open
+                // period never tops up a later one.
+                let tag = trial_tag(generation);
+                let _ = c
+                    .trials
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                        (w >> 32 == tag).then(|| w + 1)
+                    });
             }
             (Kind::Normal, Signal::Ignore) => {}
             (Kind::Trial, Signal::Success) => {
@@ -461,8 +492,12 @@ impl Inner {
                 cooldown = Some(grown);
             }
             HALF_OPEN => {
-                c.trials_left
-                    .store(self.config.trial_calls, Ordering::Release);
+                // Tagged with the generation this transition starts.
+                let next = c.generation.load(Ordering::Acquire).wrapping_add(1);
+                c.trials.store(
+                    (trial_tag(next) << 32) | u64::from(self.config.trial_calls),
+                    Ordering::Release,
+                );
             }
             CLOSED => {
                 c.opens.store(0, Ordering::Release);
@@ -515,5 +550,49 @@ impl Inner {
         if let Some(hook) = &self.config.on_transition {
             hook(&t);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller reads the generation of one half-open period, is paused for longer than a
+    /// cooldown, and only then takes its trial slot: by then the trial failed, the circuit
+    /// opened and went half-open again. The late caller must not take the new period's slot
+    /// (its ticket would carry the old generation, the slot would never come back, and with one
+    /// trial the circuit would stay half-open for good).
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_paused_between_reading_the_generation_and_taking_a_slot_takes_none() {
+        let cfg = BreakerConfig::default()
+            .consecutive_failures(1)
+            .cooldown(Duration::from_secs(1));
+        let breaker = Breaker::new(cfg).unwrap();
+        let inner = &breaker.inner;
+        let dep = Dependency::new("carrier-api");
+        let circuit = inner.circuits.get(&dep);
+        // Open, then half-open after the cooldown.
+        let (kind, g) = inner.admit(&circuit, &dep).unwrap();
+        inner.record(&circuit, kind, g, Signal::Failure, Instant::now());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let (kind, trial_gen) = inner.admit(&circuit, &dep).unwrap();
+        assert_eq!(kind, Kind::Trial);
+        // The late caller read the generation now...
+        let late_gen = circuit.generation.load(Ordering::Acquire);
+        // ... the trial fails, the cooldown passes, the circuit is half-open again.
+        inner.record(&circuit, Kind::Trial, trial_gen, Signal::Failure, Instant::now());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(inner.admit(&circuit, &dep).is_ok(), "the new period's trial");
+        let (_, new_gen) = {
+            // Give that trial's slot back (cancelled), so one slot is free again.
+            let g = circuit.generation.load(Ordering::Acquire);
+            inner.record(&circuit, Kind::Trial, g, Signal::Ignore, Instant::now());
+            (Kind::Trial, g)
+        };
+        assert_ne!(late_gen, new_gen);
+        // The paused caller wakes up: no slot for it in a period it did not read.
+        assert!(!circuit.take_trial(late_gen));
+        // The new period's slot is still there for a caller of that period.
+        assert!(circuit.take_trial(new_gen));
     }
 }
