@@ -580,9 +580,18 @@ mod tests {
         // The late caller read the generation now...
         let late_gen = circuit.generation.load(Ordering::Acquire);
         // ... the trial fails, the cooldown passes, the circuit is half-open again.
-        inner.record(&circuit, Kind::Trial, trial_gen, Signal::Failure, Instant::now());
+        inner.record(
+            &circuit,
+            Kind::Trial,
+            trial_gen,
+            Signal::Failure,
+            Instant::now(),
+        );
         tokio::time::advance(Duration::from_secs(10)).await;
-        assert!(inner.admit(&circuit, &dep).is_ok(), "the new period's trial");
+        assert!(
+            inner.admit(&circuit, &dep).is_ok(),
+            "the new period's trial"
+        );
         let (_, new_gen) = {
             // Give that trial's slot back (cancelled), so one slot is free again.
             let g = circuit.generation.load(Ordering::Acquire);

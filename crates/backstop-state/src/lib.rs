@@ -34,6 +34,7 @@
 #![deny(missing_docs)]
 
 mod registry;
+mod sync;
 mod window;
 
 pub use backstop_core::Dependency;
