@@ -1,4 +1,5 @@
 use crate::BreakerConfig;
+use crate::slots::TrialSlots;
 use backstop_core::InvalidConfig;
 use backstop_core::{CircuitOpen, CircuitState, Dependency};
 use backstop_state::{Registry, SlidingCount};
@@ -85,14 +86,6 @@ pub struct CircuitStats {
     pub retry_in: Option<Duration>,
 }
 
-const SLOTS: u64 = 0xffff_ffff;
-
-/// The tag of a generation's trial slots.
-#[inline]
-fn trial_tag(generation: u64) -> u64 {
-    generation & SLOTS
-}
-
 /// One dependency's circuit.
 pub(crate) struct Circuit {
     dependency: Dependency,
@@ -104,28 +97,11 @@ pub(crate) struct Circuit {
     consecutive: AtomicU32,
     calls: Option<SlidingCount>,
     failures: Option<SlidingCount>,
-    /// The trial slots left, tagged with the generation they belong to (high 32 bits: the
-    /// generation's low bits; low 32 bits: slots). Taking a slot checks the tag in the same
-    /// compare-and-swap, so a caller that read the generation before a transition cannot take
-    /// (and then never return) a slot of the next half-open period.
-    trials: AtomicU64,
+    /// The trial slots left, tagged with the generation they belong to.
+    trials: TrialSlots,
     /// Opens in a row without a successful trial, for the growing cooldown.
     opens: AtomicU32,
     transition: Mutex<()>,
-}
-
-impl Circuit {
-    /// Takes one trial slot of `generation`'s half-open period, if that period is still the
-    /// current one and has a slot left: the tag and the count change in one compare-and-swap.
-    #[inline]
-    fn take_trial(&self, generation: u64) -> bool {
-        let tag = trial_tag(generation);
-        self.trials
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                (w >> 32 == tag && w & SLOTS != 0).then(|| w - 1)
-            })
-            .is_ok()
-    }
 }
 
 /// What a finished call tells the circuit.
@@ -243,7 +219,7 @@ impl Breaker {
             consecutive: AtomicU32::new(0),
             calls: ratio.then(|| SlidingCount::new(window, 10)),
             failures: ratio.then(|| SlidingCount::new(window, 10)),
-            trials: AtomicU64::new(0),
+            trials: TrialSlots::new(),
             opens: AtomicU32::new(0),
             transition: Mutex::new(()),
         });
@@ -370,7 +346,7 @@ impl Inner {
                 }
                 HALF_OPEN => {
                     let generation = circuit.generation.load(Ordering::Acquire);
-                    if circuit.take_trial(generation) {
+                    if circuit.trials.take(generation) {
                         return Ok((Kind::Trial, generation));
                     }
                     if circuit.generation.load(Ordering::Acquire) != generation {
@@ -410,12 +386,7 @@ impl Inner {
             (Kind::Trial, Signal::Ignore) => {
                 // Back into the generation it came from only: a slot of an earlier half-open
                 // period never tops up a later one.
-                let tag = trial_tag(generation);
-                let _ = c
-                    .trials
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                        (w >> 32 == tag).then(|| w + 1)
-                    });
+                c.trials.give_back(generation);
             }
             (Kind::Normal, Signal::Ignore) => {}
             (Kind::Trial, Signal::Success) => {
@@ -494,10 +465,7 @@ impl Inner {
             HALF_OPEN => {
                 // Tagged with the generation this transition starts.
                 let next = c.generation.load(Ordering::Acquire).wrapping_add(1);
-                c.trials.store(
-                    (trial_tag(next) << 32) | u64::from(self.config.trial_calls),
-                    Ordering::Release,
-                );
+                c.trials.open(next, self.config.trial_calls);
             }
             CLOSED => {
                 c.opens.store(0, Ordering::Release);
@@ -600,8 +568,9 @@ mod tests {
         };
         assert_ne!(late_gen, new_gen);
         // The paused caller wakes up: no slot for it in a period it did not read.
-        assert!(!circuit.take_trial(late_gen));
+        assert!(!circuit.trials.take(late_gen));
+        assert_eq!(circuit.trials.left(new_gen), 1);
         // The new period's slot is still there for a caller of that period.
-        assert!(circuit.take_trial(new_gen));
+        assert!(circuit.trials.take(new_gen));
     }
 }

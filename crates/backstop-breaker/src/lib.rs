@@ -80,6 +80,8 @@ mod circuit;
 mod config;
 mod gate;
 mod layer;
+mod slots;
+mod sync;
 
 pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
