@@ -25,8 +25,10 @@ impl TrialSlots {
 
     /// Opens the half-open period of `generation` with `slots` trial calls.
     pub(crate) fn open(&self, generation: u64, slots: u32) {
-        self.0
-            .store((tag(generation) << 32) | u64::from(slots), Ordering::Release);
+        self.0.store(
+            (tag(generation) << 32) | u64::from(slots),
+            Ordering::Release,
+        );
     }
 
     /// Takes one slot of `generation`'s period, if it is the current one and has a slot left.

@@ -681,3 +681,41 @@ async fn a_bound_breaker_sends_a_request_naming_another_dependency_to_that_circu
     assert_eq!(breaker.state(&Dependency::new("label-api")), State::Open);
     assert_eq!(breaker.state(&carrier()), State::Closed);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_result_from_before_a_transition_counts_for_nothing() {
+    use backstop_classify::Verdict;
+    use backstop_core::Outcome;
+    use backstop_retry::AttemptGate;
+    let failure = Some(Verdict::Retryable {
+        outcome: Outcome::Unknown,
+        after: None,
+    });
+    let breaker = Breaker::new(
+        BreakerConfig::default()
+            .consecutive_failures(2)
+            .cooldown(Duration::from_secs(1)),
+    )
+    .unwrap();
+    let dep = carrier();
+    let t = Instant::now();
+    // A slow call is admitted while the circuit is closed...
+    let slow = breaker.admit(&dep).unwrap();
+    // ... meanwhile two failures open it, and a trial after the cooldown closes it again.
+    for _ in 0..2 {
+        let ticket = breaker.admit(&dep).unwrap();
+        breaker.complete(&dep, ticket, failure, t);
+    }
+    assert_eq!(breaker.state(&dep), State::Open);
+    advance(Duration::from_secs(2)).await;
+    let trial = breaker.admit(&dep).unwrap();
+    breaker.complete(&dep, trial, Some(Verdict::Success), Instant::now());
+    assert_eq!(breaker.state(&dep), State::Closed);
+    // The slow call's failure arrives now: it belongs to the closed period before, so it does
+    // not count towards this one. One fresh failure then leaves the circuit closed.
+    breaker.complete(&dep, slow, failure, t);
+    let ticket = breaker.admit(&dep).unwrap();
+    breaker.complete(&dep, ticket, failure, Instant::now());
+    assert_eq!(breaker.state(&dep), State::Closed);
+    assert_eq!(breaker.stats(&dep).consecutive_failures, 1);
+}

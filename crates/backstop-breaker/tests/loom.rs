@@ -80,6 +80,9 @@ fn a_slot_given_back_late_never_tops_up_a_later_period() {
         };
         cancel.join().unwrap();
         next.join().unwrap();
-        assert!(slots.left(4) <= 1, "period 4 got more slots than it was given");
+        assert!(
+            slots.left(4) <= 1,
+            "period 4 got more slots than it was given"
+        );
     });
 }

@@ -163,6 +163,31 @@ async fn a_repeat_gets_the_stored_response_and_the_handler_runs_once() {
 }
 
 #[tokio::test]
+async fn set_cookie_and_date_are_never_stored_even_when_allow_listed() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .allow_header(http::header::SET_COOKIE)
+        .allow_header(http::header::DATE)
+        .allow_header(http::HeaderName::from_static("x-internal"))
+        .layer(h.service());
+    let first = svc.clone().oneshot(refund(Some("k1"), "49")).await.unwrap();
+    assert_eq!(first.headers()["set-cookie"], "session=secret");
+    let again = svc.oneshot(refund(Some("k1"), "49")).await.unwrap();
+    let hdr = again.headers();
+    assert_eq!(hdr["idempotent-replayed"], "true");
+    assert_eq!(hdr["x-internal"], "not stored", "the list is honoured");
+    assert!(
+        !hdr.contains_key("set-cookie"),
+        "one caller's session is never replayed"
+    );
+    assert!(
+        !hdr.contains_key("date"),
+        "a stored Date would lie about the reply"
+    );
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test]
 async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
     let h = Handler::new(Mode::Ok);
     let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
