@@ -222,6 +222,11 @@ impl Breaker {
             trials: TrialSlots::new(),
             opens: AtomicU32::new(0),
             transition: Mutex::new(()),
+        })
+        // At the bound, only a closed circuit with no failures in a row makes room: an open,
+        // half-open or isolated circuit, or one that is failing, is never forgotten.
+        .evict_when(|c: &Circuit| {
+            c.state.load(Ordering::Acquire) == CLOSED && c.consecutive.load(Ordering::Acquire) == 0
         });
         Ok(Breaker {
             inner: Arc::new(Inner {

@@ -118,8 +118,9 @@ impl BreakerConfig {
         self
     }
 
-    /// How many dependencies get a circuit of their own (1,000 by default); past that, new
-    /// dependencies share one circuit.
+    /// How many circuits are kept (1,000 by default). Past that, a new dependency takes the
+    /// place of the least recently used closed, healthy circuit nobody holds; when there is
+    /// none, its calls pass with no breaker. Two dependencies never share a circuit.
     #[must_use]
     pub fn max_dependencies(mut self, n: usize) -> Self {
         self.max_dependencies = n;

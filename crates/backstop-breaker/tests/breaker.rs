@@ -719,3 +719,45 @@ async fn a_result_from_before_a_transition_counts_for_nothing() {
     assert_eq!(breaker.state(&dep), State::Closed);
     assert_eq!(breaker.stats(&dep).consecutive_failures, 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
+    use backstop_classify::Verdict;
+    use backstop_core::Outcome;
+    use backstop_retry::AttemptGate;
+    let failure = Some(Verdict::Retryable {
+        outcome: Outcome::Unknown,
+        after: None,
+    });
+    let breaker = Breaker::new(
+        BreakerConfig::default()
+            .consecutive_failures(2)
+            .max_dependencies(4),
+    )
+    .unwrap();
+    let fail = |dep: &Dependency| {
+        for _ in 0..2 {
+            if let Ok(t) = breaker.admit(dep) {
+                breaker.complete(dep, t, failure, Instant::now());
+            }
+        }
+    };
+    // Four open circuits fill the registry; none of them may be forgotten.
+    for i in 0..4 {
+        let dep = Dependency::new(format!("down-{i}"));
+        fail(&dep);
+        assert_eq!(breaker.state(&dep), State::Open);
+    }
+    // Past the bound, a failing host and a thousand healthy ones.
+    fail(&Dependency::new("failing-host"));
+    for i in 0..1_000 {
+        let healthy = Dependency::new(format!("healthy-{i}"));
+        let ticket = breaker
+            .admit(&healthy)
+            .expect("a healthy host is never refused for another's failures");
+        breaker.complete(&healthy, ticket, Some(Verdict::Success), Instant::now());
+    }
+    for i in 0..4 {
+        assert_eq!(breaker.state(&Dependency::new(format!("down-{i}"))), State::Open);
+    }
+}

@@ -101,7 +101,9 @@ impl BudgetConfig {
         self
     }
 
-    /// How many dependencies get a budget of their own; past that, new dependencies share one.
+    /// How many accounts are kept (1,000 by default). Past that, a new dependency takes the
+    /// place of the least recently used account nobody holds; when there is none, it gets an
+    /// account for that call alone. Two dependencies never share a budget.
     #[must_use]
     pub fn max_dependencies(mut self, n: usize) -> Self {
         self.max_dependencies = n;

@@ -5,9 +5,10 @@
 //! cheap and safe:
 //!
 //! - [`Registry`] maps a [`Dependency`] to its state. It is sharded (a lookup takes one shard's
-//!   read lock, never held across an `.await`) and **bounded**: past `max` dependencies, every new
-//!   name shares one overflow entry instead of growing memory, so requests to a million distinct
-//!   hosts cannot exhaust it. Entries are never evicted.
+//!   read lock, never held across an `.await`) and **bounded**: past `max` dependencies, a new
+//!   name takes the place of the least recently used idle entry, or gets state of its own that
+//!   is not kept, so requests to a million distinct hosts cannot exhaust memory and no two
+//!   dependencies ever share a budget or a circuit.
 //! - [`SlidingCount`] counts events over a sliding window in buckets. Each bucket is one
 //!   `AtomicU64` holding the bucket's epoch and count together, so an increment is one
 //!   compare-and-swap and no update is lost when a bucket rolls over.
@@ -24,11 +25,13 @@
 //! let now = Instant::now();
 //! registry.get(&Dependency::new("carrier-api")).add(now, 3);
 //! assert_eq!(registry.get(&Dependency::new("carrier-api")).sum(now), 3);
-//! registry.get(&Dependency::new("billing-api"));
-//! // The bound is reached: a third name shares the overflow entry.
-//! registry.get(&Dependency::new("a-third-host"));
+//! let held = registry.get(&Dependency::new("billing-api"));
+//! // The bound is reached: a third name takes the place of the idle "carrier-api" (the
+//! // least recently used entry nobody holds); "billing-api" is held, so it stays.
+//! registry.get(&Dependency::new("a-third-host")).add(now, 1);
 //! assert_eq!(registry.len(), 2);
-//! assert!(registry.is_overflowing(&Dependency::new("a-third-host")));
+//! assert!(registry.get_tracked(&Dependency::new("carrier-api")).is_none());
+//! assert_eq!(held.sum(now), 0, "never shared with the third host");
 //! ```
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

@@ -4,10 +4,11 @@ use std::{
     fmt,
     hash::{BuildHasherDefault, Hasher},
     sync::{
-        Arc, OnceLock, RwLock,
-        atomic::{AtomicUsize, Ordering},
+        Arc, RwLock,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
 };
+use tokio::time::Instant;
 
 /// Uses the hash a [`Dependency`] carries (computed once, randomly keyed, when it was made)
 /// instead of hashing its name again on every lookup.
@@ -32,20 +33,32 @@ impl Hasher for Prehashed {
 const SHARDS: usize = 16;
 
 type Make<T> = dyn Fn(&Dependency) -> T + Send + Sync;
-type Shard<T> = RwLock<HashMap<Dependency, Arc<T>, BuildHasherDefault<Prehashed>>>;
+type Evictable<T> = dyn Fn(&T) -> bool + Send + Sync;
+type Shard<T> = RwLock<HashMap<Dependency, Slot<T>, BuildHasherDefault<Prehashed>>>;
+
+struct Slot<T> {
+    state: Arc<T>,
+    /// When it was last looked up, in milliseconds since the registry's origin.
+    used: AtomicU64,
+}
 
 /// A bounded, sharded map from [`Dependency`] to shared state.
 ///
-/// Past `max` tracked dependencies, every dependency not yet tracked shares a single overflow
-/// entry: memory stays bounded, and those dependencies are governed together (a budget shared by
-/// all of them; a breaker that may open for all of them when they fail together). Raise `max`
-/// if your set of dependencies is legitimately large.
+/// No two dependencies ever share state. Past `max` tracked dependencies, a new name takes the
+/// place of the least recently used entry of its shard that nobody holds (no bound budget or
+/// breaker, no call in flight) and that the owner allows to go ([`evict_when`]; the breaker
+/// keeps every circuit that is not closed). When no entry can go, the new name gets fresh
+/// state of its own that is not kept: it is governed by nothing that outlives the lookup (no
+/// breaker, a budget of one call), rather than by another dependency's.
+///
+/// [`evict_when`]: Registry::evict_when
 pub struct Registry<T> {
     shards: Box<[Shard<T>]>,
     len: AtomicUsize,
     max: usize,
-    overflow: OnceLock<Arc<T>>,
+    origin: Instant,
     make: Box<Make<T>>,
+    evictable: Box<Evictable<T>>,
 }
 
 impl<T> fmt::Debug for Registry<T> {
@@ -64,9 +77,18 @@ impl<T> Registry<T> {
             shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
             len: AtomicUsize::new(0),
             max,
-            overflow: OnceLock::new(),
+            origin: Instant::now(),
             make: Box::new(make),
+            evictable: Box::new(|_| true),
         }
+    }
+
+    /// Which entries may make room for a new dependency at the bound (besides being held by
+    /// nobody, which is always required): all of them by default.
+    #[must_use]
+    pub fn evict_when(mut self, f: impl Fn(&T) -> bool + Send + Sync + 'static) -> Self {
+        self.evictable = Box::new(f);
+        self
     }
 
     fn shard(&self, dep: &Dependency) -> &Shard<T> {
@@ -74,41 +96,92 @@ impl<T> Registry<T> {
         &self.shards[(dep.prehash() >> 32) as usize % SHARDS]
     }
 
-    /// The state of `dep`, created on first use (or the overflow entry past the bound).
+    fn now_ms(&self) -> u64 {
+        u64::try_from(
+            Instant::now()
+                .saturating_duration_since(self.origin)
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX)
+    }
+
+    /// The state of `dep`, created on first use. At the bound it takes the place of an idle
+    /// entry, or, when none can go, is fresh state that is not kept (see the type's docs).
     pub fn get(&self, dep: &Dependency) -> Arc<T> {
         let shard = self.shard(dep);
         if let Some(s) = read(shard).get(dep) {
-            return s.clone();
+            s.used.store(self.now_ms(), Ordering::Relaxed);
+            return s.state.clone();
         }
         let mut map = write(shard);
+        let now = self.now_ms();
         if let Some(s) = map.get(dep) {
-            return s.clone();
+            s.used.store(now, Ordering::Relaxed);
+            return s.state.clone();
         }
-        // Reserve a slot; give it back if the bound is reached.
+        let state = Arc::new((self.make)(dep));
+        // Reserve a slot; at the bound, make room (in this shard first, then the next ones)
+        // or keep nothing.
         if self.len.fetch_add(1, Ordering::AcqRel) >= self.max {
             self.len.fetch_sub(1, Ordering::AcqRel);
             drop(map);
-            return self
-                .overflow
-                .get_or_init(|| Arc::new((self.make)(&Dependency::new("(overflow)"))))
-                .clone();
+            if !self.evict_one(dep) {
+                return state;
+            }
+            if self.len.fetch_add(1, Ordering::AcqRel) >= self.max {
+                // Another new name took the room meanwhile.
+                self.len.fetch_sub(1, Ordering::AcqRel);
+                return state;
+            }
+            map = write(shard);
+            if let Some(s) = map.get(dep) {
+                // Another caller tracked it meanwhile.
+                self.len.fetch_sub(1, Ordering::AcqRel);
+                return s.state.clone();
+            }
         }
-        let state = Arc::new((self.make)(dep));
-        map.insert(dep.clone(), state.clone());
+        map.insert(
+            dep.clone(),
+            Slot {
+                state: state.clone(),
+                used: AtomicU64::new(now),
+            },
+        );
         state
     }
 
-    /// The state of `dep` if it is tracked (the overflow entry is not returned).
-    pub fn get_tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
-        read(self.shard(dep)).get(dep).cloned()
+    /// Removes the least recently used entry that may go from the first shard, starting at
+    /// `dep`'s, that has one (one shard lock at a time).
+    fn evict_one(&self, dep: &Dependency) -> bool {
+        let start = (dep.prehash() >> 32) as usize % SHARDS;
+        for i in 0..SHARDS {
+            let mut map = write(&self.shards[(start + i) % SHARDS]);
+            let victim = map
+                .iter()
+                .filter(|(_, s)| Arc::strong_count(&s.state) == 1 && (self.evictable)(&s.state))
+                .min_by_key(|(_, s)| s.used.load(Ordering::Relaxed))
+                .map(|(k, _)| k.clone());
+            if let Some(k) = victim {
+                map.remove(&k);
+                self.len.fetch_sub(1, Ordering::AcqRel);
+                return true;
+            }
+        }
+        false
     }
 
-    /// Whether `dep` is (or would be) served by the overflow entry.
+    /// The state of `dep` if it is tracked.
+    pub fn get_tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
+        read(self.shard(dep)).get(dep).map(|s| s.state.clone())
+    }
+
+    /// Whether `dep` is not tracked and the bound is reached (its next lookup must make room
+    /// or go untracked).
     pub fn is_overflowing(&self, dep: &Dependency) -> bool {
         self.get_tracked(dep).is_none() && self.len() >= self.max
     }
 
-    /// How many dependencies are tracked (the overflow entry not counted).
+    /// How many dependencies are tracked.
     pub fn len(&self) -> usize {
         self.len.load(Ordering::Acquire)
     }
@@ -127,7 +200,7 @@ impl<T> Registry<T> {
     pub fn for_each(&self, mut f: impl FnMut(&Dependency, &T)) {
         for shard in self.shards.iter() {
             for (k, v) in read(shard).iter() {
-                f(k, v);
+                f(k, &v.state);
             }
         }
     }
@@ -168,16 +241,41 @@ mod tests {
                 .fetch_add(1, Ordering::Relaxed);
         }
         assert_eq!(r.len(), 1_000);
-        let mut tracked = 0u64;
         let mut entries = 0;
         r.for_each(|_, v| {
             entries += 1;
-            tracked += v.load(Ordering::Relaxed);
+            assert_eq!(v.load(Ordering::Relaxed), 1, "no entry is shared");
         });
         assert_eq!(entries, 1_000);
-        let overflow = r.get(&Dependency::new("one-more"));
-        assert_eq!(tracked + overflow.load(Ordering::Relaxed), 1_000_000);
-        assert!(r.is_overflowing(&Dependency::new("one-more")));
+    }
+
+    #[test]
+    fn past_the_bound_no_two_dependencies_share_state() {
+        let r =
+            Registry::new(32, |_| AtomicU64::new(0)).evict_when(|v| v.load(Ordering::Relaxed) == 0);
+        // 32 entries that may not go (a non-zero count stands for an open circuit), held by
+        // nobody.
+        for i in 0..32 {
+            r.get(&Dependency::new(format!("busy-{i}")))
+                .store(1, Ordering::Relaxed);
+        }
+        let a = r.get(&Dependency::new("fresh-a"));
+        let b = r.get(&Dependency::new("fresh-b"));
+        assert!(!Arc::ptr_eq(&a, &b), "two new names never share state");
+        a.store(7, Ordering::Relaxed);
+        assert_eq!(b.load(Ordering::Relaxed), 0);
+        assert_eq!(r.len(), 32);
+        // An entry held elsewhere (a bound breaker, a call in flight) stays too.
+        let r = Registry::new(1, |_| AtomicU64::new(0));
+        let held = r.get(&Dependency::new("held"));
+        let other = r.get(&Dependency::new("other"));
+        assert!(!Arc::ptr_eq(&held, &other));
+        assert!(r.get_tracked(&Dependency::new("held")).is_some());
+        drop(held);
+        // Idle now: the least recently used entry makes room.
+        let _ = r.get(&Dependency::new("third"));
+        assert!(r.get_tracked(&Dependency::new("held")).is_none());
+        assert!(r.get_tracked(&Dependency::new("third")).is_some());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
