@@ -126,7 +126,7 @@ pub(crate) fn count_rejection(open: &CircuitOpen) {
     #[cfg(feature = "metrics")]
     metrics::counter!(
         "backstop_breaker_rejections_total",
-        "dependency" => metrics::SharedString::from(open.dependency().as_arc())
+        "dependency" => metrics::SharedString::from(open.dependency().metric_label())
     )
     .increment(1);
     let _ = open;
@@ -515,7 +515,7 @@ impl Inner {
         #[cfg(feature = "metrics")]
         metrics::counter!(
             "backstop_breaker_transitions_total",
-            "dependency" => metrics::SharedString::from(t.dependency.as_arc()),
+            "dependency" => metrics::SharedString::from(t.dependency.metric_label()),
             "from" => t.from.as_str(),
             "to" => t.to.as_str()
         )

@@ -758,6 +758,9 @@ async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
         breaker.complete(&healthy, ticket, Some(Verdict::Success), Instant::now());
     }
     for i in 0..4 {
-        assert_eq!(breaker.state(&Dependency::new(format!("down-{i}"))), State::Open);
+        assert_eq!(
+            breaker.state(&Dependency::new(format!("down-{i}"))),
+            State::Open
+        );
     }
 }

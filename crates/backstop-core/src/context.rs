@@ -19,8 +19,6 @@ use crate::{Deadline, Dependency, HasExtensions};
 /// use backstop_core::{CallContext, Deadline, Dependency, HasExtensions, RetryScope};
 /// use std::time::Duration;
 ///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
@@ -29,7 +27,6 @@ use crate::{Deadline, Dependency, HasExtensions};
 /// assert!(RetryScope::is_marked(&req));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
 /// assert_eq!(Deadline::of(&req), Some(deadline));
-/// # }
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CallContext {

@@ -42,10 +42,42 @@ impl Dependency {
         &self.name
     }
 
-    /// The name as a shared string (a metrics label without copying it).
+    /// The name as a shared string.
     pub fn as_arc(&self) -> Arc<str> {
         self.name.clone()
     }
+
+    /// The name to label metrics with, bounded per process: the first
+    /// [`MAX_METRIC_LABELS`](Self::MAX_METRIC_LABELS) distinct names keep their own label, any
+    /// later one is labelled `"(other)"`, so a flood of hostile host names cannot make a
+    /// metrics backend's series unbounded.
+    pub fn metric_label(&self) -> Arc<str> {
+        use std::{
+            collections::HashSet,
+            sync::{OnceLock, RwLock},
+        };
+        static SEEN: OnceLock<RwLock<HashSet<Arc<str>>>> = OnceLock::new();
+        static OTHER: OnceLock<Arc<str>> = OnceLock::new();
+        let seen = SEEN.get_or_init(RwLock::default);
+        {
+            let set = seen.read().unwrap_or_else(|p| p.into_inner());
+            if set.contains(&self.name) {
+                return self.name.clone();
+            }
+            if set.len() >= Self::MAX_METRIC_LABELS {
+                return OTHER.get_or_init(|| Arc::from("(other)")).clone();
+            }
+        }
+        let mut set = seen.write().unwrap_or_else(|p| p.into_inner());
+        if set.contains(&self.name) || set.len() < Self::MAX_METRIC_LABELS {
+            set.insert(self.name.clone());
+            return self.name.clone();
+        }
+        OTHER.get_or_init(|| Arc::from("(other)")).clone()
+    }
+
+    /// How many distinct dependency names a process labels metrics with.
+    pub const MAX_METRIC_LABELS: usize = 1_000;
 
     /// The name's hash (per process, randomly keyed).
     pub fn prehash(&self) -> u64 {
@@ -161,5 +193,25 @@ where
 {
     fn dependency(&self, req: &Req) -> Dependency {
         self(req)
+    }
+}
+
+#[cfg(test)]
+mod label_tests {
+    use super::*;
+
+    #[test]
+    fn metric_labels_are_bounded_per_process() {
+        let first = Dependency::new("label-test-first");
+        assert_eq!(&*first.metric_label(), "label-test-first");
+        for i in 0..Dependency::MAX_METRIC_LABELS * 2 {
+            let _ = Dependency::new(format!("flood-{i}.example")).metric_label();
+        }
+        assert_eq!(
+            &*first.metric_label(),
+            "label-test-first",
+            "a known name keeps its label"
+        );
+        assert_eq!(&*Dependency::new("one-too-many").metric_label(), "(other)");
     }
 }

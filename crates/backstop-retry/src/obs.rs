@@ -9,7 +9,7 @@ use backstop_core::Dependency;
 
 #[cfg(feature = "metrics")]
 fn label(d: &Dependency) -> metrics::SharedString {
-    metrics::SharedString::from(d.as_arc())
+    metrics::SharedString::from(d.metric_label())
 }
 
 #[inline]
