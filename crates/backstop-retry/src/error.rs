@@ -1,6 +1,7 @@
 use crate::NotReplayable;
+use crate::words::{Diagnosis, ErrorKind, Told};
 use backstop_classify::Verdict;
-use backstop_core::{BoxError, CauseChain, Dependency, HumanDuration, Outcome};
+use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
 use std::{error::Error, fmt, time::Duration};
 
 /// Why the retry layer made no further attempt.
@@ -19,6 +20,10 @@ pub enum StopReason {
     /// The side effect of the last attempt is unknown and the request is not replay-safe (not
     /// idempotent, no idempotency key), so repeating it could do it twice.
     NotReplaySafe,
+    /// The side effect of the last attempt is unknown, and the request's only idempotency key
+    /// is one the stack attached itself (`UnvouchedKey`): nobody vouched that the dependency
+    /// honours it, so repeating the request could do it twice.
+    KeyNotVouched,
     /// The request cannot be replayed (for example, its body exceeded the replay buffer).
     NotReplayable(NotReplayable),
     /// The dependency's retry budget refused the retry.
@@ -32,8 +37,9 @@ pub enum StopReason {
     },
 }
 
-impl StopReason {
-    fn describe(&self, f: &mut fmt::Formatter<'_>, dependency: &Dependency) -> fmt::Result {
+/// Why the layer stopped, in words ("gave up after the maximum of 3 attempts").
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StopReason::Succeeded => f.write_str("it succeeded"),
             StopReason::NotRetryable => f.write_str("the failure is not one that retrying can fix"),
@@ -43,8 +49,12 @@ impl StopReason {
             StopReason::NotReplaySafe => f.write_str(
                 "not retried because the request is not idempotent and carries no idempotency key",
             ),
+            StopReason::KeyNotVouched => f.write_str(
+                "not retried because nobody vouched that the dependency honours the idempotency \
+                 key the stack attached",
+            ),
             StopReason::NotReplayable(r) => write!(f, "not retried because {r}"),
-            StopReason::BudgetExhausted => write!(f, "retry budget exhausted for {dependency}"),
+            StopReason::BudgetExhausted => f.write_str("the retry budget is exhausted"),
             StopReason::DeadlineTooClose { wait, left } => write!(
                 f,
                 "not retried because the next attempt could not start before the deadline \
@@ -190,29 +200,47 @@ impl RetryError {
     }
 }
 
+impl RetryError {
+    /// What kind of failure the call ended in: from why the retry layer stopped, else from
+    /// Backstop's own errors in the cause chain (an open circuit, a timeout, a deadline).
+    pub fn kind(&self) -> ErrorKind {
+        match self.history.stopped {
+            StopReason::BudgetExhausted => ErrorKind::BudgetExhausted,
+            StopReason::DeadlineTooClose { .. } => ErrorKind::DeadlineExceeded,
+            StopReason::NotReplaySafe | StopReason::KeyNotVouched => ErrorKind::NotRetried,
+            _ => Diagnosis::of(&*self.cause)
+                .kind
+                .unwrap_or(ErrorKind::Failed),
+        }
+    }
+
+    /// The text's parts: what `Display` says, and what `backstop::Error` says the same way.
+    pub fn told(&self) -> Told<'_> {
+        let kind = self.kind();
+        let diagnosis = Diagnosis::of(&*self.cause);
+        Told {
+            kind,
+            dependency: Some(&self.history.dependency),
+            outcome: self.side_effect(),
+            attempts: self.attempts(),
+            elapsed: self.history.elapsed,
+            cause: &*self.cause,
+            circuit: diagnosis.circuit,
+            retry_after: diagnosis.retry_in.or(self.retry_after),
+            deadline: self.history.deadline.or(diagnosis.deadline),
+            unvouched_key: self.history.stopped == StopReason::KeyNotVouched,
+            not_replayable: match &self.history.stopped {
+                StopReason::NotReplayable(why) => Some(why),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// In the same words as `backstop::Error` (see [`Told`]).
 impl fmt::Display for RetryError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.attempts();
-        write!(
-            f,
-            "call to {} failed after {} attempt{} in {}: {}; ",
-            self.history.dependency,
-            n,
-            if n == 1 { "" } else { "s" },
-            HumanDuration(self.history.elapsed),
-            CauseChain(&*self.cause)
-        )?;
-        self.history.stopped.describe(f, &self.history.dependency)?;
-        let side_effect = self.side_effect();
-        write!(f, "; {}", side_effect.guidance())?;
-        if let (Some(after), Outcome::NotSent) = (self.retry_after, side_effect) {
-            write!(
-                f,
-                " (the dependency asked to wait {})",
-                HumanDuration(after)
-            )?;
-        }
-        Ok(())
+        self.told().fmt(f)
     }
 }
 

@@ -501,7 +501,11 @@ where
             return Next::Stop(StopReason::NotReplayable(why));
         };
         if outcome == Outcome::Unknown && !policy.classifier.is_replay_safe(template) {
-            return Next::Stop(StopReason::NotReplaySafe);
+            return Next::Stop(if backstop_core::UnvouchedKey::is_marked(template) {
+                StopReason::KeyNotVouched
+            } else {
+                StopReason::NotReplaySafe
+            });
         }
         let wait = match after {
             Some(after) => after,

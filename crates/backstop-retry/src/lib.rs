@@ -85,6 +85,7 @@ mod hook;
 mod layer;
 mod obs;
 mod replay;
+mod words;
 
 pub use backstop_core::RetryScope;
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
@@ -96,6 +97,7 @@ pub use gate::{AttemptGate, Ticket};
 pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
+pub use words::{Diagnosis, ErrorKind, Told};
 
 /// Future types.
 pub mod futures {

@@ -237,7 +237,9 @@ async fn an_unknown_outcome_is_not_retried_for_a_post_without_a_key() {
     assert_eq!(err.outcome(), Outcome::Unknown);
     let text = err.to_string();
     assert!(
-        text.contains("not idempotent and carries no idempotency key"),
+        text.contains(
+            "it was not repeated because it is not idempotent and has no idempotency key"
+        ),
         "{text}"
     );
     assert!(
@@ -302,8 +304,7 @@ async fn errors_name_dependency_attempts_time_cause_and_outcome() {
     assert_eq!(err.outcome(), Outcome::NotSent);
     assert_eq!(
         err.to_string(),
-        "call to carrier-api failed after 3 attempts in 500 ms: connection refused; \
-         gave up after the maximum of 3 attempts; \
+        "the call to carrier-api failed (3 attempts in 500 ms): connection refused; \
          the request did not take effect, so it is safe to try again later"
     );
     assert!(err.cause().downcast_ref::<io::Error>().is_some());
@@ -377,7 +378,7 @@ async fn the_budget_is_consulted_before_each_retry() {
     assert_eq!(err.stop_reason(), &StopReason::BudgetExhausted);
     assert!(
         err.to_string()
-            .contains("retry budget exhausted for carrier-api"),
+            .contains("and its retry budget is exhausted after 2 attempts"),
         "{err}"
     );
 }
@@ -602,7 +603,7 @@ async fn a_request_that_cannot_be_copied_is_sent_once() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert!(
         err.to_string()
-            .contains("not retried because the tool call holds a one-shot stream"),
+            .contains("it was not retried because the tool call holds a one-shot stream"),
         "{err}"
     );
 }

@@ -1,44 +1,7 @@
-use backstop_core::{
-    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    DeadlineWords, Dependency, HumanDuration, InvalidConfig, Outcome,
-};
-use backstop_retry::{RetryError, StopReason};
+use backstop_core::{BoxError, CircuitState, Dependency, Outcome};
+pub use backstop_retry::ErrorKind;
+use backstop_retry::{Diagnosis, RetryError, Told};
 use std::{error::Error as StdError, fmt, time::Duration};
-
-/// What kind of failure an [`Error`] is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ErrorKind {
-    /// The dependency's circuit is open (or isolated): the call was not sent.
-    Unavailable,
-    /// The dependency kept failing and its retry budget is exhausted.
-    BudgetExhausted,
-    /// The last attempt timed out.
-    TimedOut,
-    /// The call's deadline passed, or the next attempt could not start before it.
-    DeadlineExceeded,
-    /// The outcome is unknown and the request was not repeated, since it is not replay-safe.
-    NotRetried,
-    /// The call failed: attempts ran out, or the failure was not one retrying fixes.
-    Failed,
-    /// Backstop itself is misconfigured (for example, a required idempotency key is missing).
-    Misconfigured,
-}
-
-impl ErrorKind {
-    /// A short name for logs and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::Unavailable => "unavailable",
-            ErrorKind::BudgetExhausted => "budget_exhausted",
-            ErrorKind::TimedOut => "timed_out",
-            ErrorKind::DeadlineExceeded => "deadline_exceeded",
-            ErrorKind::NotRetried => "not_retried",
-            ErrorKind::Failed => "failed",
-            ErrorKind::Misconfigured => "misconfigured",
-        }
-    }
-}
 
 /// The one error a Backstop stack returns.
 ///
@@ -138,192 +101,72 @@ impl Error {
             Ok(r) => return Self::from_retry(*r),
             Err(e) => e,
         };
-        let mut err = Error {
-            kind: ErrorKind::Failed,
-            dependency: None,
-            outcome: Outcome::Unknown,
-            retry_after: None,
-            attempts: 1,
+        // A bare error (a layer's own, or the client's): what Backstop's errors in its chain say.
+        let d = Diagnosis::of(&*e);
+        let kind = d.kind.unwrap_or(ErrorKind::Failed);
+        let outcome = d.outcome.unwrap_or(Outcome::Unknown);
+        Error {
+            kind,
+            dependency: d.dependency,
+            outcome,
+            retry_after: d.retry_in,
+            // A refusal before sending is no attempt.
+            attempts: u32::from(outcome != Outcome::NotSent || kind == ErrorKind::Failed),
             elapsed: Duration::ZERO,
-            circuit: None,
-            deadline: None,
+            circuit: d.circuit,
+            deadline: d.deadline,
             unvouched_key: false,
             passing: false,
             source: e,
-        };
-        err.refine_from_cause(false);
-        err
+        }
     }
 
     fn from_retry(r: RetryError) -> Error {
-        let kind = match r.stop_reason() {
-            StopReason::BudgetExhausted => ErrorKind::BudgetExhausted,
-            StopReason::DeadlineTooClose { .. } => ErrorKind::DeadlineExceeded,
-            StopReason::NotReplaySafe => ErrorKind::NotRetried,
-            _ => ErrorKind::Failed,
-        };
-        let mut err = Error {
-            kind,
-            dependency: Some(r.dependency().clone()),
-            outcome: r.side_effect(),
-            retry_after: r.retry_after(),
-            attempts: r.attempts(),
-            elapsed: r.elapsed(),
-            circuit: None,
-            deadline: r.history().deadline,
-            unvouched_key: false,
+        let told = r.told();
+        Error {
+            kind: told.kind,
+            dependency: told.dependency.cloned(),
+            outcome: told.outcome,
+            retry_after: told.retry_after,
+            attempts: told.attempts,
+            elapsed: told.elapsed,
+            circuit: told.circuit,
+            deadline: told.deadline,
+            unvouched_key: told.unvouched_key,
             passing: false,
             source: Box::new(r),
-        };
-        if kind == ErrorKind::Failed {
-            err.refine_from_cause(true);
-        }
-        err
-    }
-
-    /// Looks through the cause chain for Backstop's own errors. `counted`: the attempts and
-    /// the side effect come from the retry layer's history and stay as they are.
-    fn refine_from_cause(&mut self, counted: bool) {
-        let mut next: Option<&(dyn StdError + 'static)> = Some(&*self.source);
-        while let Some(e) = next {
-            if let Some(open) = e.downcast_ref::<CircuitOpen>() {
-                self.kind = ErrorKind::Unavailable;
-                if !counted {
-                    // A breaker layer's own refusal: nothing was sent.
-                    self.outcome = Outcome::NotSent;
-                    self.attempts = 0;
-                }
-                self.retry_after = open.retry_in();
-                self.circuit = Some(open.state());
-                self.dependency
-                    .get_or_insert_with(|| open.dependency().clone());
-                return;
-            }
-            if let Some(d) = e.downcast_ref::<DeadlineExceeded>() {
-                self.kind = ErrorKind::DeadlineExceeded;
-                self.deadline = d.length();
-                if !counted {
-                    self.outcome = d.outcome();
-                    if d.outcome() == Outcome::NotSent {
-                        self.attempts = 0;
-                    }
-                }
-                if let Some(dep) = d.dependency() {
-                    self.dependency.get_or_insert_with(|| dep.clone());
-                }
-                return;
-            }
-            if let Some(t) = e.downcast_ref::<AttemptTimedOut>() {
-                self.kind = ErrorKind::TimedOut;
-                self.outcome = Outcome::Unknown;
-                if let Some(dep) = t.dependency() {
-                    self.dependency.get_or_insert_with(|| dep.clone());
-                }
-                return;
-            }
-            if e.is::<InvalidConfig>() {
-                self.kind = ErrorKind::Misconfigured;
-                self.outcome = Outcome::NotSent;
-                self.attempts = 0;
-                return;
-            }
-            next = e.source();
         }
     }
 
-    /// The cause as text, down to the part that says what went wrong on the wire.
-    fn root_cause(&self) -> CauseChain<'_> {
+    /// The last cause: a retry layer's, or the error itself.
+    fn cause(&self) -> &(dyn StdError + 'static) {
         match self.source.downcast_ref::<RetryError>() {
-            Some(r) => CauseChain(r.cause()),
-            None => CauseChain(&*self.source),
+            Some(r) => r.cause(),
+            None => &*self.source,
         }
     }
 }
 
-struct Tries(u32, Duration);
-
-impl fmt::Display for Tries {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} attempt{} in {}",
-            self.0,
-            if self.0 == 1 { "" } else { "s" },
-            HumanDuration(self.1)
-        )
-    }
-}
-
+/// In the same words as [`RetryError`] (the one voice: [`Told`]).
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let dep = self
-            .dependency
-            .as_ref()
-            .map_or_else(|| "the dependency".to_owned(), |d| d.to_string());
-        let tries = Tries(self.attempts, self.elapsed);
-        match self.kind {
-            ErrorKind::Unavailable => {
-                let state = match self.circuit {
-                    Some(CircuitState::Isolated) => "circuit isolated by an operator",
-                    Some(CircuitState::HalfOpen) => {
-                        "circuit half-open, a trial call is in progress"
-                    }
-                    _ => "circuit open",
-                };
-                write!(f, "{dep} is unavailable ({state}); do not retry now")?;
-                if let Some(t) = self.retry_after.filter(|t| *t >= Duration::from_secs(1)) {
-                    write!(
-                        f,
-                        "; it can be tried again in {}",
-                        HumanDuration::rounded_up(t)
-                    )?;
-                }
-                f.write_str("; tell the user")
-            }
-            ErrorKind::BudgetExhausted => write!(
-                f,
-                "{dep} is failing ({}) and its retry budget is exhausted after {tries}; do not retry now; {}",
-                self.root_cause(),
-                self.outcome.guidance()
-            ),
-            ErrorKind::TimedOut => write!(
-                f,
-                "{dep} did not reply in time ({tries}: {}); {}",
-                self.root_cause(),
-                self.outcome.guidance()
-            ),
-            ErrorKind::DeadlineExceeded => write!(
-                f,
-                "the call to {dep} reached {} ({tries}); {}",
-                DeadlineWords(self.deadline),
-                self.outcome.guidance()
-            ),
-            ErrorKind::NotRetried if self.unvouched_key => write!(
-                f,
-                "the call to {dep} may or may not have taken effect ({}); it was not repeated \
-                 because nobody declared that {dep} honours idempotency keys (its key was \
-                 generated by Backstop); check its status before repeating it (if {dep} honours \
-                 keys, build its stack with honours_keys(), or set the key yourself)",
-                self.root_cause()
-            ),
-            ErrorKind::NotRetried => write!(
-                f,
-                "the call to {dep} may or may not have taken effect ({}); it was not repeated because \
-                 it is not idempotent and has no idempotency key; check its status before repeating it",
-                self.root_cause()
-            ),
-            ErrorKind::Failed => write!(
-                f,
-                "the call to {dep} failed ({tries}): {}; {}",
-                self.root_cause(),
-                self.outcome.guidance()
-            ),
-            ErrorKind::Misconfigured => write!(
-                f,
-                "the call to {dep} was not sent because the tool runtime is misconfigured: {}",
-                self.root_cause()
-            ),
+        Told {
+            kind: self.kind,
+            dependency: self.dependency.as_ref(),
+            outcome: self.outcome,
+            attempts: self.attempts,
+            elapsed: self.elapsed,
+            cause: self.cause(),
+            circuit: self.circuit,
+            retry_after: self.retry_after,
+            deadline: self.deadline,
+            unvouched_key: self.unvouched_key,
+            not_replayable: self
+                .source
+                .downcast_ref::<RetryError>()
+                .and_then(|r| r.told().not_replayable),
         }
+        .fmt(f)
     }
 }
 
@@ -334,10 +177,6 @@ impl StdError for Error {
 }
 
 impl Error {
-    pub(crate) fn set_unvouched_key(&mut self) {
-        self.unvouched_key = true;
-    }
-
     pub(crate) fn set_dependency_if_missing(&mut self, d: &Dependency) {
         self.dependency.get_or_insert_with(|| d.clone());
     }

@@ -63,9 +63,6 @@ struct Letterhead {
 /// What [`Finish`] keeps for one call: its span, and what a dead letter would need.
 pub struct FinishState {
     span: tracing::Span,
-    /// The stack attached the key on its own, and nobody vouched that the dependency honours
-    /// it: the error of a call not repeated says so.
-    unvouched: bool,
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.
     letterhead: Option<Box<Letterhead>>,
@@ -141,11 +138,7 @@ where
                 })
             });
         }
-        Ok(FinishState {
-            span,
-            unvouched: backstop_core::UnvouchedKey::is_marked(req),
-            letterhead,
-        })
+        Ok(FinishState { span, letterhead })
     }
 
     fn span<'a>(&self, state: &'a FinishState) -> Option<&'a tracing::Span> {
@@ -168,9 +161,6 @@ where
         let shared = &*self.shared;
         let mut err = Error::from_box(e);
         err.set_dependency_if_missing(&shared.dependency);
-        if state.unvouched {
-            err.set_unvouched_key();
-        }
         span.record("attempts", err.attempts());
         span.record("outcome", err.outcome().as_str());
         span.record("error", err.kind().as_str());
