@@ -358,3 +358,68 @@ async fn a_timeout_raised_under_the_stack_is_an_attempt_timeout() {
     assert_eq!(err.attempts(), 3);
     assert_eq!(err.outcome(), Outcome::Unknown);
 }
+
+/// `reqwest::Client` as a `Service<http::Request<Full<Bytes>>>`, as in
+/// `examples/reqwest_client.rs`.
+#[derive(Clone)]
+struct Reqwest(reqwest::Client);
+
+impl Service<Request<Body>> for Reqwest {
+    type Response = Response<reqwest::Body>;
+    type Error = BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, BoxError>> + Send>,
+    >;
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let client = self.0.clone();
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let body = body.collect().await?.to_bytes();
+            let req = reqwest::Request::try_from(Request::from_parts(parts, body))?;
+            Ok(Response::from(client.execute(req).await?))
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reqwest_timeout_is_an_attempt_timeout() {
+    // A server that reads the request and never answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/rates", listener.local_addr().unwrap());
+    let seen = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let count = seen.clone();
+    let server = tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = sock.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    let svc = builder("rates-api")
+        .deadline(Duration::from_secs(5))
+        .attempt_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+        .layer(Reqwest(client));
+    let err = svc
+        .oneshot(Request::get(&url).body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(err.attempts(), 3, "{err}");
+    assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 3);
+    assert_eq!(err.outcome(), Outcome::Unknown);
+    server.abort();
+}

@@ -65,6 +65,7 @@ impl AsError for std::convert::Infallible {
 /// | [`DeadlineExceeded`] | fatal (no time left) | as recorded |
 /// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
+/// | reqwest: connect error / timeout (feature `reqwest`) | retryable | not sent / unknown |
 /// | hyper: request cancelled before it was written | retryable | not sent |
 /// | hyper: connection closed before the reply completed, read timeout | retryable | unknown |
 /// | `io::ErrorKind::ConnectionRefused` | retryable | not sent |
@@ -112,6 +113,15 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     if let Some(h) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
         if h.is_connect() {
             return retry(Outcome::NotSent);
+        }
+    }
+    #[cfg(feature = "reqwest")]
+    if let Some(r) = e.downcast_ref::<reqwest::Error>() {
+        if r.is_connect() {
+            return retry(Outcome::NotSent);
+        }
+        if r.is_timeout() {
+            return retry(Outcome::Unknown);
         }
     }
     #[cfg(feature = "hyper")]
