@@ -129,3 +129,44 @@ async fn spans_and_events_carry_the_fields_operators_need() {
     assert_eq!(retrying["wait_ms"], "300");
     assert_eq!(retrying["outcome"], "not_sent");
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn three_nested_stacks_make_one_call_span() {
+    use backstop::{Backstop, BoxError};
+    use tower::{Layer, ServiceExt, service_fn};
+    type Req = http::Request<http_body_util::Full<bytes::Bytes>>;
+
+    let seen = Seen::default();
+    let _tracing = tracing::subscriber::set_default(seen.clone());
+    let stack = || {
+        Backstop::http("rates-api")
+            .budget(backstop::budget::Budget::default())
+            .no_breaker()
+            .build()
+            .unwrap()
+    };
+    let busy = service_fn(|_req: Req| async {
+        Ok::<_, BoxError>(http::Response::builder().status(503).body(()).unwrap())
+    });
+    let inner = stack().layer(busy);
+    let middle = stack().layer(service_fn(move |req: Req| {
+        let inner = inner.clone();
+        async move { inner.oneshot(req).await.map_err(BoxError::from) }
+    }));
+    let outer = stack().layer(service_fn(move |req: Req| {
+        let middle = middle.clone();
+        async move { middle.oneshot(req).await.map_err(BoxError::from) }
+    }));
+    let res = outer
+        .oneshot(
+            http::Request::get("http://rates.local/")
+                .body(Default::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    let spans = seen.spans.lock().unwrap().clone();
+    let calls = spans.iter().filter(|(name, _)| name == "call").count();
+    assert_eq!(calls, 1, "one logical call, one call span");
+}
