@@ -4,7 +4,9 @@ use crate::{
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome};
+use backstop_core::{
+    BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
+};
 use backstop_timeout::AttemptEnd;
 use pin_project::pin_project;
 use rand::rngs::SmallRng;
@@ -353,6 +355,11 @@ where
             }
         }
     }
+    // The call's context travels with each attempt's request, across tasks and futures: put
+    // on the copy it sends (the template stays as the caller gave it, and a request that
+    // carries no other extension costs the map's two allocations once per attempt, not twice).
+    let mut req = req;
+    CallContext::claim(&mut req, dependency.clone(), deadline);
     let fut = {
         let _entered = span.enter();
         svc.call(req)

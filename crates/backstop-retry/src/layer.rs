@@ -5,8 +5,8 @@ use crate::{
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{
-    BoxError, ByAuthority, CallContext, Deadline, Dependency, DependencyKey, HasExtensions,
-    InvalidConfig, RetryScope,
+    BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
+    RetryScope,
 };
 use std::{
     fmt,
@@ -381,9 +381,6 @@ where
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        // The call's context travels with the request, set once before it is kept for
-        // replays: every attempt's copy carries it, across tasks and futures.
-        CallContext::claim(&mut req, dependency.clone(), deadline);
 
         // A readied service makes the first attempt now; the clone stays behind for the next
         // call. Otherwise a clone waits for readiness inside the future, under the deadline.

@@ -175,8 +175,9 @@ where
 pub struct TimedBody<B> {
     #[pin]
     body: B,
-    #[pin]
-    sleep: Option<Sleep>,
+    /// Boxed: the response that carries this body is moved through every layer on its way
+    /// out, and only a body that has to wait needs the timer.
+    sleep: Option<Pin<Box<Sleep>>>,
     end: Option<(AttemptEnd, Option<Dependency>)>,
     done: bool,
 }
@@ -218,21 +219,21 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let mut this = self.project();
+        let this = self.project();
         if *this.done {
             return Poll::Ready(None);
         }
         // The body wins a tie with the timer, as the response does.
-        if let Poll::Ready(frame) = this.body.as_mut().poll_frame(cx) {
+        if let Poll::Ready(frame) = this.body.poll_frame(cx) {
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
         let Some((end, dependency)) = this.end.as_ref() else {
             return Poll::Pending;
         };
-        if this.sleep.is_none() {
-            this.sleep.set(Some(sleep_until(end.at)));
-        }
-        ready!(this.sleep.as_pin_mut().expect("set above").poll(cx));
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(sleep_until(end.at)));
+        ready!(sleep.as_mut().poll(cx));
         *this.done = true;
         let cause = end.error(dependency.clone());
         Poll::Ready(Some(Err(Box::new(BodyTimedOut { cause }))))
