@@ -55,7 +55,11 @@ async fn payment_service(protected: bool) -> (TestServer, Arc<Mutex<Vec<String>>
         }
     });
     let svc: Server = if protected {
-        BoxCloneSyncService::new(ReplayLayer::new(MemoryStore::default()).layer(handler))
+        BoxCloneSyncService::new(
+            ReplayLayer::new(MemoryStore::default())
+                .single_tenant()
+                .layer(handler),
+        )
     } else {
         BoxCloneSyncService::new(handler.map_response(|r: Response<Full<Bytes>>| {
             r.map(|b| b.map_err(|e: Infallible| match e {}).boxed_unsync())

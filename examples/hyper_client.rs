@@ -69,7 +69,9 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         }
     });
     let lost = Arc::new(AtomicBool::new(false));
-    let server = ReplayLayer::new(MemoryStore::default()).layer(handler);
+    let server = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(handler);
     let server = tower::ServiceBuilder::new()
         .map_request(|r: Request<hyper::body::Incoming>| r)
         .service(server)

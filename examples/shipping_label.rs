@@ -83,7 +83,11 @@ fn carrier(
         }
     });
     // The carrier's own replay layer, then the network in front of it.
-    let front = BoxCloneSyncService::new(ReplayLayer::new(MemoryStore::default()).layer(api));
+    let front = BoxCloneSyncService::new(
+        ReplayLayer::new(MemoryStore::default())
+            .single_tenant()
+            .layer(api),
+    );
     BoxCloneSyncService::new(tower::service_fn(move |req: Request<Full<Bytes>>| {
         let mut inner = front.clone();
         let mode = mode.clone();

@@ -54,6 +54,7 @@ fn dependency(
     });
     let replay = BoxCloneSyncService::new(
         ReplayLayer::new(MemoryStore::default())
+            .single_tenant()
             .lease(Duration::from_secs(5))
             .layer(handler),
     );

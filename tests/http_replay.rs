@@ -117,7 +117,9 @@ type ReplayOrPlain = tower::util::BoxCloneSyncService<
 
 fn protected(store: Arc<dyn ReplayStore>, refunds: Refunds) -> ReplayOrPlain {
     tower::util::BoxCloneSyncService::new(
-        ReplayLayer::with_store(store).layer(refund_handler(refunds)),
+        ReplayLayer::with_store(store)
+            .single_tenant()
+            .layer(refund_handler(refunds)),
     )
 }
 

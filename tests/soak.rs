@@ -75,6 +75,7 @@ async fn the_stack_survives_faults_and_a_redis_crash_without_a_duplicate() {
     let store = RedisStore::open(&redis.url()).unwrap();
     let server = TestServer::serve(
         ReplayLayer::new(store)
+            .single_tenant()
             .lease(Duration::from_secs(5))
             .layer(handler),
     )

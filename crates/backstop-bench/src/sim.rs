@@ -103,7 +103,11 @@ impl Flaky {
             Response<backstop::replay::ReplayResponseBody>,
             BoxError,
         > = if replay {
-            BoxCloneSyncService::new(ReplayLayer::new(MemoryStore::new(1_000_000)).layer(handler))
+            BoxCloneSyncService::new(
+                ReplayLayer::new(MemoryStore::new(1_000_000))
+                    .single_tenant()
+                    .layer(handler),
+            )
         } else {
             BoxCloneSyncService::new(
                 handler

@@ -1,6 +1,7 @@
+use crate::lease::Lease;
 use crate::{
     body::PrefixedBody,
-    problem::{BodyError, ReplayResponseBody, full, problem},
+    problem::{BodyError, ReplayResponseBody, full, problem, problem_body},
     store::{Claim, Fingerprint, ReplayStore, StoredResponse},
 };
 use backstop_core::{BoxError, HumanDuration, InvalidConfig};
@@ -20,7 +21,7 @@ use std::{
     task::{Context, Poll},
     time::Duration,
 };
-use tokio::task::JoinHandle;
+use tokio::{sync::watch, task::JoinHandle};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -54,7 +55,11 @@ struct Config {
     store_status: Arc<StorePolicy>,
     allow_headers: Vec<HeaderName>,
     fail_open: bool,
+    single_tenant: bool,
 }
+
+/// The principal of every request of a layer built with [`ReplayLayer::single_tenant`].
+const SINGLE_TENANT: &str = "(single tenant)";
 
 /// Makes non-idempotent endpoints safe to call twice; see the crate docs.
 #[derive(Clone)]
@@ -125,6 +130,7 @@ impl ReplayLayer {
                 .map(HeaderName::from_static)
                 .collect(),
                 fail_open: false,
+                single_tenant: false,
             }),
         }
     }
@@ -155,11 +161,21 @@ impl ReplayLayer {
         self.edit(|c| c.require_key = required)
     }
 
-    /// How to find the request's principal. The default reads the [`Principal`] extension and
-    /// scopes requests without one as `anonymous`.
+    /// How to find the request's principal. The default reads the [`Principal`] extension. A
+    /// keyed request with no principal is refused (500, `principal-missing`: the server is
+    /// misconfigured, most often because the authentication layer sits inside this one),
+    /// unless the layer is built for a [`single_tenant`](Self::single_tenant) service.
     #[must_use]
     pub fn principal(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
         self.edit(|c| c.principal = Arc::new(f))
+    }
+
+    /// The service has one tenant: requests without a principal share one scope instead of
+    /// being refused. Do not use it for a service with several tenants: their stored results
+    /// would be shared.
+    #[must_use]
+    pub fn single_tenant(self) -> Self {
+        self.edit(|c| c.single_tenant = true)
     }
 
     /// A business identity for a request ("label for order 4812"): requests with the same one
@@ -318,8 +334,14 @@ enum Identity {
     Business(String),
 }
 
-/// The store key: a hash of the principal and the identity, so keys are never stored in clear.
+/// The store key, `<scope>:<digest>`: the scope is a digest of the principal alone (16 hex
+/// digits, so a store can bound each principal's entries), the digest one of the principal and
+/// the identity; keys and principals are never stored in clear.
 fn store_key(principal: &str, id: &Identity) -> String {
+    let scope = Sha256::new()
+        .chain_update(b"backstop-replay-scope/v1\0")
+        .chain_update(principal.as_bytes())
+        .finalize();
     let mut h = Sha256::new();
     h.update(b"backstop-replay-key/v1\0");
     field(&mut h, principal.as_bytes());
@@ -333,7 +355,7 @@ fn store_key(principal: &str, id: &Identity) -> String {
             field(&mut h, b.as_bytes());
         }
     }
-    hex::encode(h.finalize())
+    format!("{}:{}", hex::encode(&scope[..8]), hex::encode(h.finalize()))
 }
 
 fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
@@ -488,7 +510,24 @@ where
         (None, None) => return call_inner(svc, rebuilt(parts, bytes)).await,
     };
     let is_business = matches!(identity, Identity::Business(_));
-    let principal = (cfg.principal)(&parts).unwrap_or_else(|| "anonymous".to_owned());
+    let principal = match (cfg.principal)(&parts) {
+        Some(p) => p,
+        None if cfg.single_tenant => SINGLE_TENANT.to_owned(),
+        None => {
+            count("no_principal");
+            tracing::error!(target: "backstop::replay", "a keyed request reached the replay layer without a principal; refused");
+            return Ok(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "principal-missing",
+                "Server misconfigured",
+                "the server is misconfigured: the request reached the idempotency layer without an \
+                 authenticated principal, so its stored result could be shared with another \
+                 tenant; it was not processed. (Operators: put the authentication layer outside \
+                 the replay layer, or build the layer with single_tenant() if the service has \
+                 one tenant.)",
+            ));
+        }
+    };
     let skey = store_key(&principal, &identity);
     let fp = fingerprint(&parts, &bytes);
 
@@ -532,15 +571,85 @@ where
         }
     };
 
-    let guard = ClaimGuard::new(cfg.clone(), skey, token);
-    let res = match call_inner(svc, rebuilt(parts, bytes)).await {
+    // From here on the handler's work is decoupled from this request's future: a client that
+    // gives up (and drops it) cannot stop a handler that has started, nor release its claim.
+    // The task runs the handler, reads its response, stores it, and hands it back.
+    let (lease, held) = Lease::new(token);
+    let mut req = rebuilt(parts, bytes);
+    req.extensions_mut().insert(lease);
+    let task = tokio::spawn(run_claimed(cfg.clone(), svc, req, skey, token, held));
+    match task.await {
+        Ok(result) => result,
+        // The handler panicked: the task's guard recorded the outcome as unknown.
+        Err(_) => Ok(unknown_outcome()),
+    }
+}
+
+/// The record of a claimed request whose handler ended without a response (it returned an
+/// error, panicked, or its task was stopped): its outcome is unknown, and a repeat is told so
+/// instead of running the handler a second time.
+fn unknown_record() -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CONFLICT.as_u16(),
+        headers: vec![(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        )],
+        body: unknown_body(),
+        body_omitted: None,
+    }
+}
+
+const UNKNOWN_DETAIL: &str = "a request with this idempotency key started processing and ended \
+    without a response (the handler failed or the server stopped), so it may or may not have \
+    taken effect; it was not run again. Check the result before repeating the action with a new \
+    key.";
+
+fn unknown_body() -> Bytes {
+    problem_body(
+        StatusCode::CONFLICT,
+        "outcome-unknown",
+        "Outcome unknown",
+        UNKNOWN_DETAIL,
+    )
+}
+
+fn unknown_outcome() -> Response<ReplayResponseBody> {
+    problem(
+        StatusCode::CONFLICT,
+        "outcome-unknown",
+        "Outcome unknown",
+        UNKNOWN_DETAIL,
+    )
+}
+
+/// Runs a claimed request to the end, whatever its client does: the handler, its response
+/// body up to the storage limit, and the store's record.
+async fn run_claimed<S, ResB>(
+    cfg: Arc<Config>,
+    svc: S,
+    req: Request<ReplayRequestBody>,
+    key: String,
+    token: u64,
+    held: watch::Sender<bool>,
+) -> Result<Response<ReplayResponseBody>, S::Error>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let guard = ClaimGuard::new(cfg.clone(), key, token, held);
+    let res = match call_inner(svc, req).await {
         Ok(res) => res,
         Err(e) => {
-            guard.release().await;
+            // No response: whatever the handler did is unknown.
+            guard.complete(&unknown_record()).await;
             return Err(e);
         }
     };
     if !(cfg.store_status)(res.status()) {
+        // The handler says it refused the request before acting (503, 429, ...): the key is
+        // free for a retry.
         guard.release().await;
         return Ok(res);
     }
@@ -631,38 +740,52 @@ async fn capture(
     Response::from_parts(parts, body)
 }
 
-/// Holds a claim while the handler runs: renews its lease, and gives it back if the request
-/// ends without a stored result, including when its future is dropped.
+/// Holds a claim while its handler runs: renews the lease, reports its loss, stores the
+/// result (retrying while the lease holds), and, if it is dropped before that (the handler
+/// panicked, or the runtime stopped its task), records the outcome as unknown.
 struct ClaimGuard {
-    cfg: Arc<ConfigRef>,
+    cfg: Arc<Config>,
     key: String,
     token: u64,
     renew: Option<JoinHandle<()>>,
+    held: Arc<watch::Sender<bool>>,
     armed: bool,
 }
 
-type ConfigRef = Config;
-
 impl ClaimGuard {
-    fn new(cfg: Arc<Config>, key: String, token: u64) -> Self {
-        let renew = tokio::runtime::Handle::try_current().ok().map(|h| {
-            let (store, key, lease) = (cfg.store.clone(), key.clone(), cfg.lease);
-            h.spawn(async move {
+    fn new(cfg: Arc<Config>, key: String, token: u64, held: watch::Sender<bool>) -> Self {
+        let held = Arc::new(held);
+        let renew = {
+            let (store, key, lease, held) =
+                (cfg.store.clone(), key.clone(), cfg.lease, held.clone());
+            tokio::spawn(async move {
+                let mut last = tokio::time::Instant::now();
                 loop {
                     tokio::time::sleep(lease / 3).await;
                     match store.renew(&key, token, lease).await {
-                        Ok(true) => {}
-                        Ok(false) => break,
-                        Err(e) => tracing::warn!(target: "backstop::replay", error = %e, "could not renew a claim"),
+                        Ok(true) => last = tokio::time::Instant::now(),
+                        Ok(false) => {
+                            tracing::error!(target: "backstop::replay", "the claim was taken over (its lease expired); a repeat may run the handler again");
+                            held.send_replace(false);
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::warn!(target: "backstop::replay", error = %e, "could not renew a claim");
+                            if last.elapsed() >= lease {
+                                tracing::error!(target: "backstop::replay", "no renewal for a whole lease: the claim may have expired, and a repeat may run the handler again");
+                                held.send_replace(false);
+                            }
+                        }
                     }
                 }
             })
-        });
+        };
         ClaimGuard {
             cfg,
             key,
             token,
-            renew,
+            renew: Some(renew),
+            held,
             armed: true,
         }
     }
@@ -674,26 +797,41 @@ impl ClaimGuard {
         }
     }
 
+    /// Stores the result. A store that fails for a moment is tried again, with the lease still
+    /// renewed (repeats meanwhile get 409), for as long as the lease is held.
     async fn complete(mut self, stored: &StoredResponse) {
-        self.disarm();
-        match self
-            .cfg
-            .store
-            .complete(&self.key, self.token, stored, self.cfg.ttl)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                target: "backstop::replay",
-                "the claim expired before the handler finished (lease {}); a newer request owns the key and this result was not stored",
-                HumanDuration(self.cfg.lease)
-            ),
-            Err(e) => {
-                tracing::warn!(target: "backstop::replay", error = %e, "could not store a result; the claim will expire with its lease")
+        let mut wait = Duration::from_millis(20);
+        loop {
+            match self
+                .cfg
+                .store
+                .complete(&self.key, self.token, stored, self.cfg.ttl)
+                .await
+            {
+                Ok(true) => break,
+                Ok(false) => {
+                    tracing::error!(
+                        target: "backstop::replay",
+                        "the claim expired before the handler finished (lease {}); a newer request owns the key and this result was not stored",
+                        HumanDuration(self.cfg.lease)
+                    );
+                    break;
+                }
+                Err(e) if *self.held.borrow() => {
+                    tracing::warn!(target: "backstop::replay", error = %e, "could not store a result; trying again while the claim is held");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(self.cfg.lease / 3);
+                }
+                Err(e) => {
+                    tracing::error!(target: "backstop::replay", error = %e, "could not store a result before the claim was lost; a repeat may run the handler again");
+                    break;
+                }
             }
         }
+        self.disarm();
     }
 
+    /// Gives the claim back: the handler refused the request before acting.
     async fn release(mut self) {
         self.disarm();
         if let Err(e) = self.cfg.store.release(&self.key, self.token).await {
@@ -708,16 +846,18 @@ impl Drop for ClaimGuard {
             return;
         }
         self.disarm();
-        // The handler's future was dropped (cancelled, or it panicked): give the key back so a
-        // retry can run. Without a runtime, the lease expires by itself.
+        // The handler started and ended without a response (it panicked, or its task was
+        // stopped): record that its outcome is unknown, rather than free the key for a second
+        // run. If the runtime is shutting down this cannot run, and the lease expires instead.
         if let Ok(h) = tokio::runtime::Handle::try_current() {
-            let (store, key, token) = (
+            let (store, key, token, ttl) = (
                 self.cfg.store.clone(),
                 std::mem::take(&mut self.key),
                 self.token,
+                self.cfg.ttl,
             );
             h.spawn(async move {
-                let _ = store.release(&key, token).await;
+                let _ = store.complete(&key, token, &unknown_record(), ttl).await;
             });
         }
     }
@@ -767,9 +907,19 @@ mod tests {
         let c = store_key("tenant-a", &Identity::Business("k".into()));
         assert_ne!(a, b);
         assert_ne!(a, c);
-        assert_eq!(a.len(), 64);
+        assert_eq!(a.len(), 16 + 1 + 64);
+        let (scope, digest) = a.split_once(':').unwrap();
+        assert_eq!(crate::store::scope_of(&a), scope);
+        assert_eq!(
+            scope,
+            crate::store::scope_of(&c),
+            "one principal, one scope"
+        );
+        assert_ne!(scope, crate::store::scope_of(&b));
         assert!(
-            a.chars().all(|ch| ch.is_ascii_hexdigit()),
+            (scope.to_owned() + digest)
+                .chars()
+                .all(|ch| ch.is_ascii_hexdigit()),
             "stored as a hash: {a}"
         );
     }

@@ -10,17 +10,25 @@
 //! 1. The key is read: exactly one header line, 1 to 255 visible ASCII characters, as a bare
 //!    token or an RFC 9651 string. Missing: `400`; invalid: `400`.
 //! 2. The key is scoped by the authenticated [`Principal`] and hashed; the request is
-//!    fingerprinted (method, path and query, body digest).
+//!    fingerprinted (method, path and query, body digest). A keyed request that reaches the
+//!    layer without a principal is refused (`500`, `principal-missing`: the authentication
+//!    layer must run first), unless the layer is built with [`ReplayLayer::single_tenant`].
 //! 3. The store is asked to **claim** the key atomically. A completed key with the same
 //!    fingerprint is replayed; with a different one: `422`. A key still in flight: `409` with
 //!    `Retry-After: 1`. Errors are `application/problem+json` (RFC 9457), as the IETF
 //!    `Idempotency-Key` draft asks.
-//! 4. The claimant runs the handler. Its claim has a lease, renewed while the handler runs; if
-//!    the handler's future is dropped (cancelled, or it panicked), the claim is released, and if
-//!    the process dies the lease expires. Every store operation carries a fencing token, so an
-//!    owner whose lease expired can never overwrite the result of a newer one.
+//! 4. The claimant runs the handler **in a task of its own**: a client that gives up (its
+//!    request future dropped) stops neither the handler nor the claim; repeats meanwhile get
+//!    `409`, and after it the stored result. The claim's lease is renewed while the handler runs
+//!    (every third of it), and the handler can see it ([`Lease`] in its request's extensions:
+//!    whether it is still held, and the fencing token). A handler that ends without a response
+//!    (it returned an error, or panicked) leaves the key's record saying the outcome is
+//!    unknown: a repeat gets a `409` problem (`outcome-unknown`), never a second run. Every
+//!    store operation carries the fencing token, so an owner whose lease expired can never
+//!    overwrite the result of a newer one.
 //! 5. The status, an allow-list of headers (never `Set-Cookie` or `Date`) and the body (up to
-//!    1 MiB) are stored for 24 h. Which statuses are stored is a policy: all but 408, 425, 429
+//!    1 MiB) are stored for 24 h; a store that fails for a moment is tried again while the
+//!    claim is held. Which statuses are stored is a policy: all but 408, 425, 429
 //!    and 503 by default, 5xx included (once the handler ran, replaying its error is safer than
 //!    running it again, as Stripe does).
 //!
@@ -35,7 +43,10 @@
 //!
 //! The claim and the stored result live apart from the handler's own database. If the process
 //! crashes after the handler's effect is committed and before the result is stored, the lease
-//! expires and a retry runs the handler again. Only the handler can close that window:
+//! expires and a retry runs the handler again. The same happens when the store is unreachable
+//! for longer than the lease (30 s by default, renewed every 10 s: an outage of up to about
+//! 20 s is tolerated; past the lease the handler's [`Lease`] reports it lost, and a second
+//! execution can start). Only the handler can close that window:
 //!
 //! - record the key in the same transaction as the effect (a `UNIQUE` column on the refunds
 //!   table holding the key), so a second run finds the first one's row; or
@@ -58,7 +69,7 @@
 //!     let n = booked.fetch_add(1, Ordering::SeqCst) + 1;
 //!     async move { Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(format!("R{n}"))))) }
 //! });
-//! let svc = ReplayLayer::new(MemoryStore::default()).layer(refund);
+//! let svc = ReplayLayer::new(MemoryStore::default()).single_tenant().layer(refund);
 //!
 //! let req = || Request::post("/refunds").header("idempotency-key", "refund-A-7").body(Full::new(Bytes::from("49.00"))).unwrap();
 //! let first = svc.clone().oneshot(req()).await.unwrap();
@@ -73,6 +84,7 @@
 
 mod body;
 mod layer;
+mod lease;
 mod memory;
 mod problem;
 #[cfg(feature = "redis")]
@@ -80,10 +92,12 @@ mod redis_store;
 mod store;
 
 pub use layer::{Principal, Replay, ReplayFuture, ReplayLayer, ReplayRequestBody};
+pub use lease::Lease;
 pub use memory::MemoryStore;
 pub use problem::{BodyError, ReplayResponseBody};
 #[cfg(feature = "redis")]
 pub use redis_store::RedisStore;
 pub use store::{
     Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
+    scope_of,
 };

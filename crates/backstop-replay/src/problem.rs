@@ -35,19 +35,24 @@ pub(crate) fn problem(
     title: &str,
     detail: &str,
 ) -> Response<ReplayResponseBody> {
-    let body = serde_json::json!({
-        "type": format!("urn:backstop:problem:{kind}"),
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    let mut res = Response::new(full(Bytes::from(body.to_string())));
+    let mut res = Response::new(full(problem_body(status, kind, title, detail)));
     *res.status_mut() = status;
     res.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/problem+json"),
     );
     res
+}
+
+/// The JSON of a problem response.
+pub(crate) fn problem_body(status: StatusCode, kind: &str, title: &str, detail: &str) -> Bytes {
+    let body = serde_json::json!({
+        "type": format!("urn:backstop:problem:{kind}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    Bytes::from(body.to_string())
 }
 
 pub(crate) fn full(bytes: Bytes) -> ReplayResponseBody {

@@ -67,7 +67,16 @@ impl fmt::Display for StoreError {
 
 impl Error for StoreError {}
 
+/// The scope of a store key: the digest of its principal. Keys are `<scope>:<digest>`, so a
+/// store can bound (and evict) each principal's entries apart from the others'.
+pub fn scope_of(key: &str) -> &str {
+    key.split_once(':').map_or("", |(scope, _)| scope)
+}
+
 /// Where processed keys and their results live.
+///
+/// Keys are `<scope>:<digest>` ([`scope_of`]): the scope stands for the principal, the digest
+/// for the principal and the key (neither is in clear).
 ///
 /// Every operation on a claim carries its fencing token; a store must refuse to renew,
 /// complete or release a claim whose token is not the current one, so that a request whose

@@ -1,7 +1,7 @@
 //! The replay layer against its in-memory store, and against a real Redis of the test's own.
 
 use backstop_replay::{
-    Claim, Fingerprint, MemoryStore, Principal, ReplayLayer, ReplayRequestBody, ReplayStore,
+    Claim, Fingerprint, Lease, MemoryStore, Principal, ReplayLayer, ReplayRequestBody, ReplayStore,
     StoreError, StoreFuture, StoredResponse,
 };
 use bytes::Bytes;
@@ -128,7 +128,9 @@ where
 #[tokio::test]
 async fn a_repeat_gets_the_stored_response_and_the_handler_runs_once() {
     let h = Handler::new(Mode::Ok);
-    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(h.service());
     let first = svc.clone().oneshot(refund(Some("k1"), "49")).await.unwrap();
     assert_eq!(first.status(), 201);
     assert_eq!(
@@ -166,6 +168,7 @@ async fn a_repeat_gets_the_stored_response_and_the_handler_runs_once() {
 async fn set_cookie_and_date_are_never_stored_even_when_allow_listed() {
     let h = Handler::new(Mode::Ok);
     let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .allow_header(http::header::SET_COOKIE)
         .allow_header(http::header::DATE)
         .allow_header(http::HeaderName::from_static("x-internal"))
@@ -190,7 +193,9 @@ async fn set_cookie_and_date_are_never_stored_even_when_allow_listed() {
 #[tokio::test]
 async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
     let h = Handler::new(Mode::Ok);
-    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(h.service());
     let res = svc.clone().oneshot(refund(None, "49")).await.unwrap();
     assert_eq!(res.status(), 400);
     assert_eq!(problem_type(res).await, "idempotency-key-missing");
@@ -213,6 +218,7 @@ async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
     assert_eq!(h.runs(), 1);
     // Without require_key, a keyless POST runs unprotected.
     let open = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .require_key(false)
         .layer(h.service());
     open.clone().oneshot(refund(None, "49")).await.unwrap();
@@ -223,7 +229,9 @@ async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
 #[tokio::test]
 async fn the_same_key_for_a_different_request_gets_422() {
     let h = Handler::new(Mode::Ok);
-    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(h.service());
     svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
     let res = svc.clone().oneshot(refund(Some("k"), "50")).await.unwrap();
     assert_eq!(res.status(), 422);
@@ -237,7 +245,9 @@ async fn the_same_key_for_a_different_request_gets_422() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hundred_concurrent_requests_with_one_key_run_the_handler_once() {
     let h = Handler::new(Mode::Sleep(Duration::from_millis(200)));
-    let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(h.service());
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..100 {
         let svc = svc.clone();
@@ -309,15 +319,19 @@ async fn one_principal_never_receives_another_principals_response() {
     spoof
         .headers_mut()
         .insert("x-tenant", "tenant-a".parse().unwrap());
-    let anon = text(svc.oneshot(spoof).await.unwrap()).await;
-    assert!(anon.contains(r#""for":"anonymous""#), "{anon}");
-    assert_eq!(h.runs(), 3);
+    // And a request that reaches the layer with no principal at all (the authentication
+    // layer mounted inside it) is refused as a misconfiguration, never shared.
+    let refused = svc.oneshot(spoof).await.unwrap();
+    assert_eq!(refused.status(), 500);
+    assert_eq!(problem_type(refused).await, "principal-missing");
+    assert_eq!(h.runs(), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn results_expire_after_the_ttl() {
     let h = Handler::new(Mode::Ok);
     let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .ttl(Duration::from_secs(3600))
         .layer(h.service());
     svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
@@ -333,6 +347,7 @@ async fn results_expire_after_the_ttl() {
 async fn oversized_requests_are_refused_and_oversized_responses_are_not_replayed() {
     let h = Handler::new(Mode::Ok);
     let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .max_request_body(16)
         .layer(h.service());
     let res = svc
@@ -345,6 +360,7 @@ async fn oversized_requests_are_refused_and_oversized_responses_are_not_replayed
 
     let big = Handler::new(Mode::Big(10_000));
     let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .max_stored_body(1_000)
         .layer(big.service());
     let first = svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
@@ -363,59 +379,11 @@ async fn oversized_requests_are_refused_and_oversized_responses_are_not_replayed
     );
 }
 
-#[tokio::test]
-async fn a_cancelled_handler_releases_its_claim() {
-    let hang = Handler::new(Mode::Hang);
-    let store = Arc::new(MemoryStore::default());
-    let layer = ReplayLayer::with_store(store.clone());
-    let svc = layer.layer(hang.service());
-    let attempt = tokio::time::timeout(
-        Duration::from_millis(50),
-        svc.clone().oneshot(refund(Some("k"), "49")),
-    )
-    .await;
-    assert!(attempt.is_err(), "the caller gave up");
-    assert_eq!(hang.runs(), 1);
-    // The release is spawned from the guard's drop; let it run.
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    let ok = Handler::new(Mode::Ok);
-    let svc = layer.layer(ok.service());
-    assert_eq!(
-        svc.oneshot(refund(Some("k"), "49")).await.unwrap().status(),
-        201
-    );
-    assert_eq!(ok.runs(), 1, "the key was free again");
-}
-
-#[tokio::test]
-async fn a_crashed_handler_releases_its_claim() {
-    let crash = Handler::new(Mode::Panic);
-    let layer = ReplayLayer::new(MemoryStore::default());
-    let svc = layer.layer(crash.service());
-    let joined = tokio::spawn(svc.oneshot(refund(Some("k"), "49"))).await;
-    assert!(joined.unwrap_err().is_panic());
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    let ok = Handler::new(Mode::Ok);
-    assert_eq!(
-        layer
-            .layer(ok.service())
-            .oneshot(refund(Some("k"), "49"))
-            .await
-            .unwrap()
-            .status(),
-        201
-    );
-    assert_eq!(ok.runs(), 1);
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_long_handler_keeps_its_claim_by_renewing_the_lease() {
     let slow = Handler::new(Mode::Sleep(Duration::from_secs(120)));
     let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .lease(Duration::from_secs(30))
         .layer(slow.service());
     let first = tokio::spawn(svc.clone().oneshot(refund(Some("k"), "49")));
@@ -432,10 +400,66 @@ async fn a_long_handler_keeps_its_claim_by_renewing_the_lease() {
     assert_eq!(slow.runs(), 1);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_client_that_gives_up_does_not_stop_the_handler_nor_free_its_key() {
+    // The handler takes 1.5 s (its commit, say); the client gives up after 500 ms and retries.
+    let slow = Handler::new(Mode::Sleep(Duration::from_millis(1_500)));
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(slow.service());
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(500),
+        svc.clone().oneshot(refund(Some("k"), "49")),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client gave up");
+    // Its retry, while the handler still runs: 409 with Retry-After, not a second run.
+    let busy = svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(busy.status(), 409);
+    assert!(busy.headers().contains_key("retry-after"));
+    assert_eq!(problem_type(busy).await, "request-in-flight");
+    // The handler ran to completion and its result was stored.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let done = svc.oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(done.status(), 201);
+    assert_eq!(done.headers()["idempotent-replayed"], "true");
+    assert!(text(done).await.contains(r#""refund_id":"R1""#));
+    assert_eq!(slow.runs(), 1, "one refund");
+}
+
+#[tokio::test]
+async fn a_handler_that_ends_without_a_response_leaves_an_unknown_outcome_not_a_free_key() {
+    let crash = Handler::new(Mode::Panic);
+    let layer = ReplayLayer::new(MemoryStore::default()).single_tenant();
+    let first = layer
+        .layer(crash.service())
+        .oneshot(refund(Some("k"), "49"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 409);
+    assert_eq!(problem_type(first).await, "outcome-unknown");
+    // The record is written from the guard's drop; let it run.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let ok = Handler::new(Mode::Ok);
+    let again = layer
+        .layer(ok.service())
+        .oneshot(refund(Some("k"), "49"))
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 409);
+    assert_eq!(problem_type(again).await, "outcome-unknown");
+    assert_eq!(ok.runs(), 0, "not a second run");
+    assert_eq!(crash.runs(), 1);
+}
+
 #[tokio::test]
 async fn which_outcomes_are_stored_is_a_policy() {
     let busy = Handler::new(Mode::Status(503));
-    let svc = ReplayLayer::new(MemoryStore::default()).layer(busy.service());
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(busy.service());
     svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
     svc.oneshot(refund(Some("k"), "49")).await.unwrap();
     assert_eq!(
@@ -445,7 +469,9 @@ async fn which_outcomes_are_stored_is_a_policy() {
     );
 
     let broken = Handler::new(Mode::Status(500));
-    let svc = ReplayLayer::new(MemoryStore::default()).layer(broken.service());
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(broken.service());
     svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
     let again = svc.oneshot(refund(Some("k"), "49")).await.unwrap();
     assert_eq!(again.status(), 500);
@@ -456,7 +482,9 @@ async fn which_outcomes_are_stored_is_a_policy() {
         "a 500 after the handler ran is replayed, as Stripe does"
     );
 
-    let only_2xx = ReplayLayer::new(MemoryStore::default()).store_status(|s| s.is_success());
+    let only_2xx = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .store_status(|s| s.is_success());
     let svc = only_2xx.layer(broken.service());
     svc.clone().oneshot(refund(Some("k2"), "49")).await.unwrap();
     svc.oneshot(refund(Some("k2"), "49")).await.unwrap();
@@ -467,6 +495,7 @@ async fn which_outcomes_are_stored_is_a_policy() {
 async fn a_business_identity_deduplicates_a_model_re_call_with_other_arguments() {
     let h = Handler::new(Mode::Ok);
     let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
         .business_key(|_parts, body| {
             let v: serde_json::Value = serde_json::from_slice(body).ok()?;
             Some(format!("label-for-order-{}", v["order_id"].as_str()?))
@@ -523,6 +552,7 @@ impl ReplayStore for Down {
 async fn an_unreachable_store_fails_closed_unless_told_otherwise() {
     let h = Handler::new(Mode::Ok);
     let res = ReplayLayer::new(Down)
+        .single_tenant()
         .layer(h.service())
         .oneshot(refund(Some("k"), "49"))
         .await
@@ -532,6 +562,7 @@ async fn an_unreachable_store_fails_closed_unless_told_otherwise() {
     assert_eq!(problem_type(res).await, "replay-store-unavailable");
     assert_eq!(h.runs(), 0, "no handler runs without deduplication");
     let res = ReplayLayer::new(Down)
+        .single_tenant()
         .fail_open(true)
         .layer(h.service())
         .oneshot(refund(Some("k"), "49"))
@@ -552,7 +583,9 @@ mod hostile_headers {
             .unwrap();
         rt.block_on(async {
             let h = Handler::new(Mode::Ok);
-            let svc = ReplayLayer::new(MemoryStore::default()).layer(h.service());
+            let svc = ReplayLayer::new(MemoryStore::default())
+                .single_tenant()
+                .layer(h.service());
             let mut req = refund(None, "49");
             for v in &values {
                 if let Ok(v) = http::HeaderValue::from_bytes(v) {
@@ -615,8 +648,12 @@ mod redis {
         let redis = RedisServer::start().await;
         let h = Handler::new(Mode::Sleep(Duration::from_millis(100)));
         // Two replicas: separate layers, separate connections, one Redis.
-        let a = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap()).layer(h.service());
-        let b = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap()).layer(h.service());
+        let a = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap())
+            .single_tenant()
+            .layer(h.service());
+        let b = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap())
+            .single_tenant()
+            .layer(h.service());
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..40 {
             let svc = if i % 2 == 0 { a.clone() } else { b.clone() };
@@ -695,7 +732,9 @@ mod redis {
     async fn while_redis_is_down_requests_fail_closed_and_it_recovers() {
         let mut redis = RedisServer::start().await;
         let h = Handler::new(Mode::Ok);
-        let svc = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap()).layer(h.service());
+        let svc = ReplayLayer::new(RedisStore::open(&redis.url()).unwrap())
+            .single_tenant()
+            .layer(h.service());
         assert_eq!(
             svc.clone()
                 .oneshot(refund(Some("k1"), "49"))
@@ -721,4 +760,149 @@ mod redis {
         assert!(recovered, "the store reconnects once Redis is back");
         assert_eq!(h.runs(), 2);
     }
+}
+
+/// A memory store whose `complete` fails the first `fail_completes` times and whose `renew`
+/// answers as told: a store that fails for a moment, or that lost the claim.
+#[derive(Debug)]
+struct Flaky {
+    inner: MemoryStore,
+    fail_completes: AtomicU32,
+    /// 0: renew as usual; 1: the claim was taken over (`Ok(false)`); 2: unreachable.
+    renew_mode: AtomicU32,
+}
+
+impl Flaky {
+    fn new(fail_completes: u32, renew_mode: u32) -> Self {
+        Flaky {
+            inner: MemoryStore::default(),
+            fail_completes: AtomicU32::new(fail_completes),
+            renew_mode: AtomicU32::new(renew_mode),
+        }
+    }
+}
+
+impl ReplayStore for Flaky {
+    fn claim<'a>(&'a self, k: &'a str, f: Fingerprint, l: Duration) -> StoreFuture<'a, Claim> {
+        self.inner.claim(k, f, l)
+    }
+    fn renew<'a>(&'a self, k: &'a str, t: u64, l: Duration) -> StoreFuture<'a, bool> {
+        match self.renew_mode.load(Ordering::SeqCst) {
+            1 => Box::pin(async { Ok(false) }),
+            2 => Box::pin(async { Err(StoreError::new("connection reset")) }),
+            _ => self.inner.renew(k, t, l),
+        }
+    }
+    fn complete<'a>(
+        &'a self,
+        k: &'a str,
+        t: u64,
+        r: &'a StoredResponse,
+        ttl: Duration,
+    ) -> StoreFuture<'a, bool> {
+        let failing = self
+            .fail_completes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if failing {
+            return Box::pin(async { Err(StoreError::new("connection reset")) });
+        }
+        self.inner.complete(k, t, r, ttl)
+    }
+    fn release<'a>(&'a self, k: &'a str, t: u64) -> StoreFuture<'a, bool> {
+        self.inner.release(k, t)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_result_is_stored_once_the_store_recovers_and_repeats_wait_meanwhile() {
+    let store = Arc::new(Flaky::new(5, 0));
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::with_store(store.clone())
+        .single_tenant()
+        .layer(h.service());
+    let first = tokio::spawn(svc.clone().oneshot(refund(Some("k"), "49")));
+    tokio::task::yield_now().await;
+    // The first complete failed: the claim is still held, and a repeat waits for it.
+    let busy = svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(
+        busy.status(),
+        409,
+        "not a second run while the result is being stored"
+    );
+    assert_eq!(first.await.unwrap().unwrap().status(), 201);
+    assert_eq!(
+        store.fail_completes.load(Ordering::SeqCst),
+        0,
+        "it kept trying"
+    );
+    let again = svc.oneshot(refund(Some("k"), "49")).await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(h.runs(), 1);
+}
+
+/// A handler that works for 20 s unless it learns that its lease was lost.
+fn watchful(
+    lost: Arc<AtomicU32>,
+) -> impl Service<
+    Request<ReplayRequestBody>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future: Send,
+> + Clone
++ Send
++ 'static {
+    service_fn(move |req: Request<ReplayRequestBody>| {
+        let lost = lost.clone();
+        async move {
+            let mut lease = req.extensions().get::<Lease>().cloned().expect("a lease");
+            assert!(lease.is_held());
+            assert!(lease.token() > 0);
+            tokio::select! {
+                () = lease.lost() => {
+                    assert!(!lease.is_held());
+                    lost.fetch_add(1, Ordering::SeqCst);
+                    Ok(Response::builder().status(503).body(Full::default()).unwrap())
+                }
+                () = tokio::time::sleep(Duration::from_secs(20)) => {
+                    Ok(Response::new(Full::from("committed")))
+                }
+            }
+        }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_learns_that_its_lease_was_lost() {
+    for (mode, within) in [(1, Duration::from_secs(2)), (2, Duration::from_secs(5))] {
+        let lost = Arc::new(AtomicU32::new(0));
+        let start = tokio::time::Instant::now();
+        let res = ReplayLayer::with_store(Arc::new(Flaky::new(0, mode)))
+            .single_tenant()
+            .lease(Duration::from_secs(3))
+            .layer(watchful(lost.clone()))
+            .oneshot(refund(Some("k"), "49"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 503, "mode {mode}");
+        assert_eq!(lost.load(Ordering::SeqCst), 1);
+        // Taken over: told at the first renewal (1 s); unreachable: once a whole lease (3 s)
+        // passed without a renewal.
+        assert!(
+            start.elapsed() <= within,
+            "mode {mode}: {:?}",
+            start.elapsed()
+        );
+    }
+    // A lease that is renewed is never reported lost.
+    let lost = Arc::new(AtomicU32::new(0));
+    let res = ReplayLayer::with_store(Arc::new(Flaky::new(0, 0)))
+        .single_tenant()
+        .lease(Duration::from_secs(3))
+        .layer(watchful(lost.clone()))
+        .oneshot(refund(Some("k"), "49"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(lost.load(Ordering::SeqCst), 0);
 }
