@@ -96,7 +96,7 @@ pub use lease::Lease;
 pub use memory::MemoryStore;
 pub use problem::{BodyError, ReplayResponseBody};
 #[cfg(feature = "redis")]
-pub use redis_store::RedisStore;
+pub use redis_store::{OnVolatile, Persistence, RedisStore};
 pub use store::{
     Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
     scope_of,

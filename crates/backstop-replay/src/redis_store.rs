@@ -90,6 +90,70 @@ impl RedisStore {
         })
     }
 
+    /// Opens the store and checks that the server keeps its data across a restart (an
+    /// append-only file or RDB snapshots). A Redis that restarts empty forgets every claim and
+    /// result, so requests repeated after the restart run again: with [`OnVolatile::Refuse`]
+    /// such a server is an error, with [`OnVolatile::Warn`] a warning (`backstop::replay`). A
+    /// server that does not answer `CONFIG GET` (a managed Redis may forbid it) is warned
+    /// about and accepted either way: its persistence is the operator's to confirm.
+    pub async fn connect(url: &str, on_volatile: OnVolatile) -> Result<Self, StoreError> {
+        let store = Self::open(url)?;
+        match store.persistence().await? {
+            Persistence::None => {
+                let why = "this Redis keeps nothing on disk (appendonly no, no save points): if it \
+                           restarts, every claim and stored result is lost and repeated requests \
+                           run again; turn on AOF (appendonly yes) or RDB snapshots";
+                match on_volatile {
+                    OnVolatile::Refuse => return Err(StoreError::new(format!("redis: {why}"))),
+                    OnVolatile::Warn => tracing::warn!(target: "backstop::replay", "{why}"),
+                }
+            }
+            Persistence::Unknown(e) => tracing::warn!(
+                target: "backstop::replay",
+                error = %e,
+                "could not read this Redis's persistence settings; make sure it keeps its data across restarts"
+            ),
+            Persistence::Aof | Persistence::Rdb => {}
+        }
+        Ok(store)
+    }
+
+    /// What the server keeps across a restart, from `CONFIG GET appendonly` and `CONFIG GET
+    /// save`. An unreachable server is an error; a refused `CONFIG` is
+    /// [`Persistence::Unknown`].
+    pub async fn persistence(&self) -> Result<Persistence, StoreError> {
+        let mut conn = self.conn.clone();
+        let aof: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("appendonly")
+            .query_async(&mut conn)
+            .await;
+        let aof = match aof {
+            Ok(v) => v,
+            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                return Err(err(e));
+            }
+            Err(e) => return Ok(Persistence::Unknown(e.to_string())),
+        };
+        if aof.get(1).is_some_and(|v| v == "yes") {
+            return Ok(Persistence::Aof);
+        }
+        let save: Vec<String> = match redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("save")
+            .query_async(&mut conn)
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => return Ok(Persistence::Unknown(e.to_string())),
+        };
+        Ok(if save.get(1).is_some_and(|v| !v.trim().is_empty()) {
+            Persistence::Rdb
+        } else {
+            Persistence::None
+        })
+    }
+
     /// The key prefix.
     #[must_use]
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -110,6 +174,29 @@ impl RedisStore {
         let n: i64 = inv.invoke_async(&mut conn).await.map_err(err)?;
         Ok(n == 1)
     }
+}
+
+/// What a Redis server keeps across a restart.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Persistence {
+    /// An append-only file (`appendonly yes`).
+    Aof,
+    /// RDB snapshots only (`save` points): writes since the last snapshot are lost on a crash.
+    Rdb,
+    /// Nothing: a restart empties it.
+    None,
+    /// The server would not say (`CONFIG` refused), with its answer.
+    Unknown(String),
+}
+
+/// What [`RedisStore::connect`] does with a server that keeps nothing on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnVolatile {
+    /// Log a warning and use it.
+    Warn,
+    /// Refuse it: `connect` fails.
+    Refuse,
 }
 
 fn bytes(v: &Value) -> Option<&[u8]> {

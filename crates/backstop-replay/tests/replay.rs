@@ -640,8 +640,68 @@ mod hostile_headers {
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
-    use backstop_replay::RedisStore;
+    use backstop_replay::{OnVolatile, Persistence, RedisStore};
     use backstop_testkit::RedisServer;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redis_that_forgets_is_found_at_start_and_refused_when_asked() {
+        let mut volatile = RedisServer::start().await;
+        let store = RedisStore::open(&volatile.url()).unwrap();
+        assert_eq!(store.persistence().await.unwrap(), Persistence::None);
+        let refused = RedisStore::connect(&volatile.url(), OnVolatile::Refuse)
+            .await
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains("keeps nothing on disk"),
+            "{refused}"
+        );
+        let warned = RedisStore::connect(&volatile.url(), OnVolatile::Warn).await;
+        assert!(warned.is_ok());
+        // Why it matters: restarted empty, it forgets a completed key, and the repeat runs.
+        let h = Handler::new(Mode::Ok);
+        let svc = ReplayLayer::new(store).single_tenant().layer(h.service());
+        svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+        volatile.restart().await;
+        let mut again = None;
+        for _ in 0..40 {
+            match svc.clone().oneshot(refund(Some("k"), "49")).await {
+                Ok(r) if r.status() != 503 => {
+                    again = Some(r);
+                    break;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        assert_eq!(again.unwrap().status(), 201);
+        assert_eq!(
+            h.runs(),
+            2,
+            "a Redis without persistence lets a repeat run again"
+        );
+
+        // With an append-only file, the same restart keeps the key.
+        let mut durable = RedisServer::start_persistent().await;
+        let store = RedisStore::connect(&durable.url(), OnVolatile::Refuse)
+            .await
+            .unwrap();
+        assert_eq!(store.persistence().await.unwrap(), Persistence::Aof);
+        let h = Handler::new(Mode::Ok);
+        let svc = ReplayLayer::new(store).single_tenant().layer(h.service());
+        svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
+        durable.restart().await;
+        let mut again = None;
+        for _ in 0..40 {
+            match svc.clone().oneshot(refund(Some("k"), "49")).await {
+                Ok(r) if r.status() != 503 => {
+                    again = Some(r);
+                    break;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        assert_eq!(again.unwrap().headers()["idempotent-replayed"], "true");
+        assert_eq!(h.runs(), 1);
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn two_server_instances_sharing_one_redis_run_the_handler_once() {
