@@ -56,6 +56,17 @@ struct Config {
     allow_headers: Vec<HeaderName>,
     fail_open: bool,
     single_tenant: bool,
+    #[cfg(feature = "postgres")]
+    transactional: Option<crate::PgStore>,
+}
+
+impl Config {
+    fn is_transactional(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self.transactional.is_some();
+        #[cfg(not(feature = "postgres"))]
+        false
+    }
 }
 
 /// The principal of every request of a layer built with [`ReplayLayer::single_tenant`].
@@ -131,8 +142,24 @@ impl ReplayLayer {
                 .collect(),
                 fail_open: false,
                 single_tenant: false,
+                #[cfg(feature = "postgres")]
+                transactional: None,
             }),
         }
+    }
+
+    /// A replay layer whose handler runs in a database transaction shared with the store: it
+    /// finds a [`PgTransaction`](crate::PgTransaction) in its request's extensions, writes its
+    /// business rows through it, and the layer writes the stored response in the same
+    /// transaction and commits both. The key is then stored atomically with the effect: a
+    /// crash between them leaves neither, and a retry runs the handler once more, for the
+    /// first time as far as the database is concerned. A handler whose lease was lost before
+    /// the commit commits nothing (409 `lease-lost`). Effects outside the transaction (an
+    /// e-mail, another service's API) are not covered: give those the key.
+    #[cfg(feature = "postgres")]
+    pub fn transactional(store: crate::PgStore) -> Self {
+        let layer = Self::with_store(Arc::new(store.clone()));
+        layer.edit(|c| c.transactional = Some(store))
     }
 
     fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
@@ -561,13 +588,7 @@ where
         }
         Err(e) => {
             tracing::warn!(target: "backstop::replay", error = %e, "store unavailable; refusing the request");
-            count("store_unavailable");
-            return Ok(retry_later(problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "replay-store-unavailable",
-                "Deduplication unavailable",
-                "the idempotency store is unavailable, so the request was not processed (it could not be protected against duplicates); retry later with the same key",
-            )));
+            return Ok(store_unavailable());
         }
     };
 
@@ -580,7 +601,15 @@ where
     let task = tokio::spawn(run_claimed(cfg.clone(), svc, req, skey, token, held));
     match task.await {
         Ok(result) => result,
-        // The handler panicked: the task's guard recorded the outcome as unknown.
+        // The handler panicked: the task's guard recorded the outcome as unknown, or, in a
+        // transaction, rolled everything back and freed the key.
+        Err(_) if cfg.is_transactional() => Ok(problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "handler-failed",
+            "Handler failed",
+            "the handler failed before answering; its transaction was rolled back, so nothing \
+             was committed; retry with the same idempotency key",
+        )),
         Err(_) => Ok(unknown_outcome()),
     }
 }
@@ -638,6 +667,10 @@ where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
+    #[cfg(feature = "postgres")]
+    if let Some(pg) = cfg.transactional.clone() {
+        return run_in_transaction(cfg, &pg, svc, req, key, token, held).await;
+    }
     let guard = ClaimGuard::new(cfg.clone(), key, token, held);
     let res = match call_inner(svc, req).await {
         Ok(res) => res,
@@ -682,6 +715,17 @@ async fn capture(
     guard: ClaimGuard,
     res: Response<ReplayResponseBody>,
 ) -> Response<ReplayResponseBody> {
+    let (stored, res) = buffer(cfg, res).await;
+    guard.complete(&stored).await;
+    res
+}
+
+/// Reads the response body up to the storage limit: the record to store, and the response to
+/// return (the part read, then the rest of a body too large to store).
+async fn buffer(
+    cfg: &Config,
+    res: Response<ReplayResponseBody>,
+) -> (StoredResponse, Response<ReplayResponseBody>) {
     let (parts, body) = res.into_parts();
     let mut body = body;
     let mut buf = BytesMut::new();
@@ -726,7 +770,6 @@ async fn capture(
         },
         body_omitted: (over || failed.is_some()).then_some(read),
     };
-    guard.complete(&stored).await;
     let body = if over || failed.is_some() {
         PrefixedBody {
             prefix: (!prefix.is_empty()).then_some(prefix),
@@ -737,7 +780,116 @@ async fn capture(
     } else {
         full(prefix)
     };
-    Response::from_parts(parts, body)
+    (stored, Response::from_parts(parts, body))
+}
+
+/// Runs a claimed request in one database transaction with its record: the handler writes
+/// through the [`PgTransaction`](crate::PgTransaction) in its extensions, the layer writes the
+/// stored response in the same transaction (fenced by the claim's token) and commits. A crash
+/// before the commit leaves neither the effect nor the record, and the key is free again once
+/// the lease expires; a handler that fails, or answers with a status that is not stored, is
+/// rolled back and its key released.
+#[cfg(feature = "postgres")]
+async fn run_in_transaction<S, ResB>(
+    cfg: Arc<Config>,
+    pg: &crate::PgStore,
+    svc: S,
+    mut req: Request<ReplayRequestBody>,
+    key: String,
+    token: u64,
+    held: watch::Sender<bool>,
+) -> Result<Response<ReplayResponseBody>, S::Error>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let mut guard = ClaimGuard::new(cfg.clone(), key.clone(), token, held);
+    // Dropped before the commit (a panic, a stopped task), the transaction rolls back: nothing
+    // happened, so the key is released rather than marked unknown.
+    guard.on_drop = OnDrop::Release;
+    let tx = match pg.begin().await {
+        Ok(tx) => tx,
+        Err(e) => {
+            tracing::warn!(target: "backstop::replay", error = %e, "could not open a transaction; refusing the request");
+            guard.release().await;
+            return Ok(store_unavailable());
+        }
+    };
+    let shared = crate::PgTransaction::new(tx);
+    req.extensions_mut().insert(shared.clone());
+    let res = match call_inner(svc, req).await {
+        Ok(res) => res,
+        Err(e) => {
+            drop(shared.take().await);
+            guard.release().await;
+            return Err(e);
+        }
+    };
+    if !(cfg.store_status)(res.status()) {
+        drop(shared.take().await);
+        guard.release().await;
+        return Ok(res);
+    }
+    let (stored, res) = buffer(&cfg, res).await;
+    let Some(mut tx) = shared.take().await else {
+        guard.release().await;
+        return Ok(store_unavailable());
+    };
+    match pg.complete_in(&mut tx, &key, token, &stored, cfg.ttl).await {
+        Ok(true) => match tx.commit().await {
+            Ok(()) => {
+                guard.done();
+                Ok(res)
+            }
+            Err(e) => {
+                tracing::warn!(target: "backstop::replay", error = %e, "the commit failed: nothing happened; the key is released");
+                guard.release().await;
+                Ok(store_unavailable())
+            }
+        },
+        Ok(false) => {
+            // The lease was lost and another request owns the key: commit nothing.
+            drop(tx);
+            guard.done();
+            count("lease_lost");
+            Ok(retry_later(problem(
+                StatusCode::CONFLICT,
+                "lease-lost",
+                "Request superseded",
+                "this request's claim on its idempotency key expired while it ran and another \
+                 request took it over, so nothing it did was committed; retry with the same key \
+                 to get that request's result",
+            )))
+        }
+        Err(e) => {
+            tracing::warn!(target: "backstop::replay", error = %e, "could not record the result: nothing was committed; the key is released");
+            drop(tx);
+            guard.release().await;
+            Ok(store_unavailable())
+        }
+    }
+}
+
+fn store_unavailable() -> Response<ReplayResponseBody> {
+    count("store_unavailable");
+    retry_later(problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "replay-store-unavailable",
+        "Deduplication unavailable",
+        "the idempotency store is unavailable, so the request was not processed (it could not \
+         be protected against duplicates); retry later with the same key",
+    ))
+}
+
+/// What a guard dropped before its claim was settled does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OnDrop {
+    /// The handler started and may have acted: record the outcome as unknown.
+    RecordUnknown,
+    /// Nothing can have happened (its transaction rolled back): free the key.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    Release,
 }
 
 /// Holds a claim while its handler runs: renews the lease, reports its loss, stores the
@@ -750,6 +902,7 @@ struct ClaimGuard {
     renew: Option<JoinHandle<()>>,
     held: Arc<watch::Sender<bool>>,
     armed: bool,
+    on_drop: OnDrop,
 }
 
 impl ClaimGuard {
@@ -787,7 +940,14 @@ impl ClaimGuard {
             renew: Some(renew),
             held,
             armed: true,
+            on_drop: OnDrop::RecordUnknown,
         }
+    }
+
+    /// The claim was settled elsewhere (in the handler's transaction).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    fn done(mut self) {
+        self.disarm();
     }
 
     fn disarm(&mut self) {
@@ -850,14 +1010,20 @@ impl Drop for ClaimGuard {
         // stopped): record that its outcome is unknown, rather than free the key for a second
         // run. If the runtime is shutting down this cannot run, and the lease expires instead.
         if let Ok(h) = tokio::runtime::Handle::try_current() {
-            let (store, key, token, ttl) = (
+            let (store, key, token, ttl, on_drop) = (
                 self.cfg.store.clone(),
                 std::mem::take(&mut self.key),
                 self.token,
                 self.cfg.ttl,
+                self.on_drop,
             );
             h.spawn(async move {
-                let _ = store.complete(&key, token, &unknown_record(), ttl).await;
+                let _ = match on_drop {
+                    OnDrop::RecordUnknown => {
+                        store.complete(&key, token, &unknown_record(), ttl).await
+                    }
+                    OnDrop::Release => store.release(&key, token).await,
+                };
             });
         }
     }

@@ -86,6 +86,8 @@ mod body;
 mod layer;
 mod lease;
 mod memory;
+#[cfg(feature = "postgres")]
+mod pg_store;
 mod problem;
 #[cfg(feature = "redis")]
 mod redis_store;
@@ -94,6 +96,8 @@ mod store;
 pub use layer::{Principal, Replay, ReplayFuture, ReplayLayer, ReplayRequestBody};
 pub use lease::Lease;
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use pg_store::{PgStore, PgTransaction};
 pub use problem::{BodyError, ReplayResponseBody};
 #[cfg(feature = "redis")]
 pub use redis_store::{OnVolatile, Persistence, RedisStore};

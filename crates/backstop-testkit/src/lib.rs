@@ -17,8 +17,10 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod postgres;
 mod proxy;
 
+pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
 
 use bytes::Bytes;

@@ -1,0 +1,223 @@
+//! The PostgreSQL store against a PostgreSQL of the test's own (`initdb` + `pg_ctl` on a free
+//! loopback port), and the transactional mode.
+
+#![cfg(feature = "postgres")]
+
+use backstop_replay::{
+    Claim, PgStore, PgTransaction, ReplayLayer, ReplayRequestBody, ReplayStore, StoredResponse,
+};
+use backstop_testkit::PostgresServer;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use std::{convert::Infallible, time::Duration};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn response(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(body.as_bytes()),
+        body_omitted: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_are_atomic_fenced_and_expire() {
+    let pg = PostgresServer::start().await;
+    let s = PgStore::connect(&pg.url()).await.unwrap();
+    // A second store on the same database migrates without trouble.
+    let again = PgStore::connect(&pg.url()).await.unwrap();
+
+    let Claim::Claimed { token } = s.claim("scope:k", [1; 32], LEASE).await.unwrap() else {
+        panic!("a free key is claimed")
+    };
+    assert_eq!(
+        again.claim("scope:k", [1; 32], LEASE).await.unwrap(),
+        Claim::InFlight {
+            fingerprint: [1; 32]
+        }
+    );
+    assert!(s.renew("scope:k", token, LEASE).await.unwrap());
+    assert!(
+        !s.complete("scope:k", token + 1000, &response("stale"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(
+        s.complete("scope:k", token, &response("R1"), TTL)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        again.claim("scope:k", [2; 32], LEASE).await.unwrap(),
+        Claim::Done {
+            fingerprint: [1; 32],
+            response: response("R1")
+        }
+    );
+    // A lease that expires lets a newer claim in, with a higher token; the old one is fenced.
+    let Claim::Claimed { token: old } = s
+        .claim("scope:short", [3; 32], Duration::from_millis(200))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let Claim::Claimed { token: new } = s.claim("scope:short", [3; 32], LEASE).await.unwrap()
+    else {
+        panic!("an expired claim is taken over")
+    };
+    assert!(new > old, "fencing tokens grow: {old} then {new}");
+    assert!(
+        !s.complete("scope:short", old, &response("stale"), TTL)
+            .await
+            .unwrap()
+    );
+    assert!(!s.release("scope:short", old).await.unwrap());
+    assert!(s.release("scope:short", new).await.unwrap());
+    // Expired rows are purged.
+    let Claim::Claimed { .. } = s
+        .claim("scope:gone", [4; 32], Duration::from_millis(100))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(s.purge_expired().await.unwrap() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_of_one_key_give_one_owner() {
+    let pg = PostgresServer::start().await;
+    let s = PgStore::connect(&pg.url()).await.unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let s = s.clone();
+        tasks.spawn(async move { s.claim("scope:race", [5; 32], LEASE).await.unwrap() });
+    }
+    let mut owners = 0;
+    while let Some(c) = tasks.join_next().await {
+        if matches!(c.unwrap(), Claim::Claimed { .. }) {
+            owners += 1;
+        }
+    }
+    assert_eq!(owners, 1);
+}
+
+fn refund(key: &str, order: &str) -> Request<Full<Bytes>> {
+    Request::post("/refunds")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from(order.to_owned())))
+        .unwrap()
+}
+
+/// A refund handler that writes its row in the layer's transaction, then answers as told.
+fn refunds(
+    then: &'static str,
+) -> impl Service<
+    Request<ReplayRequestBody>,
+    Response = Response<Full<Bytes>>,
+    Error = Infallible,
+    Future: Send,
+> + Clone
++ Send
++ 'static {
+    service_fn(move |req: Request<ReplayRequestBody>| async move {
+        let tx = req
+            .extensions()
+            .get::<PgTransaction>()
+            .cloned()
+            .expect("a transaction");
+        let order = req.into_body().collect().await.unwrap().to_bytes();
+        let id: i64 = {
+            let mut conn = tx.lock().await;
+            sqlx::query_scalar("INSERT INTO refunds (order_id) VALUES ($1) RETURNING id")
+                .bind(String::from_utf8_lossy(&order).into_owned())
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap()
+        };
+        match then {
+            "panic" => panic!("the handler crashed after its write"),
+            "busy" => Ok(Response::builder()
+                .status(503)
+                .body(Full::default())
+                .unwrap()),
+            _ => Ok(Response::builder()
+                .status(201)
+                .body(Full::from(format!("refund {id}")))
+                .unwrap()),
+        }
+    })
+}
+
+async fn count(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM refunds")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transactional_mode_commits_the_effect_and_the_record_together() {
+    let pg = PostgresServer::start().await;
+    let store = PgStore::connect(&pg.url()).await.unwrap();
+    sqlx::query("CREATE TABLE refunds (id bigserial PRIMARY KEY, order_id text NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let layer = || ReplayLayer::transactional(store.clone()).single_tenant();
+
+    // Committed once, replayed after.
+    let svc = layer().layer(refunds("ok"));
+    let first = svc.clone().oneshot(refund("k1", "A-7")).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let body = first.into_body().collect().await.unwrap().to_bytes();
+    let again = svc.oneshot(refund("k1", "A-7")).await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.into_body().collect().await.unwrap().to_bytes(), body);
+    assert_eq!(count(store.pool()).await, 1);
+
+    // A handler that crashes after its write: rolled back, the key free, a retry runs once.
+    let crashed = layer()
+        .layer(refunds("panic"))
+        .oneshot(refund("k2", "B-8"))
+        .await
+        .unwrap();
+    assert_eq!(crashed.status(), 500, "nothing was committed: the caller may retry");
+    assert_eq!(
+        count(store.pool()).await,
+        1,
+        "the crashed handler's write was rolled back"
+    );
+    let mut retried = None;
+    for _ in 0..50 {
+        let r = layer()
+            .layer(refunds("ok"))
+            .oneshot(refund("k2", "B-8"))
+            .await
+            .unwrap();
+        if r.status() == 201 {
+            retried = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(retried.is_some(), "the key was released");
+    assert_eq!(count(store.pool()).await, 2);
+
+    // A handler that answers 503 (refused before acting) is rolled back too.
+    let busy = layer()
+        .layer(refunds("busy"))
+        .oneshot(refund("k3", "C-9"))
+        .await
+        .unwrap();
+    assert_eq!(busy.status(), 503);
+    assert_eq!(count(store.pool()).await, 2);
+}

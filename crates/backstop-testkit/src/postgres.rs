@@ -1,0 +1,175 @@
+//! A PostgreSQL server of the test's own: `initdb` and `pg_ctl` on a temporary directory and a
+//! free loopback port, stopped and removed when dropped.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// A PostgreSQL cluster of the test's own, on `127.0.0.1` and a free port.
+///
+/// Finds `initdb` and `pg_ctl` under `/usr/lib/postgresql/*/bin` (the newest version) or on the
+/// `PATH`. PostgreSQL refuses to run as root, so when the tests run as root the server runs as
+/// the `postgres` user (`runuser`). Fails with a message that says how to install PostgreSQL
+/// when it is missing.
+#[derive(Debug)]
+pub struct PostgresServer {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+    as_postgres: bool,
+    running: bool,
+}
+
+fn bin_dir() -> PathBuf {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .filter(|p| p.join("initdb").exists() && p.join("pg_ctl").exists())
+        .collect();
+    found.sort_by_key(|p| {
+        p.parent()
+            .and_then(Path::file_name)
+            .and_then(|v| v.to_str())
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    if let Some(newest) = found.pop() {
+        return newest;
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if dir.join("initdb").exists() {
+            return dir;
+        }
+    }
+    panic!(
+        "PostgreSQL is not installed: the PostgreSQL tests run their own server with initdb and \
+         pg_ctl (looked in /usr/lib/postgresql/*/bin and pg_config --bindir). Install it with \
+         `apt-get install postgresql` (Debian, Ubuntu) or your system's package"
+    );
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+impl PostgresServer {
+    /// Creates a cluster in a fresh temporary directory and starts it (fsync off: a test's
+    /// data does not need to survive the machine, only the server's own crashes).
+    pub async fn start() -> PostgresServer {
+        let port = crate::refused_addr().await.port();
+        let bin = bin_dir();
+        let dir = std::env::temp_dir().join(format!("backstop-pg-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let as_postgres = is_root();
+        if as_postgres {
+            let status = Command::new("chown")
+                .args(["postgres:postgres"])
+                .arg(&dir)
+                .status()
+                .expect("chown");
+            assert!(
+                status.success(),
+                "could not give {} to the postgres user",
+                dir.display()
+            );
+        }
+        let mut server = PostgresServer {
+            bin,
+            dir,
+            port,
+            as_postgres,
+            running: false,
+        };
+        let data = server.dir.join("data");
+        let out = server
+            .command("initdb")
+            .arg("-D")
+            .arg(&data)
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+            .output()
+            .expect("initdb runs");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        server.launch();
+        server
+    }
+
+    fn command(&self, tool: &str) -> Command {
+        let path = self.bin.join(tool);
+        if self.as_postgres {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn launch(&mut self) {
+        let data = self.dir.join("data");
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c max_connections=50",
+            self.port,
+            self.dir.display()
+        );
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&data)
+            .args(["-o", &options, "-l"])
+            .arg(self.dir.join("log"))
+            .args(["-w", "-t", "30", "start"])
+            .output()
+            .expect("pg_ctl runs");
+        assert!(
+            out.status.success(),
+            "PostgreSQL did not start: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+        );
+        self.running = true;
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops it at once (`pg_ctl stop -m immediate`: a crash, as far as the data is concerned).
+    pub fn stop(&mut self) {
+        if !self.running {
+            return;
+        }
+        let _ = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .output();
+        self.running = false;
+    }
+
+    /// Starts it again on the same port, with its data.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.launch();
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
