@@ -190,7 +190,11 @@ async fn the_transactional_mode_commits_the_effect_and_the_record_together() {
         .oneshot(refund("k2", "B-8"))
         .await
         .unwrap();
-    assert_eq!(crashed.status(), 500, "nothing was committed: the caller may retry");
+    assert_eq!(
+        crashed.status(),
+        500,
+        "nothing was committed: the caller may retry"
+    );
     assert_eq!(
         count(store.pool()).await,
         1,
