@@ -23,7 +23,6 @@ enum Mode {
     Ok,
     Status(u16),
     Sleep(Duration),
-    Hang,
     Panic,
     Big(usize),
 }
@@ -70,7 +69,6 @@ impl Handler {
                     Mode::Ok => {}
                     Mode::Status(s) => status = s,
                     Mode::Sleep(d) => tokio::time::sleep(d).await,
-                    Mode::Hang => std::future::pending::<()>().await,
                     Mode::Panic => panic!("the handler crashed"),
                     Mode::Big(n) => {
                         return Ok(Response::new(Full::new(Bytes::from(vec![b'x'; n]))));
