@@ -21,7 +21,7 @@ pub struct PostgresServer {
     running: bool,
 }
 
-fn bin_dir() -> PathBuf {
+fn find_bin_dir() -> Option<PathBuf> {
     let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .into_iter()
         .flatten()
@@ -37,13 +37,16 @@ fn bin_dir() -> PathBuf {
             .unwrap_or(0)
     });
     if let Some(newest) = found.pop() {
-        return newest;
+        return Some(newest);
     }
-    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
-        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if dir.join("initdb").exists() {
-            return dir;
-        }
+    let out = Command::new("pg_config").arg("--bindir").output().ok()?;
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    dir.join("initdb").exists().then_some(dir)
+}
+
+fn bin_dir() -> PathBuf {
+    if let Some(dir) = find_bin_dir() {
+        return dir;
     }
     panic!(
         "PostgreSQL is not installed: the PostgreSQL tests run their own server with initdb and \
@@ -60,6 +63,11 @@ fn is_root() -> bool {
 }
 
 impl PostgresServer {
+    /// Whether PostgreSQL's server binaries are installed (for a demo that can do without).
+    pub fn available() -> bool {
+        find_bin_dir().is_some()
+    }
+
     /// Creates a cluster in a fresh temporary directory and starts it (fsync off: a test's
     /// data does not need to survive the machine, only the server's own crashes).
     pub async fn start() -> PostgresServer {
