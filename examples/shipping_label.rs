@@ -12,6 +12,12 @@
 //!    ask the customer.
 //! 4. A 20-minute carrier outage: the breaker opens, the model is told to stop, and the carrier
 //!    sees a trial call per cooldown instead of a stream of retries.
+//! 5. The model calls the tool again for the same order with other arguments (express instead
+//!    of ground): a new tool call, so a new key. The business identity holds anyway: the
+//!    carrier's database allows one active label per order (a unique index), checked inside the
+//!    transactional replay layer's transaction, and the call gets the existing label. This
+//!    scene runs on a PostgreSQL of its own (skipped when PostgreSQL is not installed) and on the
+//!    real clock.
 //!
 //! Run it with `cargo run --example shipping_label`.
 
@@ -273,5 +279,116 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         sent < calls,
         "the breaker kept most calls away from the failing carrier"
     );
+
+    println!("\n5. the model buys a label again for the same order, with other arguments:");
+    if backstop_testkit::PostgresServer::available() {
+        let labels = std::thread::spawn(business_identity)
+            .join()
+            .expect("scene 5")?;
+        assert_eq!(labels, 1, "one active label per order");
+    } else {
+        println!("   skipped: PostgreSQL is not installed (apt-get install postgresql)");
+    }
     Ok(())
+}
+
+/// The carrier's label service on PostgreSQL: one active label per order, enforced by a unique
+/// index inside the replay layer's transaction.
+fn business_identity() -> Result<i64, BoxError> {
+    use backstop::replay::{PgStore, PgTransaction};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let pg = backstop_testkit::PostgresServer::start().await;
+        let store = PgStore::connect(&pg.url()).await?;
+        for ddl in [
+            "CREATE TABLE labels (id bigserial PRIMARY KEY, order_id text NOT NULL, \
+             service text NOT NULL, active boolean NOT NULL DEFAULT true)",
+            "CREATE UNIQUE INDEX one_active_label_per_order ON labels (order_id) WHERE active",
+        ] {
+            sqlx::query(ddl).execute(store.pool()).await?;
+        }
+        let api = service_fn(|req: Request<ReplayRequestBody>| async move {
+            let tx = req
+                .extensions()
+                .get::<PgTransaction>()
+                .cloned()
+                .expect("a transactional layer");
+            let body = req.into_body().collect().await.map_err(|e| e.0)?.to_bytes();
+            let order: serde_json::Value = serde_json::from_slice(&body)?;
+            let (id, service, existing) = buy_label(
+                tx,
+                order["order_id"].as_str().unwrap_or_default().to_owned(),
+                order["service"].as_str().unwrap_or_default().to_owned(),
+            )
+            .await?;
+            let label = format!(r#"{{"label_id":"LBL-{id}","service":"{service}"}}"#);
+            Ok::<_, BoxError>(
+                Response::builder()
+                    .status(if existing { 200 } else { 201 })
+                    .body(Full::new(Bytes::from(label)))?,
+            )
+        });
+        let carrier = ReplayLayer::transactional(store.clone())
+            .single_tenant()
+            .layer(api);
+        let tool = Backstop::http("carrier-api")
+            .preset(Preset::Create)
+            .budget(Budget::default())
+            .no_breaker()
+            .build()?
+            .layer(carrier);
+        let ground =
+            serde_json::json!({"order_id": "ORD-4900", "carrier": "UPS", "service": "ground"});
+        let express =
+            serde_json::json!({"order_id": "ORD-4900", "carrier": "UPS", "service": "express"});
+        let first = tool
+            .clone()
+            .oneshot(purchase("step-8", "call-10", ground))
+            .await;
+        println!("   first call:  {}", tool_reply(first).await);
+        let again = tool.oneshot(purchase("step-9", "call-11", express)).await;
+        println!(
+            "   second call: {} (the existing label)",
+            tool_reply(again).await
+        );
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM labels")
+            .fetch_one(store.pool())
+            .await?;
+        println!("   labels bought for ORD-4900: {n}");
+        Ok(n)
+    })
+}
+
+/// Buys a label in the layer's transaction, or finds the order's active one: `(id, service,
+/// existing)`.
+fn buy_label(
+    tx: backstop::replay::PgTransaction,
+    order: String,
+    service: String,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<(i64, String, bool), sqlx::Error>> + Send>,
+> {
+    Box::pin(async move {
+        let mut conn = tx.lock().await;
+        let bought: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO labels (order_id, service) VALUES ($1, $2) \
+             ON CONFLICT (order_id) WHERE active DO NOTHING RETURNING id",
+        )
+        .bind(&order)
+        .bind(&service)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if let Some(id) = bought {
+            return Ok((id, service, false));
+        }
+        let (id, service): (i64, String) =
+            sqlx::query_as("SELECT id, service FROM labels WHERE order_id = $1 AND active")
+                .bind(&order)
+                .fetch_one(&mut *conn)
+                .await?;
+        Ok((id, service, true))
+    })
 }
