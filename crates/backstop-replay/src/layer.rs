@@ -21,7 +21,7 @@ use std::{
     task::{Context, Poll},
     time::Duration,
 };
-use tokio::{sync::watch, task::JoinHandle};
+use tokio::sync::watch;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -361,16 +361,20 @@ enum Identity {
     Business(String),
 }
 
-/// The store key, `<scope>:<digest>`: the scope is a digest of the principal alone (16 hex
-/// digits, so a store can bound each principal's entries), the digest one of the principal and
-/// the identity; keys and principals are never stored in clear.
+/// The store key, `<scope>:<digest>`: the scope stands for the principal alone (16 hex digits,
+/// so a store can bound each principal's entries; a 64-bit FNV-1a of it, which hides nothing
+/// that a SHA-256 of a guessable name would), the digest is a SHA-256 of the principal and the
+/// identity. Keys and principals are never stored in clear.
 fn store_key(principal: &str, id: &Identity) -> String {
-    let scope = Sha256::new()
-        .chain_update(b"backstop-replay-scope/v1\0")
-        .chain_update(principal.as_bytes())
-        .finalize();
+    let mut scope: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"backstop-replay-scope/v2\0"
+        .iter()
+        .chain(principal.as_bytes())
+    {
+        scope = (scope ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
     let mut h = Sha256::new();
-    h.update(b"backstop-replay-key/v1\0");
+    h.update(b"backstop-replay-key/v2\0");
     field(&mut h, principal.as_bytes());
     match id {
         Identity::Key(k) => {
@@ -382,12 +386,17 @@ fn store_key(principal: &str, id: &Identity) -> String {
             field(&mut h, b.as_bytes());
         }
     }
-    format!("{}:{}", hex::encode(&scope[..8]), hex::encode(h.finalize()))
+    let mut out = [0u8; 16 + 1 + 64];
+    hex::encode_to_slice(scope.to_be_bytes(), &mut out[..16]).expect("16 hex digits");
+    out[16] = b':';
+    hex::encode_to_slice(h.finalize(), &mut out[17..]).expect("64 hex digits");
+    String::from_utf8(out.to_vec()).expect("hex is ASCII")
 }
 
+/// The request's fingerprint: method, path and query, and body, in one pass over the body.
 fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
     let mut h = Sha256::new();
-    h.update(b"backstop-replay-fingerprint/v1\0");
+    h.update(b"backstop-replay-fingerprint/v2\0");
     field(&mut h, parts.method.as_str().as_bytes());
     field(
         &mut h,
@@ -397,7 +406,7 @@ fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
             .map_or("/", |p| p.as_str())
             .as_bytes(),
     );
-    field(&mut h, &Sha256::digest(body));
+    field(&mut h, body);
     h.finalize().into()
 }
 
@@ -667,6 +676,70 @@ where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
+    // The lease is renewed beside the work, in the same task, until the claim is settled.
+    let held = Arc::new(held);
+    let renewals = renew_while_running(cfg.clone(), key.clone(), token, held.clone());
+    let work = settle(cfg, svc, req, key, token, held);
+    let (mut work, mut renewals) = (std::pin::pin!(work), std::pin::pin!(renewals));
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(done) = work.as_mut().poll(cx) {
+            return Poll::Ready(done);
+        }
+        match renewals.as_mut().poll(cx) {
+            Poll::Ready(never) => match never {},
+            Poll::Pending => Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// Renews the claim every third of its lease, forever (the caller stops polling once the
+/// claim is settled), and reports the lease lost when the store refuses a renewal or none
+/// succeeded for a whole lease.
+async fn renew_while_running(
+    cfg: Arc<Config>,
+    key: String,
+    token: u64,
+    held: Arc<watch::Sender<bool>>,
+) -> std::convert::Infallible {
+    let lease = cfg.lease;
+    let mut last = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(lease / 3).await;
+        if !*held.borrow() {
+            continue;
+        }
+        match cfg.store.renew(&key, token, lease).await {
+            Ok(true) => last = tokio::time::Instant::now(),
+            Ok(false) => {
+                tracing::error!(target: "backstop::replay", "the claim was taken over (its lease expired); a repeat may run the handler again");
+                held.send_replace(false);
+            }
+            Err(e) => {
+                tracing::warn!(target: "backstop::replay", error = %e, "could not renew a claim");
+                if last.elapsed() >= lease {
+                    tracing::error!(target: "backstop::replay", "no renewal for a whole lease: the claim may have expired, and a repeat may run the handler again");
+                    held.send_replace(false);
+                }
+            }
+        }
+    }
+}
+
+/// The handler, its response and its record: what settles a claim.
+async fn settle<S, ResB>(
+    cfg: Arc<Config>,
+    svc: S,
+    req: Request<ReplayRequestBody>,
+    key: String,
+    token: u64,
+    held: Arc<watch::Sender<bool>>,
+) -> Result<Response<ReplayResponseBody>, S::Error>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
     #[cfg(feature = "postgres")]
     if let Some(pg) = cfg.transactional.clone() {
         return run_in_transaction(cfg, &pg, svc, req, key, token, held).await;
@@ -797,7 +870,7 @@ async fn run_in_transaction<S, ResB>(
     mut req: Request<ReplayRequestBody>,
     key: String,
     token: u64,
-    held: watch::Sender<bool>,
+    held: Arc<watch::Sender<bool>>,
 ) -> Result<Response<ReplayResponseBody>, S::Error>
 where
     S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
@@ -892,52 +965,25 @@ enum OnDrop {
     Release,
 }
 
-/// Holds a claim while its handler runs: renews the lease, reports its loss, stores the
-/// result (retrying while the lease holds), and, if it is dropped before that (the handler
-/// panicked, or the runtime stopped its task), records the outcome as unknown.
+/// Holds a claim while its handler runs (the lease is renewed beside it, by
+/// [`renew_while_running`]): stores the result (retrying while the lease holds), and, if it is
+/// dropped before that (the handler panicked, or the runtime stopped its task), records the
+/// outcome as unknown.
 struct ClaimGuard {
     cfg: Arc<Config>,
     key: String,
     token: u64,
-    renew: Option<JoinHandle<()>>,
     held: Arc<watch::Sender<bool>>,
     armed: bool,
     on_drop: OnDrop,
 }
 
 impl ClaimGuard {
-    fn new(cfg: Arc<Config>, key: String, token: u64, held: watch::Sender<bool>) -> Self {
-        let held = Arc::new(held);
-        let renew = {
-            let (store, key, lease, held) =
-                (cfg.store.clone(), key.clone(), cfg.lease, held.clone());
-            tokio::spawn(async move {
-                let mut last = tokio::time::Instant::now();
-                loop {
-                    tokio::time::sleep(lease / 3).await;
-                    match store.renew(&key, token, lease).await {
-                        Ok(true) => last = tokio::time::Instant::now(),
-                        Ok(false) => {
-                            tracing::error!(target: "backstop::replay", "the claim was taken over (its lease expired); a repeat may run the handler again");
-                            held.send_replace(false);
-                            break;
-                        }
-                        Err(e) => {
-                            tracing::warn!(target: "backstop::replay", error = %e, "could not renew a claim");
-                            if last.elapsed() >= lease {
-                                tracing::error!(target: "backstop::replay", "no renewal for a whole lease: the claim may have expired, and a repeat may run the handler again");
-                                held.send_replace(false);
-                            }
-                        }
-                    }
-                }
-            })
-        };
+    fn new(cfg: Arc<Config>, key: String, token: u64, held: Arc<watch::Sender<bool>>) -> Self {
         ClaimGuard {
             cfg,
             key,
             token,
-            renew: Some(renew),
             held,
             armed: true,
             on_drop: OnDrop::RecordUnknown,
@@ -952,9 +998,6 @@ impl ClaimGuard {
 
     fn disarm(&mut self) {
         self.armed = false;
-        if let Some(r) = self.renew.take() {
-            r.abort();
-        }
     }
 
     /// Stores the result. A store that fails for a moment is tried again, with the lease still
