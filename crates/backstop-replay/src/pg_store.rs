@@ -380,3 +380,22 @@ impl PgTransaction {
         self.tx.lock().await.take()
     }
 }
+
+/// In an axum handler behind a transactional replay layer: `async fn refund(tx: PgTransaction,
+/// body: String) -> ..`. Outside one, the request is refused with 500 (the server is
+/// misconfigured).
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum_core::extract::FromRequestParts<S> for PgTransaction {
+    type Rejection = (http::StatusCode, &'static str);
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<PgTransaction>().cloned().ok_or((
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            "the server is misconfigured: this handler needs the transaction of a transactional \
+             replay layer (ReplayLayer::transactional) in front of it",
+        ))
+    }
+}

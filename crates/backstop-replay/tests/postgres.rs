@@ -225,3 +225,48 @@ async fn the_transactional_mode_commits_the_effect_and_the_record_together() {
     assert_eq!(busy.status(), 503);
     assert_eq!(count(store.pool()).await, 2);
 }
+
+#[cfg(feature = "axum")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_axum_handler_takes_the_transaction_as_an_extractor() {
+    use axum::{Router, routing::post};
+    use http::StatusCode;
+
+    async fn refund(tx: PgTransaction, order: String) -> (StatusCode, String) {
+        let mut conn = tx.lock().await;
+        let id: i64 = sqlx::query_scalar("INSERT INTO refunds (order_id) VALUES ($1) RETURNING id")
+            .bind(order)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        (StatusCode::CREATED, format!("refund {id}"))
+    }
+
+    let pg = PostgresServer::start().await;
+    let store = PgStore::connect(&pg.url()).await.unwrap();
+    sqlx::query("CREATE TABLE refunds (id bigserial PRIMARY KEY, order_id text NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let app = Router::new().route("/refunds", post(refund));
+    let svc = ReplayLayer::transactional(store.clone())
+        .single_tenant()
+        .layer(app);
+    let first = svc.clone().oneshot(refund("ax-1", "A-7")).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let again = svc.oneshot(refund("ax-1", "A-7")).await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(count(store.pool()).await, 1);
+
+    // Without a transactional layer in front, the extractor refuses.
+    let bare = Router::new().route("/refunds", post(refund));
+    let res = bare
+        .oneshot(
+            Request::post("/refunds")
+                .body(axum::body::Body::from("A-1"))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 500);
+}
