@@ -362,15 +362,19 @@ fn business_identity() -> Result<i64, BoxError> {
     })
 }
 
-/// Buys a label in the layer's transaction, or finds the order's active one: `(id, service,
-/// existing)`.
+/// A label: its id, its service, and whether the order already had it.
+type Label = (i64, String, bool);
+
+/// A boxed database future (boxed, so the compiler proves `Send` on concrete types).
+type DbFuture<T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, sqlx::Error>> + Send>>;
+
+/// Buys a label in the layer's transaction, or finds the order's active one.
 fn buy_label(
     tx: backstop::replay::PgTransaction,
     order: String,
     service: String,
-) -> std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<(i64, String, bool), sqlx::Error>> + Send>,
-> {
+) -> DbFuture<Label> {
     Box::pin(async move {
         let mut conn = tx.lock().await;
         let bought: Option<i64> = sqlx::query_scalar(

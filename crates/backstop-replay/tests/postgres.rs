@@ -232,7 +232,7 @@ async fn an_axum_handler_takes_the_transaction_as_an_extractor() {
     use axum::{Router, routing::post};
     use http::StatusCode;
 
-    async fn refund(tx: PgTransaction, order: String) -> (StatusCode, String) {
+    async fn book(tx: PgTransaction, order: String) -> (StatusCode, String) {
         let mut conn = tx.lock().await;
         let id: i64 = sqlx::query_scalar("INSERT INTO refunds (order_id) VALUES ($1) RETURNING id")
             .bind(order)
@@ -248,7 +248,7 @@ async fn an_axum_handler_takes_the_transaction_as_an_extractor() {
         .execute(store.pool())
         .await
         .unwrap();
-    let app = Router::new().route("/refunds", post(refund));
+    let app = Router::new().route("/refunds", post(book));
     let svc = ReplayLayer::transactional(store.clone())
         .single_tenant()
         .layer(app);
@@ -259,7 +259,7 @@ async fn an_axum_handler_takes_the_transaction_as_an_extractor() {
     assert_eq!(count(store.pool()).await, 1);
 
     // Without a transactional layer in front, the extractor refuses.
-    let bare = Router::new().route("/refunds", post(refund));
+    let bare = Router::new().route("/refunds", post(book));
     let res = bare
         .oneshot(
             Request::post("/refunds")
