@@ -48,8 +48,11 @@
 //! 20 s is tolerated; past the lease the handler's [`Lease`] reports it lost, and a second
 //! execution can start). Only the handler can close that window:
 //!
-//! - record the key in the same transaction as the effect (a `UNIQUE` column on the refunds
-//!   table holding the key), so a second run finds the first one's row; or
+//! - record the key in the same transaction as the effect: with the `postgres` feature,
+//!   [`ReplayLayer::transactional`] does it for you (the handler writes through the
+//!   `PgTransaction` in its extensions, the layer writes the stored result in the same
+//!   transaction and commits both); or keep a `UNIQUE` column holding the key on the refunds
+//!   table, so a second run finds the first one's row; or
 //! - pass a key derived from this one to the downstream system that performs the effect (the
 //!   payment provider's own idempotency key).
 //!
