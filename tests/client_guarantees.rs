@@ -197,9 +197,8 @@ fn exhausted(ready_for: u32) -> Exhausted {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn the_deadline_bounds_readiness_before_the_first_attempt() {
-    let client = exhausted(0);
+/// One GET through a stack with a 500 ms deadline over `client`: it must end at the deadline.
+async fn call_within_500_ms(client: &Exhausted) -> Error {
     let svc = builder("rates-api")
         .deadline(Duration::from_millis(500))
         .attempt_timeout(Duration::from_millis(200))
@@ -212,11 +211,18 @@ async fn the_deadline_bounds_readiness_before_the_first_attempt() {
             .body(Body::default())
             .unwrap(),
     );
-    let err: Error = tokio::time::timeout(Duration::from_secs(5), call)
+    let err = tokio::time::timeout(Duration::from_secs(5), call)
         .await
         .expect("the call ends at its deadline, not when the client is ready")
         .unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_millis(500));
+    err
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_bounds_readiness_before_the_first_attempt() {
+    let client = exhausted(0);
+    let err = call_within_500_ms(&client).await;
     assert_eq!(err.kind(), ErrorKind::DeadlineExceeded);
     assert_eq!(err.outcome(), Outcome::NotSent);
     assert_eq!(err.attempts(), 0);
@@ -227,23 +233,7 @@ async fn the_deadline_bounds_readiness_before_the_first_attempt() {
 #[tokio::test(start_paused = true)]
 async fn the_deadline_bounds_readiness_before_a_retry() {
     let client = exhausted(1);
-    let svc = builder("rates-api")
-        .deadline(Duration::from_millis(500))
-        .attempt_timeout(Duration::from_millis(200))
-        .build()
-        .unwrap()
-        .layer(client.clone());
-    let start = Instant::now();
-    let call = svc.oneshot(
-        Request::get("http://rates.local/")
-            .body(Body::default())
-            .unwrap(),
-    );
-    let err: Error = tokio::time::timeout(Duration::from_secs(5), call)
-        .await
-        .expect("the call ends at its deadline, not when the client is ready")
-        .unwrap_err();
-    assert_eq!(start.elapsed(), Duration::from_millis(500));
+    let err = call_within_500_ms(&client).await;
     assert_eq!(err.kind(), ErrorKind::DeadlineExceeded);
     assert_eq!(
         err.attempts(),

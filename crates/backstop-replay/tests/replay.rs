@@ -641,6 +641,26 @@ mod redis {
     use backstop_replay::{OnVolatile, Persistence, RedisStore};
     use backstop_testkit::RedisServer;
 
+    /// The first answer that is not the 503 of a store that is still coming back.
+    async fn answered_after_restart<S>(
+        svc: &S,
+    ) -> Option<Response<backstop_replay::ReplayResponseBody>>
+    where
+        S: Service<
+                Request<Full<Bytes>>,
+                Response = Response<backstop_replay::ReplayResponseBody>,
+                Error = Infallible,
+            > + Clone,
+    {
+        for _ in 0..40 {
+            match svc.clone().oneshot(refund(Some("k"), "49")).await {
+                Ok(r) if r.status() != 503 => return Some(r),
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        None
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_redis_that_forgets_is_found_at_start_and_refused_when_asked() {
         let mut volatile = RedisServer::start().await;
@@ -660,16 +680,7 @@ mod redis {
         let svc = ReplayLayer::new(store).single_tenant().layer(h.service());
         svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
         volatile.restart().await;
-        let mut again = None;
-        for _ in 0..40 {
-            match svc.clone().oneshot(refund(Some("k"), "49")).await {
-                Ok(r) if r.status() != 503 => {
-                    again = Some(r);
-                    break;
-                }
-                _ => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
+        let again = answered_after_restart(&svc).await;
         assert_eq!(again.unwrap().status(), 201);
         assert_eq!(
             h.runs(),
@@ -687,16 +698,7 @@ mod redis {
         let svc = ReplayLayer::new(store).single_tenant().layer(h.service());
         svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
         durable.restart().await;
-        let mut again = None;
-        for _ in 0..40 {
-            match svc.clone().oneshot(refund(Some("k"), "49")).await {
-                Ok(r) if r.status() != 503 => {
-                    again = Some(r);
-                    break;
-                }
-                _ => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
+        let again = answered_after_restart(&svc).await;
         assert_eq!(again.unwrap().headers()["idempotent-replayed"], "true");
         assert_eq!(h.runs(), 1);
     }
