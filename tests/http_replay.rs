@@ -277,3 +277,107 @@ async fn two_replicas_sharing_redis_refund_once_when_the_retry_lands_on_the_othe
     assert_eq!(body, r#"{"refund_id":"R1","amount":49.0}"#);
     assert_eq!(refunds.lock().unwrap().len(), 1);
 }
+
+/// The refund handler of issue 13's report: books the refund, then awaits 1.5 s (its commit).
+fn slow_refunds(refunds: Refunds) -> ReplayOrPlain {
+    let handler = service_fn(move |req: Request<ReplayRequestBody>| {
+        let refunds = refunds.clone();
+        async move {
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let n = {
+                let mut r = refunds.lock().unwrap();
+                r.push(String::from_utf8_lossy(&body).into_owned());
+                r.len()
+            };
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(201)
+                    .body(Full::new(Bytes::from(format!("R{n}"))))
+                    .unwrap(),
+            )
+        }
+    });
+    tower::util::BoxCloneSyncService::new(
+        ReplayLayer::new(MemoryStore::default())
+            .single_tenant()
+            .layer(handler),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_handler_whose_client_gives_up_refunds_once_over_hyper_util() {
+    // The client's attempt timeout (500 ms) is shorter than the handler (1.5 s): hyper drops
+    // the handler's request future when the client disconnects.
+    let refunds = Refunds::default();
+    let server = TestServer::serve(slow_refunds(refunds.clone())).await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let svc = backstop::Backstop::http("payments-api")
+        .honours_keys()
+        .attempt_timeout(Duration::from_millis(500))
+        .deadline(Duration::from_secs(8))
+        .max_attempts(6)
+        .budget(backstop::budget::Budget::default())
+        .no_breaker()
+        .rng(RngSource::seeded(5))
+        .build()
+        .unwrap()
+        .layer(client);
+    let mut req = Request::post(server.url("/refunds"))
+        .body(Full::from(r#"{"order_id":"A-7"}"#))
+        .unwrap();
+    req.extensions_mut()
+        .insert(ActionContext::tool_call("run-1", "step-1", "call-1"));
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(res.headers()["idempotent-replayed"], "true");
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "R1");
+    assert_eq!(refunds.lock().unwrap().len(), 1, "one refund");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_handler_whose_client_gives_up_refunds_once_over_reqwest() {
+    let refunds = Refunds::default();
+    let server = TestServer::serve(slow_refunds(refunds.clone())).await;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    // A caller's own retry loop, with one key: time-outs, then 409 while the handler runs,
+    // then the stored result.
+    let mut statuses = Vec::new();
+    let mut body = String::new();
+    for _ in 0..20 {
+        let res = client
+            .post(server.url("/refunds"))
+            .header("idempotency-key", "refund-A-7")
+            .body(r#"{"order_id":"A-7"}"#)
+            .send()
+            .await;
+        match res {
+            Ok(r) if r.status() == 201 => {
+                statuses.push(201);
+                body = r.text().await.unwrap();
+                break;
+            }
+            Ok(r) => statuses.push(r.status().as_u16()),
+            Err(e) => {
+                assert!(e.is_timeout(), "{e}");
+                statuses.push(0);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        statuses.first(),
+        Some(&0),
+        "the first attempt timed out: {statuses:?}"
+    );
+    assert!(
+        statuses.contains(&409),
+        "a repeat while it ran got 409: {statuses:?}"
+    );
+    assert_eq!(statuses.last(), Some(&201), "{statuses:?}");
+    assert_eq!(body, "R1");
+    assert_eq!(refunds.lock().unwrap().len(), 1, "one refund");
+}
