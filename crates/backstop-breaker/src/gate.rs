@@ -6,9 +6,8 @@ use crate::{
     circuit::{Circuit, Kind, Signal},
     layer::signal,
 };
-use backstop_classify::Verdict;
+use backstop_core::{AttemptGate, Ticket, Verdict};
 use backstop_core::{BoxError, Dependency};
-use backstop_retry::{AttemptGate, Ticket};
 use std::{fmt, sync::Arc};
 use tokio::time::Instant;
 

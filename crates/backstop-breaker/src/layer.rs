@@ -1,8 +1,9 @@
 use crate::{Breaker, circuit::Permit, circuit::Signal};
-use backstop_classify::{Classify, HttpClassifier, Verdict};
+use backstop_classify::HttpClassifier;
 use backstop_core::{
     BoxError, ByAuthority, CircuitOpen, Dependency, DependencyKey, HasExtensions, Outcome,
 };
+use backstop_core::{Classify, Verdict};
 use pin_project::pin_project;
 use std::{
     fmt,

@@ -32,7 +32,7 @@
 //! ```
 //! use backstop_budget::{Budget, BudgetConfig};
 //! use backstop_core::Dependency;
-//! use backstop_retry::RetryBudget;
+//! use backstop_core::RetryBudget;
 //!
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
@@ -50,7 +50,7 @@
 
 use backstop_core::Dependency;
 pub use backstop_core::InvalidConfig;
-use backstop_retry::RetryBudget;
+use backstop_core::RetryBudget;
 use backstop_state::{Registry, SlidingCount};
 use std::{fmt, sync::Arc, time::Duration};
 use tokio::time::Instant;

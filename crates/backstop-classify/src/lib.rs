@@ -41,10 +41,8 @@
 mod error;
 mod http_classifier;
 mod retry_after;
-mod verdict;
 
-pub use backstop_core::{Outcome, ReplaySafe};
+pub use backstop_core::{Classify, Outcome, ReplaySafe, Verdict};
 pub use error::{AsError, classify_error};
 pub use http_classifier::{HttpClassifier, StatusClass};
 pub use retry_after::{parse_retry_after, parse_retry_after_value};
-pub use verdict::{Classify, Verdict};

@@ -10,6 +10,9 @@
 //!   request's extensions so inner layers can see the time left.
 //! - [`HasExtensions`]: how a layer reaches those extensions. `http::Request` and `http::Response`
 //!   implement it; a non-HTTP tool call implements it with one field.
+//! - The extension points the layers meet at: [`Classify`] and its [`Verdict`], a
+//!   [`RetryBudget`], an [`AttemptGate`]. They live here so that the budget and the breaker
+//!   implement them without depending on the retry layer that calls them.
 //! - The errors Backstop's own layers produce ([`AttemptTimedOut`], [`DeadlineExceeded`],
 //!   [`CircuitOpen`]), which
 //!   classifiers recognise by walking an error's `source()` chain.
@@ -26,13 +29,17 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod budget;
 mod context;
 mod deadline;
 mod dependency;
 mod error;
 mod extensions;
+mod gate;
 mod outcome;
+mod verdict;
 
+pub use budget::{NoBudget, RetryBudget};
 pub use context::CallContext;
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
@@ -41,4 +48,6 @@ pub use error::{
     DeadlineWords, HumanDuration, InvalidConfig,
 };
 pub use extensions::{HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, is_idempotent_method};
+pub use gate::{AttemptGate, Ticket};
 pub use outcome::Outcome;
+pub use verdict::{Classify, Verdict};

@@ -77,10 +77,8 @@
 #![deny(missing_docs)]
 
 mod body;
-mod budget;
 mod error;
 mod future;
-mod gate;
 mod hook;
 mod layer;
 mod obs;
@@ -88,12 +86,11 @@ mod replay;
 mod words;
 
 pub use backstop_core::RetryScope;
+pub use backstop_core::{AttemptGate, NoBudget, RetryBudget, Ticket};
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
 pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
-pub use budget::{NoBudget, RetryBudget};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use future::ResponseFuture;
-pub use gate::{AttemptGate, Ticket};
 pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};

@@ -1,4 +1,4 @@
-use backstop_core::Outcome;
+use crate::Outcome;
 use std::time::Duration;
 
 /// The classification of one attempt.
@@ -51,11 +51,11 @@ impl Verdict {
 /// unknown, so the success path never pays for it.
 ///
 /// Generic over the request, response and error types: HTTP is one implementation
-/// ([`HttpClassifier`](crate::HttpClassifier)); an agent runtime whose tool calls are not HTTP
+/// (`backstop_classify::HttpClassifier`); an agent runtime whose tool calls are not HTTP
 /// implements it for its own types.
 ///
 /// ```
-/// use backstop_classify::{Classify, Outcome, ReplaySafe, Verdict};
+/// use backstop_core::{Classify, Outcome, Verdict};
 ///
 /// struct ToolCall { read_only: bool }
 /// #[derive(Debug)]

@@ -1,4 +1,4 @@
-use backstop_core::Dependency;
+use crate::Dependency;
 use std::fmt;
 use tokio::time::Instant;
 

@@ -1,5 +1,4 @@
-use backstop_classify::Verdict;
-use backstop_core::{BoxError, Dependency};
+use crate::{BoxError, Dependency, Verdict};
 use std::fmt;
 use tokio::time::Instant;
 
