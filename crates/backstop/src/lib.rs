@@ -109,7 +109,6 @@ mod builder;
 mod dead_letter;
 mod error;
 mod finish;
-mod optional;
 
 pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
@@ -119,7 +118,6 @@ pub use builder::{
 pub use dead_letter::{DeadLetter, DeadLetterSink, JsonLinesSink, MemorySink};
 pub use error::{Error, ErrorKind};
 pub use finish::{Finish, FinishState};
-pub use optional::{Optional, OptionalFuture, OptionalLayer};
 
 #[doc(inline)]
 pub use backstop_core::{
