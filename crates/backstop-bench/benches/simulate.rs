@@ -81,8 +81,9 @@ fn main() {
     );
     let budget_only = &rows[3];
     let full_stack = &rows[4];
-    // 10 % of the requests, plus the floor of 1 retry/s over the outage (and one window).
-    let bound = budget_only.requests as f64 * 1.1 + (minutes * 60 + 10) as f64;
+    // At 100 requests/s the ratio is above the floor: 10 % of the requests (and one window's
+    // worth of slack at the window's edges).
+    let bound = budget_only.requests as f64 * 1.1 + 10.0;
     assert!(
         budget_only.attempts as f64 <= bound,
         "the budget caps load: {} > {bound}",
@@ -96,6 +97,20 @@ fn main() {
     assert!(
         full_stack.attempts <= budget_only.attempts,
         "the breaker only ever removes load"
+    );
+    // One request every 100 ms (10/s): the floor (1/s = 10 %) and the ratio meet.
+    let slow = rt.block_on(sim::outage(
+        Duration::from_secs(minutes * 60),
+        Duration::from_millis(100),
+    ));
+    println!(
+        "\nthe same outage at one request every 100 ms: budget only {:.3} attempts per request",
+        slow[3].amplification()
+    );
+    assert!(
+        slow[3].attempts as f64 <= slow[3].requests as f64 * 1.1 + 10.0,
+        "the floor is a minimum, not an addition: {}",
+        slow[3].amplification()
     );
     println!(
         "\nthe breaker spared the dependency {} of {} attempts ({:.1} %) over the outage",

@@ -6,10 +6,14 @@
 //! every logical call deposits, every retry withdraws, and a retry is allowed only while
 //!
 //! ```text
-//! retries in the window <= ratio * requests in the window + min_retries_per_sec * window
+//! retries in the window <= max(ratio * requests in the window, min_retries_per_sec * window)
 //! ```
 //!
-//! Defaults: **10 % over a 10 s window, plus 1 retry per second** (10 per window), after the
+//! The floor is a minimum, not an addition: at high traffic the ratio alone bounds the load
+//! retries add (10 % means at most 1.10 attempts per call in an outage), and at low traffic the
+//! floor still lets a few retries through.
+//!
+//! Defaults: **10 % over a 10 s window, at least 1 retry per second** (10 per window), after the
 //! Google SRE book's per-client retry budget ("Addressing Cascading Failures": retries at most
 //! 10 % of requests). The floor keeps a low-traffic dependency able to retry at all: an agent
 //! making a handful of calls a minute still gets its transient failures retried.
@@ -24,7 +28,8 @@
 //! Backstop's floor is lower than tower's and Finagle's because its users are often agents on
 //! low traffic, where 10 retries per second would let an outage multiply a small load many
 //! times; 1 per second still covers a burst of transient failures. With the defaults, 1,000
-//! requests to a dependency that always fails make at most 1,000 + 100 + 10 attempts.
+//! requests in a window to a dependency that always fails make at most 1,000 + 100 attempts
+//! (tower's `TpsBudget` and Finagle add the floor to the ratio instead).
 //!
 //! The counters are lock-free sliding windows ([`backstop_state::SlidingCount`]); a withdrawal
 //! is counted first and undone when over budget, so concurrent retries can never overshoot.
@@ -94,7 +99,8 @@ impl BudgetConfig {
         self
     }
 
-    /// Retries per second allowed on top of the ratio.
+    /// Retries per second allowed whatever the ratio says: the budget is never lower than this
+    /// over its window (a minimum, not added to the ratio).
     #[must_use]
     pub fn min_retries_per_sec(mut self, n: f64) -> Self {
         self.min_retries_per_sec = n;
@@ -209,7 +215,7 @@ impl Budget {
     }
 
     fn allowance(&self, requests: u64) -> f64 {
-        self.inner.config.ratio * requests as f64 + self.inner.floor
+        (self.inner.config.ratio * requests as f64).max(self.inner.floor)
     }
 }
 

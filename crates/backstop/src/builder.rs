@@ -88,7 +88,7 @@ fn shared_breaker() -> Breaker {
 ///
 /// Defaults: 3 attempts; full jitter from 200 ms to 5 s; a 30 s deadline; a 10 s attempt timeout
 /// (or 2.5 x the p99 latency you give, rounded up to 100 ms: p99 1.2 s -> 3 s); the process-wide
-/// retry budget (10 % of requests + 1/s per dependency) and circuit breaker (5 failures in a row
+/// retry budget (10 % of requests, at least 1/s, per dependency) and circuit breaker (5 failures in a row
 /// or 50 % of 20+ calls in 30 s, 30 s cooldown), shared by every stack of the process that names
 /// the same dependency unless you pass your own. Every piece can be replaced or turned off.
 ///
