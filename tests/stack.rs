@@ -454,3 +454,59 @@ async fn a_client_that_is_not_ready_fails_with_an_error_naming_the_dependency() 
         "{err}"
     );
 }
+
+/// A request body that counts its copies.
+struct CountedBody(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Clone for CountedBody {
+    fn clone(&self) -> Self {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        CountedBody(self.0.clone())
+    }
+}
+
+impl http_body::Body for CountedBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(None)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_open_circuit_fails_fast_without_copying_the_request_or_calling_the_client() {
+    let breaker = Breaker::new(BreakerConfig::default()).unwrap();
+    breaker.isolate(&"rates-api".into());
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = calls.clone();
+    let client = tower::service_fn(move |_req: Request<CountedBody>| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async { Ok::<_, BoxError>(Response::new(Full::<Bytes>::default())) }
+    });
+    let svc = Backstop::http("rates-api")
+        .breaker(breaker)
+        .budget(Budget::default())
+        .build()
+        .unwrap()
+        .layer(client);
+    let copies = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let req = Request::get("http://rates.local/")
+        .body(CountedBody(copies.clone()))
+        .unwrap();
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert_eq!(err.attempts(), 0);
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the client is not called"
+    );
+    assert_eq!(
+        copies.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "nothing is copied for a call the circuit refuses"
+    );
+}

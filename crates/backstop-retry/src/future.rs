@@ -209,25 +209,28 @@ where
         } else {
             policy.settings.max_attempts
         };
-        // The template stays as the caller sent it; each attempt is a copy.
+        // The template stays as the caller sent it; each attempt is a copy. Made only once the
+        // first attempt is admitted: a call the open circuit refuses copies nothing.
         let mut template = None;
         let mut cold = None;
-        let first = if max_attempts > 1 {
-            match policy.replay.replay(&req) {
+        let replay = &policy.replay;
+        let split = |req: Req, template: &mut Option<Req>, cold: &mut Option<Box<Cold>>| {
+            if max_attempts <= 1 {
+                return req;
+            }
+            match replay.replay(&req) {
                 Ok(copy) => {
-                    template = Some(req);
+                    *template = Some(req);
                     copy
                 }
                 Err(why) => {
-                    cold = Some(Box::new(Cold {
+                    *cold = Some(Box::new(Cold {
                         not_replayable: Some(why),
                         ..Cold::default()
                     }));
                     req
                 }
             }
-        } else {
-            req
         };
         if !nested {
             crate::obs::call(&dependency);
@@ -237,7 +240,7 @@ where
             let began = begin_attempt(
                 &policy.settings,
                 &mut svc,
-                first,
+                || split(req, &mut template, &mut cold),
                 &dependency,
                 deadline,
                 1,
@@ -246,6 +249,7 @@ where
             );
             (began, 1)
         } else {
+            let first = split(req, &mut template, &mut cold);
             let began = Began {
                 state: State::Readying {
                     sleep: None,
@@ -301,13 +305,13 @@ struct Began<F, E, Req> {
     handed: bool,
 }
 
-/// Begins attempt number `attempt` at `now`: checks the deadline, asks the gate, then calls the
-/// service (the request carries the call's context already).
+/// Begins attempt number `attempt` at `now`: checks the deadline, asks the gate, and only then
+/// makes the request (`req`: the first attempt's copy is made there) and calls the service.
 #[allow(clippy::too_many_arguments)]
 fn begin_attempt<S, Req, E>(
     settings: &Settings,
     svc: &mut S,
-    req: Req,
+    req: impl FnOnce() -> Req,
     dependency: &Dependency,
     deadline: Option<Deadline>,
     attempt: u32,
@@ -358,7 +362,7 @@ where
     // The call's context travels with each attempt's request, across tasks and futures: put
     // on the copy it sends (the template stays as the caller gave it, and a request that
     // carries no other extension costs the map's two allocations once per attempt, not twice).
-    let mut req = req;
+    let mut req = req();
     CallContext::claim(&mut req, dependency.clone(), deadline);
     let fut = {
         let _entered = span.enter();
@@ -447,7 +451,7 @@ where
         let began = begin_attempt(
             &self.policy.settings,
             &mut self.svc,
-            req,
+            || req,
             &self.dependency,
             self.deadline,
             self.attempt,

@@ -200,6 +200,20 @@ pub fn tower_policy() -> TowerPolicy {
     }
 }
 
+/// The full Backstop stack whose breaker is isolated for `carrier-api`: every call fails fast.
+pub fn backstop_open() -> impl Bench {
+    let breaker = Breaker::new(BreakerConfig::default()).unwrap();
+    breaker.isolate(&"carrier-api".into());
+    Backstop::http("carrier-api")
+        .budget(Budget::default())
+        .breaker(breaker)
+        .rng(RngSource::seeded(1))
+        .attempt_timeout(Duration::from_secs(3))
+        .build()
+        .unwrap()
+        .layer(ok_service())
+}
+
 /// The full Backstop stack over the immediately ready service.
 pub fn backstop_stack() -> impl Bench {
     backstop_layer("carrier-api", Duration::from_secs(3)).layer(ok_service())

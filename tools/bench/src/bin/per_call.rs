@@ -4,7 +4,7 @@
 //! `cargo build --release -p backstop-bench --bin per_call` then
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/per_call STACK N`
 //! for two values of N: the difference divided by the difference in N is the cost per call.
-//! STACK is one of: bare, tower, tower-resilience, backstop, retry, retry-budget,
+//! STACK is one of: bare, tower, tower-resilience, backstop, backstop-open (its breaker open), retry, retry-budget,
 //! retry-budget-timeout, retry-gate-timeout, breaker, deadline, attempt-timeout. `per_call sizes` prints the size
 //! of each stack's response future (every outer layer moves it once more on every call).
 
@@ -28,6 +28,7 @@ fn main() {
         "tower" => run(stacks::tower_stack(), n),
         "tower-resilience" => run(stacks::tower_resilience_stack(), n),
         "backstop" => run(stacks::backstop_stack(), n),
+        "backstop-open" => run(stacks::backstop_open(), n),
         "retry" => run(stacks::retry_only(), n),
         "retry-budget" => run(stacks::retry_budget(), n),
         "retry-budget-timeout" => run(stacks::retry_budget_timeout(), n),

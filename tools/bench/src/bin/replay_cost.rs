@@ -1,4 +1,5 @@
-//! What the server-side replay layer costs per request, by store.
+//! What the server-side replay layer costs per request, by store. Build it with
+//! `cargo build --release -p backstop-bench --features stores --bin replay_cost`.
 //!
 //! - `replay_cost STORE N` (STORE: `bare`, `memory-first`, `memory-replay`) runs N requests
 //!   in one process, for instruction counting under
