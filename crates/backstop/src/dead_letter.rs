@@ -4,9 +4,6 @@ use backstop_idempotency::IdempotencyKey;
 use std::{
     collections::VecDeque,
     fmt,
-    fs::{File, OpenOptions},
-    io::{self, Write},
-    path::Path,
     sync::{Arc, Mutex},
     time::SystemTime,
 };
@@ -56,7 +53,8 @@ impl DeadLetter {
         }
     }
 
-    /// The letter as one JSON object.
+    /// The letter as one JSON object (feature `json`).
+    #[cfg(feature = "json")]
     pub fn to_json(&self) -> serde_json::Value {
         let ms = self
             .at
@@ -129,32 +127,47 @@ impl DeadLetterSink for MemorySink {
     }
 }
 
-/// Appends each letter as one JSON object per line to a file, flushed per letter.
-///
-/// The write happens on the failing call's task; it is one small append, on the failure path
-/// only. A write error is reported through `tracing` and the letter is lost, never the call.
-#[derive(Debug)]
-pub struct JsonLinesSink {
-    file: Mutex<File>,
-}
+#[cfg(feature = "json")]
+pub use json_lines::JsonLinesSink;
 
-impl JsonLinesSink {
-    /// Opens (creating or appending to) the file at `path`.
-    pub fn open(path: impl AsRef<Path>) -> io::Result<Self> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
-        Ok(JsonLinesSink {
-            file: Mutex::new(file),
-        })
+#[cfg(feature = "json")]
+mod json_lines {
+    use super::{DeadLetter, DeadLetterSink};
+    use std::{
+        fs::{File, OpenOptions},
+        io::{self, Write},
+        path::Path,
+        sync::Mutex,
+    };
+
+    /// Appends each letter as one JSON object per line to a file, flushed per letter (feature
+    /// `json`).
+    ///
+    /// The write happens on the failing call's task; it is one small append, on the failure path
+    /// only. A write error is reported through `tracing` and the letter is lost, never the call.
+    #[derive(Debug)]
+    pub struct JsonLinesSink {
+        file: Mutex<File>,
     }
-}
 
-impl DeadLetterSink for JsonLinesSink {
-    fn record(&self, letter: DeadLetter) {
-        let mut line = letter.to_json().to_string();
-        line.push('\n');
-        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.flush()) {
-            tracing::error!(target: "backstop::dead_letter", error = %e, "could not write a dead letter");
+    impl JsonLinesSink {
+        /// Opens (creating or appending to) the file at `path`.
+        pub fn open(path: impl AsRef<Path>) -> io::Result<Self> {
+            let file = OpenOptions::new().create(true).append(true).open(path)?;
+            Ok(JsonLinesSink {
+                file: Mutex::new(file),
+            })
+        }
+    }
+
+    impl DeadLetterSink for JsonLinesSink {
+        fn record(&self, letter: DeadLetter) {
+            let mut line = letter.to_json().to_string();
+            line.push('\n');
+            let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.flush()) {
+                tracing::error!(target: "backstop::dead_letter", error = %e, "could not write a dead letter");
+            }
         }
     }
 }

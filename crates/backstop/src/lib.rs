@@ -115,7 +115,9 @@ pub use builder::{
     Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Generator,
     Preset, Transport,
 };
-pub use dead_letter::{DeadLetter, DeadLetterSink, JsonLinesSink, MemorySink};
+#[cfg(feature = "json")]
+pub use dead_letter::JsonLinesSink;
+pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
 pub use error::{Error, ErrorKind};
 pub use finish::{Finish, FinishState};
 
@@ -173,8 +175,9 @@ pub mod idempotency {
     pub use backstop_idempotency::*;
 }
 
-/// Server-side replay of stored results for repeated keys (in memory, or on Redis with the
-/// `redis` feature).
+/// Server-side replay of stored results for repeated keys (in memory; on Redis and PostgreSQL
+/// with the `redis` and `postgres` features). Feature `replay`.
+#[cfg(feature = "replay")]
 pub mod replay {
     #[doc(inline)]
     pub use backstop_replay::*;
