@@ -18,12 +18,12 @@ impl fmt::Display for HumanDuration {
             }
             write!(f, "{ms} ms")
         } else if ms < 60_000 {
-            if ms % 1_000 == 0 {
+            if ms.is_multiple_of(1_000) {
                 write!(f, "{} s", ms / 1_000)
             } else {
                 write!(f, "{:.1} s", d.as_secs_f64())
             }
-        } else if ms % 60_000 == 0 {
+        } else if ms.is_multiple_of(60_000) {
             write!(f, "{} min", ms / 60_000)
         } else {
             write!(f, "{} s", d.as_secs())
