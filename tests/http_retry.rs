@@ -88,10 +88,10 @@ async fn lossy_payments() -> (TestServer, Arc<Mutex<Vec<String>>>) {
     let results: Arc<Mutex<HashMap<String, String>>> = Arc::default();
     let booked = refunds.clone();
     let server = TestServer::start(move |seen: &Seen| {
-        if let Some(key) = seen.header("idempotency-key") {
-            if let Some(stored) = results.lock().unwrap().get(key) {
-                return Action::respond(200, &[("idempotent-replayed", "true")], stored.clone());
-            }
+        if let Some(key) = seen.header("idempotency-key")
+            && let Some(stored) = results.lock().unwrap().get(key)
+        {
+            return Action::respond(200, &[("idempotent-replayed", "true")], stored.clone());
         }
         let mut refunds = booked.lock().unwrap();
         refunds.push(String::from_utf8_lossy(&seen.body).into_owned());

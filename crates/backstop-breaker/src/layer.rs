@@ -243,10 +243,10 @@ where
             } => {
                 let result = ready!(fut.poll(cx));
                 let mut s = signal(classifier.classify(result.as_ref()));
-                if let (Signal::Success, Some((started, limit))) = (s, *slow) {
-                    if started.elapsed() > limit {
-                        s = Signal::Failure;
-                    }
+                if let (Signal::Success, Some((started, limit))) = (s, *slow)
+                    && started.elapsed() > limit
+                {
+                    s = Signal::Failure;
                 }
                 if let Some(p) = permit.take() {
                     p.record(s);

@@ -110,10 +110,10 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
         });
     }
     #[cfg(feature = "hyper-util")]
-    if let Some(h) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
-        if h.is_connect() {
-            return retry(Outcome::NotSent);
-        }
+    if let Some(h) = e.downcast_ref::<hyper_util::client::legacy::Error>()
+        && h.is_connect()
+    {
+        return retry(Outcome::NotSent);
     }
     #[cfg(feature = "reqwest")]
     if let Some(r) = e.downcast_ref::<reqwest::Error>() {

@@ -393,15 +393,14 @@ mod tests {
     proptest! {
         #[test]
         fn parsing_never_panics_and_accepted_keys_round_trip(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
-            if let Ok(v) = http::HeaderValue::from_bytes(&bytes) {
-                if let Ok(k) = IdempotencyKey::from_header(&v) {
+            if let Ok(v) = http::HeaderValue::from_bytes(&bytes)
+                && let Ok(k) = IdempotencyKey::from_header(&v) {
                     for f in [KeyFormat::Plain, KeyFormat::StructuredField] {
                         let hv = k.header_value(f);
                         prop_assert!(!hv.as_bytes().iter().any(|b| *b == b'\r' || *b == b'\n'));
                         prop_assert_eq!(IdempotencyKey::from_header(&hv).unwrap(), k.clone());
                     }
                 }
-            }
             if let Ok(s) = std::str::from_utf8(&bytes) {
                 let _ = IdempotencyKey::new(s);
             }

@@ -58,12 +58,12 @@ struct State {
 
 impl State {
     fn remove(&mut self, key: &str) {
-        if let Some(e) = self.map.remove(key) {
-            if let Some(scope) = self.scopes.get_mut(&e.scope) {
-                scope.len -= 1;
-                if scope.len == 0 {
-                    self.scopes.remove(&e.scope);
-                }
+        if let Some(e) = self.map.remove(key)
+            && let Some(scope) = self.scopes.get_mut(&e.scope)
+        {
+            scope.len -= 1;
+            if scope.len == 0 {
+                self.scopes.remove(&e.scope);
             }
         }
     }

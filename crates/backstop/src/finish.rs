@@ -91,12 +91,12 @@ where
         if sh.read_only {
             req.extensions_mut().insert(ReplaySafe);
         }
-        if let Some(keys) = &sh.keys {
-            if let Err(refused) = keys.attach(req) {
-                let mut err = Error::from_box(Box::new(refused));
-                err.set_dependency_if_missing(&sh.dependency);
-                return Err(err);
-            }
+        if let Some(keys) = &sh.keys
+            && let Err(refused) = keys.attach(req)
+        {
+            let mut err = Error::from_box(Box::new(refused));
+            err.set_dependency_if_missing(&sh.dependency);
+            return Err(err);
         }
         let span = tracing::info_span!(
             target: "backstop::call",
