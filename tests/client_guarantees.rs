@@ -347,6 +347,12 @@ async fn a_timeout_raised_under_the_stack_is_an_attempt_timeout() {
     assert_eq!(sent.load(std::sync::atomic::Ordering::SeqCst), 3, "{err}");
     assert_eq!(err.attempts(), 3);
     assert_eq!(err.outcome(), Outcome::Unknown);
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("rates-api did not reply in time"),
+        "{err}"
+    );
 }
 
 /// `reqwest::Client` as a `Service<http::Request<Full<Bytes>>>`, as in
@@ -411,5 +417,6 @@ async fn a_reqwest_timeout_is_an_attempt_timeout() {
     assert_eq!(err.attempts(), 3, "{err}");
     assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 3);
     assert_eq!(err.outcome(), Outcome::Unknown);
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
     server.abort();
 }

@@ -84,6 +84,27 @@ pub fn classify_error(error: &(dyn Error + 'static)) -> Option<Verdict> {
     None
 }
 
+/// Whether `error` (this error itself, not its sources) is an attempt that ran out of time
+/// after it was sent: an [`AttemptTimedOut`], tower's or tokio's `Elapsed`, or (feature
+/// `reqwest`) a reqwest timeout that is not a connect timeout. An `io::ErrorKind::TimedOut`
+/// is not one: it may be a connect timeout, before anything was sent.
+pub fn is_attempt_timeout(e: &(dyn Error + 'static)) -> bool {
+    if e.is::<AttemptTimedOut>()
+        || e.is::<tower::timeout::error::Elapsed>()
+        || e.is::<tokio::time::error::Elapsed>()
+    {
+        return true;
+    }
+    #[cfg(feature = "reqwest")]
+    if let Some(r) = e.downcast_ref::<reqwest::Error>()
+        && r.is_timeout()
+        && !r.is_connect()
+    {
+        return true;
+    }
+    false
+}
+
 fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     let retry = |outcome| {
         Some(Verdict::Retryable {

@@ -43,6 +43,6 @@ mod http_classifier;
 mod retry_after;
 
 pub use backstop_core::{Classify, Outcome, ReplaySafe, Verdict};
-pub use error::{AsError, classify_error};
+pub use error::{AsError, classify_error, is_attempt_timeout};
 pub use http_classifier::{HttpClassifier, StatusClass};
 pub use retry_after::{parse_retry_after, parse_retry_after_value};

@@ -99,6 +99,14 @@ impl Diagnosis {
                     ..Diagnosis::default()
                 };
             }
+            // A timeout raised under the stack (tower's, tokio's, the client's).
+            if backstop_classify::is_attempt_timeout(e) {
+                return Diagnosis {
+                    kind: Some(ErrorKind::TimedOut),
+                    outcome: Some(Outcome::Unknown),
+                    ..Diagnosis::default()
+                };
+            }
             next = e.source();
         }
         Diagnosis::default()
