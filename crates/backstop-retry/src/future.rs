@@ -361,7 +361,7 @@ where
     }
     // The call's context travels with each attempt's request, across tasks and futures: put
     // on the copy it sends (the template stays as the caller gave it, and a request that
-    // carries no other extension costs the map's two allocations once per attempt, not twice).
+    // carries no other extension pays for the map once per attempt, not twice).
     let mut req = req();
     CallContext::claim(&mut req, dependency.clone(), deadline);
     let fut = {
