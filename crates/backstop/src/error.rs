@@ -19,8 +19,6 @@ pub struct Error {
     circuit: Option<CircuitState>,
     /// The deadline's length, when it was the deadline that ended the call.
     deadline: Option<Duration>,
-    /// The key was attached by the stack and nobody vouched that the dependency honours it.
-    unvouched_key: bool,
     /// A nested stack's raw error, on its way to the stack outside that owns the call.
     passing: bool,
     source: BoxError,
@@ -115,7 +113,6 @@ impl Error {
             elapsed: Duration::ZERO,
             circuit: d.circuit,
             deadline: d.deadline,
-            unvouched_key: false,
             passing: false,
             source: e,
         }
@@ -132,39 +129,31 @@ impl Error {
             elapsed: told.elapsed,
             circuit: told.circuit,
             deadline: told.deadline,
-            unvouched_key: told.unvouched_key,
             passing: false,
             source: Box::new(r),
         }
     }
-
-    /// The last cause: a retry layer's, or the error itself.
-    fn cause(&self) -> &(dyn StdError + 'static) {
-        match self.source.downcast_ref::<RetryError>() {
-            Some(r) => r.cause(),
-            None => &*self.source,
-        }
-    }
 }
 
-/// In the same words as [`RetryError`] (the one voice: [`Told`]).
+/// In the same words as [`RetryError`] (the one voice: [`Told`]): an error that came from the
+/// retry layer is told by it; a bare one from what its cause chain says.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(r) = self.source.downcast_ref::<RetryError>() {
+            return r.fmt(f);
+        }
         Told {
             kind: self.kind,
             dependency: self.dependency.as_ref(),
             outcome: self.outcome,
             attempts: self.attempts,
             elapsed: self.elapsed,
-            cause: self.cause(),
+            cause: &*self.source,
             circuit: self.circuit,
             retry_after: self.retry_after,
             deadline: self.deadline,
-            unvouched_key: self.unvouched_key,
-            not_replayable: self
-                .source
-                .downcast_ref::<RetryError>()
-                .and_then(|r| r.told().not_replayable),
+            unvouched_key: false,
+            not_replayable: None,
         }
         .fmt(f)
     }
