@@ -1,5 +1,6 @@
 use crate::{
-    AttemptRecord, CallHook, NotReplayable, Replay, RetryError, RetryHistory, StopReason, Ticket,
+    AttemptRecord, CallHook, Diagnosis, ErrorKind, NotReplayable, Replay, RetryError, RetryHistory,
+    StopReason, Ticket,
     layer::{Policy, Settings},
 };
 use backstop_backoff::Schedule;
@@ -387,19 +388,15 @@ fn own_verdict(error: &BoxError) -> Verdict {
 }
 
 /// Whether a Backstop layer further in refused the attempt before anything was sent (an open
-/// circuit, a deadline already passed): then it is no attempt sent.
+/// circuit, a deadline already passed): then it is no attempt sent. The same reading of the
+/// cause chain as the errors' words ([`Diagnosis`]).
 fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut next = Some(error);
-    while let Some(e) = next {
-        if e.is::<backstop_core::CircuitOpen>()
-            || e.downcast_ref::<DeadlineExceeded>()
-                .is_some_and(|d| d.outcome() == Outcome::NotSent)
-        {
-            return true;
-        }
-        next = e.source();
-    }
-    false
+    let d = Diagnosis::of(error);
+    d.outcome == Some(Outcome::NotSent)
+        && matches!(
+            d.kind,
+            Some(ErrorKind::Unavailable | ErrorKind::DeadlineExceeded)
+        )
 }
 
 /// The attempt's span: inside the call's span when the hook keeps one, else inside whatever
