@@ -71,16 +71,17 @@ impl Deadline {
     /// inserted.
     #[inline]
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
-        Deadline::on(req)
-    }
-
-    /// The same as [`of`](Self::of).
-    #[inline]
-    pub fn on<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()
             .and_then(|c| c.deadline)
             .or_else(|| ext.get::<Deadline>().copied())
+    }
+
+    /// The same as [`of`](Self::of), which reads the request alone too now.
+    #[deprecated(note = "the same as `Deadline::of`: the call context only travels in the request")]
+    #[inline]
+    pub fn on<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
+        Deadline::of(req)
     }
 
     /// Records this deadline on the request unless it already carries an earlier one, and

@@ -113,16 +113,19 @@ impl RetryScope {
     /// [`CallContext`](crate::CallContext), or a bare `RetryScope` a caller inserted).
     #[inline]
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
-        RetryScope::is_marked_on(req)
-    }
-
-    /// The same as [`is_marked`](Self::is_marked): the mark only ever travels in the request.
-    #[inline]
-    pub fn is_marked_on<R: HasExtensions + ?Sized>(req: &R) -> bool {
         let ext = req.extensions();
         ext.get::<crate::CallContext>()
             .is_some_and(|c| c.retry_scope)
             || ext.get::<RetryScope>().is_some()
+    }
+
+    /// The same as [`is_marked`](Self::is_marked): the mark only ever travels in the request.
+    #[deprecated(
+        note = "the same as `RetryScope::is_marked`: the mark only travels in the request"
+    )]
+    #[inline]
+    pub fn is_marked_on<R: HasExtensions + ?Sized>(req: &R) -> bool {
+        RetryScope::is_marked(req)
     }
 
     /// Marks the call as owned by a retry layer.

@@ -377,7 +377,7 @@ where
             .settings
             .deadline
             .map(|budget| Deadline::after_from(now, budget));
-        let deadline = match (Deadline::on(&req), own) {
+        let deadline = match (Deadline::of(&req), own) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
