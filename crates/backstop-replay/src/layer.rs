@@ -633,7 +633,12 @@ fn unknown_record() -> StoredResponse {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         )],
-        body: unknown_body(),
+        body: problem_body(
+            StatusCode::CONFLICT,
+            "outcome-unknown",
+            "Outcome unknown",
+            UNKNOWN_DETAIL,
+        ),
         body_omitted: None,
     }
 }
@@ -643,22 +648,15 @@ const UNKNOWN_DETAIL: &str = "a request with this idempotency key started proces
     taken effect; it was not run again. Check the result before repeating the action with a new \
     key.";
 
-fn unknown_body() -> Bytes {
-    problem_body(
-        StatusCode::CONFLICT,
-        "outcome-unknown",
-        "Outcome unknown",
-        UNKNOWN_DETAIL,
-    )
-}
-
+/// What the first caller of a handler that panicked gets: the record its repeats get.
 fn unknown_outcome() -> Response<ReplayResponseBody> {
-    problem(
-        StatusCode::CONFLICT,
-        "outcome-unknown",
-        "Outcome unknown",
-        UNKNOWN_DETAIL,
-    )
+    let record = unknown_record();
+    let mut res = Response::new(full(record.body));
+    *res.status_mut() = StatusCode::CONFLICT;
+    for (k, v) in record.headers {
+        res.headers_mut().insert(k, v);
+    }
+    res
 }
 
 /// Runs a claimed request to the end, whatever its client does: the handler, its response
