@@ -1,6 +1,6 @@
 use crate::{
     AttemptGate, CallHook, CloneRequest, HttpReplay, NoBudget, NoHook, Replay, RetryBudget,
-    future::ResponseFuture,
+    future::{Call, ResponseFuture},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -353,16 +353,7 @@ where
             match policy.hook.begin(&mut req, &dependency) {
                 Ok(state) => Some(state),
                 // Nothing is sent: the ready service stays here for the next call.
-                Err(refused) => {
-                    let svc = self.inner.clone();
-                    return ResponseFuture::refused(
-                        policy,
-                        svc,
-                        dependency,
-                        Instant::now(),
-                        refused,
-                    );
-                }
+                Err(refused) => return ResponseFuture::refused(policy, refused),
             }
         };
         // The clock is read once per call: the budget, the deadline and the attempt timer share
@@ -391,8 +382,7 @@ where
         } else {
             self.inner.clone()
         };
-        ResponseFuture::start(
-            policy, svc, req, dependency, deadline, now, nested, ready, hooked,
-        )
+        let call = Call::new(svc, dependency, deadline, now, nested);
+        ResponseFuture::start(policy, call, req, ready, hooked)
     }
 }
