@@ -7,7 +7,7 @@
 use backstop::{
     Backstop, BoxError, Dependency,
     backoff::{Backoff, RngSource},
-    breaker::{Breaker, BreakerConfig, State},
+    breaker::{Breaker, BreakerConfig, CircuitState},
     budget::Budget,
     idempotency::ActionContext,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
@@ -169,7 +169,7 @@ async fn a_call_dropped_at_any_point_leaves_no_claim_no_stuck_breaker_and_no_dup
         );
         assert_ne!(
             breaker.state(&Dependency::new("payments-api")),
-            State::Open,
+            CircuitState::Open,
             "after a drop at poll {k}"
         );
     }
@@ -221,7 +221,7 @@ async fn a_half_open_trial_dropped_at_any_point_gives_its_slot_back() {
 
     // Open the circuit.
     let _ = stack.clone().oneshot(search()).await;
-    assert_eq!(breaker.state(&dep_name), State::Open);
+    assert_eq!(breaker.state(&dep_name), CircuitState::Open);
     healthy.store(true, Ordering::SeqCst);
 
     for k in 1..=8 {
@@ -241,11 +241,11 @@ async fn a_half_open_trial_dropped_at_any_point_gives_its_slot_back() {
         // admitted (as the trial, or because the circuit closed).
         let res = stack.clone().oneshot(search()).await.unwrap();
         assert_eq!(res.status(), 200, "after dropping the trial at poll {k}");
-        assert_eq!(breaker.state(&dep_name), State::Closed);
+        assert_eq!(breaker.state(&dep_name), CircuitState::Closed);
         // Open it again for the next round.
         healthy.store(false, Ordering::SeqCst);
         let _ = stack.clone().oneshot(search()).await;
-        assert_eq!(breaker.state(&dep_name), State::Open);
+        assert_eq!(breaker.state(&dep_name), CircuitState::Open);
         healthy.store(true, Ordering::SeqCst);
     }
 }

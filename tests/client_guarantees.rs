@@ -35,7 +35,7 @@ fn builder(
     dep: &str,
 ) -> Backstop<
     backstop::classify::HttpClassifier,
-    backstop::retry::HttpReplay,
+    backstop::retry::HttpResend,
     backstop::idempotency::HttpKeys,
 > {
     Backstop::http(dep)

@@ -5,7 +5,7 @@
 use backstop::{
     BoxError, CircuitOpen, Dependency, Outcome,
     backoff::{Backoff, RngSource},
-    breaker::{Breaker, BreakerConfig, BreakerLayer, State},
+    breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitState},
     budget::Budget,
     retry::{RetryError, RetryLayer},
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
@@ -76,7 +76,7 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
     for _ in 0..2 {
         let _ = svc.clone().oneshot(get(server.url("/rates"))).await;
     }
-    assert_eq!(breaker.state(&carrier), State::Open);
+    assert_eq!(breaker.state(&carrier), CircuitState::Open);
     let sent = server.requests();
     assert_eq!(sent, 5);
 
@@ -113,7 +113,7 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
         .await
         .unwrap();
     assert_eq!(res.status(), 200);
-    assert_eq!(breaker.state(&carrier), State::Closed);
+    assert_eq!(breaker.state(&carrier), CircuitState::Closed);
     assert_eq!(server.requests(), sent + 1);
 }
 

@@ -34,7 +34,7 @@ fn builder(
     dep: &str,
 ) -> Backstop<
     backstop::classify::HttpClassifier,
-    backstop::retry::HttpReplay,
+    backstop::retry::HttpResend,
     backstop::idempotency::HttpKeys,
 > {
     Backstop::http(dep)
@@ -49,7 +49,7 @@ fn builder(
 fn stack(
     b: Backstop<
         backstop::classify::HttpClassifier,
-        backstop::retry::HttpReplay,
+        backstop::retry::HttpResend,
         backstop::idempotency::HttpKeys,
     >,
 ) -> impl Service<Request<Body>, Response = Response<TimedBody<Incoming>>, Error = Error, Future: Send>

@@ -36,7 +36,7 @@ mod rng;
 pub use rng::RngSource;
 
 use rand::{Rng, RngExt};
-use std::{error::Error, fmt, time::Duration};
+use std::time::Duration;
 
 /// The default base delay: 200 ms.
 pub const DEFAULT_BASE: Duration = Duration::from_millis(200);
@@ -71,54 +71,45 @@ impl Default for Backoff {
     }
 }
 
-/// An invalid backoff configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InvalidBackoff {
-    reason: String,
-}
+pub use backstop_core::InvalidConfig;
 
-impl fmt::Display for InvalidBackoff {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.reason)
-    }
-}
-
-impl Error for InvalidBackoff {}
+/// The old name of [`InvalidConfig`]: every Backstop crate reports a bad configuration with
+/// the one type.
+#[deprecated(note = "use InvalidConfig")]
+pub type InvalidBackoff = InvalidConfig;
 
 impl Backoff {
-    fn exp(kind: Kind, base: Duration, cap: Duration) -> Result<Self, InvalidBackoff> {
+    fn exp(kind: Kind, base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
         if base.is_zero() {
-            return Err(InvalidBackoff {
-                reason: "backoff base must be greater than zero".into(),
-            });
+            return Err(InvalidConfig::new("backoff base must be greater than zero"));
         }
         if cap < base {
-            return Err(InvalidBackoff {
-                reason: format!("backoff cap ({cap:?}) must not be less than its base ({base:?})"),
-            });
+            return Err(InvalidConfig::new(format!(
+                "backoff cap ({cap:?}) must not be less than its base ({base:?})"
+            )));
         }
         Ok(Backoff { kind, base, cap })
     }
 
     /// `random(0, min(cap, base * 2^n))` for the n-th retry (n from 0).
-    pub fn full_jitter(base: Duration, cap: Duration) -> Result<Self, InvalidBackoff> {
+    pub fn full_jitter(base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
         Self::exp(Kind::Full, base, cap)
     }
 
     /// `t / 2 + random(0, t / 2)` with `t = min(cap, base * 2^n)`: never shorter than half the
     /// exponential delay.
-    pub fn equal_jitter(base: Duration, cap: Duration) -> Result<Self, InvalidBackoff> {
+    pub fn equal_jitter(base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
         Self::exp(Kind::Equal, base, cap)
     }
 
     /// `sleep = min(cap, random(base, previous_sleep * 3))`, starting from `base`.
-    pub fn decorrelated_jitter(base: Duration, cap: Duration) -> Result<Self, InvalidBackoff> {
+    pub fn decorrelated_jitter(base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
         Self::exp(Kind::Decorrelated, base, cap)
     }
 
     /// `min(cap, base * 2^n)` without jitter. Clients that fail together retry together; prefer
     /// a jittered schedule unless you are the only client.
-    pub fn exponential(base: Duration, cap: Duration) -> Result<Self, InvalidBackoff> {
+    pub fn exponential(base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
         Self::exp(Kind::Exponential, base, cap)
     }
 

@@ -18,43 +18,17 @@ const OPEN: u8 = 1;
 const HALF_OPEN: u8 = 2;
 const ISOLATED: u8 = 3;
 
-/// A circuit's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum State {
-    /// Calls flow.
-    Closed,
-    /// Calls fail fast.
-    Open,
-    /// Trial calls flow; the rest fail fast.
-    HalfOpen,
-    /// Isolated by an operator: calls fail fast until [`Breaker::reset`].
-    Isolated,
-}
+/// The old name of [`CircuitState`] (the breaker's state and the refusal's reason are one
+/// type now).
+#[deprecated(note = "renamed CircuitState (backstop_core::CircuitState)")]
+pub type State = CircuitState;
 
-impl State {
-    fn from_u8(v: u8) -> State {
-        match v {
-            CLOSED => State::Closed,
-            OPEN => State::Open,
-            HALF_OPEN => State::HalfOpen,
-            _ => State::Isolated,
-        }
-    }
-
-    /// `closed`, `open`, `half_open` or `isolated`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::Closed => "closed",
-            State::Open => "open",
-            State::HalfOpen => "half_open",
-            State::Isolated => "isolated",
-        }
-    }
-}
-
-impl fmt::Display for State {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+fn state_from_u8(v: u8) -> CircuitState {
+    match v {
+        CLOSED => CircuitState::Closed,
+        OPEN => CircuitState::Open,
+        HALF_OPEN => CircuitState::HalfOpen,
+        _ => CircuitState::Isolated,
     }
 }
 
@@ -64,10 +38,10 @@ pub struct Transition {
     /// The dependency.
     pub dependency: Dependency,
     /// The state before.
-    pub from: State,
+    pub from: CircuitState,
     /// The state after.
-    pub to: State,
-    /// How long it stays open, for a transition to [`State::Open`].
+    pub to: CircuitState,
+    /// How long it stays open, for a transition to [`CircuitState::Open`].
     pub cooldown: Option<Duration>,
 }
 
@@ -75,7 +49,7 @@ pub struct Transition {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CircuitStats {
     /// The state.
-    pub state: State,
+    pub state: CircuitState,
     /// Calls counted in the failure-ratio window (0 when the ratio rule is off).
     pub calls: u64,
     /// Failures counted in the window.
@@ -206,6 +180,15 @@ impl Default for Breaker {
 }
 
 impl Breaker {
+    /// The one breaker of the whole process, with the default configuration: what every
+    /// `Backstop` stack asks unless given another, so that a dependency has one circuit
+    /// however many stacks call it. Choose it by name when a hand-composed stack should share
+    /// it too; give a stack `Breaker::new(..)` for circuits of its own.
+    pub fn process_wide() -> Breaker {
+        static PROCESS: std::sync::OnceLock<Breaker> = std::sync::OnceLock::new();
+        PROCESS.get_or_init(Breaker::default).clone()
+    }
+
     /// A breaker with `config`, or why the configuration is invalid.
     pub fn new(config: BreakerConfig) -> Result<Self, InvalidConfig> {
         config.validate()?;
@@ -243,15 +226,15 @@ impl Breaker {
     }
 
     /// The state of `dependency`'s circuit (closed if it was never used).
-    pub fn state(&self, dependency: &Dependency) -> State {
+    pub fn state(&self, dependency: &Dependency) -> CircuitState {
         self.stats(dependency).state
     }
 
     /// What `dependency`'s circuit has counted.
     pub fn stats(&self, dependency: &Dependency) -> CircuitStats {
-        let Some(c) = self.inner.circuits.get_tracked(dependency) else {
+        let Some(c) = self.inner.circuits.tracked(dependency) else {
             return CircuitStats {
-                state: State::Closed,
+                state: CircuitState::Closed,
                 calls: 0,
                 failures: 0,
                 consecutive_failures: 0,
@@ -259,13 +242,13 @@ impl Breaker {
             };
         };
         let now = Instant::now();
-        let state = State::from_u8(c.state.load(Ordering::Acquire));
+        let state = state_from_u8(c.state.load(Ordering::Acquire));
         CircuitStats {
             state,
             calls: c.calls.as_ref().map_or(0, |w| w.sum(now)),
             failures: c.failures.as_ref().map_or(0, |w| w.sum(now)),
             consecutive_failures: c.consecutive.load(Ordering::Acquire),
-            retry_in: (state == State::Open).then(|| {
+            retry_in: (state == CircuitState::Open).then(|| {
                 let until = c.open_until.load(Ordering::Acquire);
                 Duration::from_millis(until.saturating_sub(self.inner.now_ms()))
             }),
@@ -280,7 +263,7 @@ impl Breaker {
 
     /// Closes `dependency`'s circuit and forgets its failures.
     pub fn reset(&self, dependency: &Dependency) {
-        if let Some(c) = self.inner.circuits.get_tracked(dependency) {
+        if let Some(c) = self.inner.circuits.tracked(dependency) {
             self.inner.transition(&c, None, CLOSED, None);
         }
     }
@@ -491,12 +474,12 @@ impl Inner {
 
         let t = Transition {
             dependency: c.dependency.clone(),
-            from: State::from_u8(was),
-            to: State::from_u8(to),
+            from: state_from_u8(was),
+            to: state_from_u8(to),
             cooldown,
         };
         match t.to {
-            State::Open | State::Isolated => tracing::warn!(
+            CircuitState::Open | CircuitState::Isolated => tracing::warn!(
                 target: "backstop::breaker",
                 dependency = %t.dependency,
                 from = t.from.as_str(),

@@ -144,7 +144,13 @@ impl BreakerConfig {
         self.window
     }
 
-    /// The cooldown.
+    /// The first cooldown after the circuit opens.
+    pub fn base_cooldown(&self) -> Duration {
+        self.cooldown
+    }
+
+    /// The old name of [`base_cooldown`](Self::base_cooldown).
+    #[deprecated(note = "renamed base_cooldown")]
     pub fn get_cooldown(&self) -> Duration {
         self.cooldown
     }

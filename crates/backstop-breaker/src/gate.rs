@@ -72,8 +72,8 @@ impl Breaker {
     /// This breaker's circuit for one dependency, looked up once: a stack whose dependency is
     /// fixed admits and records its attempts through it without a registry lookup per attempt.
     /// An attempt for another dependency still goes to that one's circuit.
-    pub fn bind(&self, dependency: &Dependency) -> BoundBreaker {
-        BoundBreaker {
+    pub fn bind(&self, dependency: &Dependency) -> DependencyBreaker {
+        DependencyBreaker {
             circuit: self.inner.circuits.get(dependency),
             dependency: dependency.clone(),
             breaker: self.clone(),
@@ -103,31 +103,35 @@ impl AttemptGate for Breaker {
     }
 }
 
+/// The old name of [`DependencyBreaker`] ("bound" read as "bounded").
+#[deprecated(note = "renamed DependencyBreaker")]
+pub type BoundBreaker = DependencyBreaker;
+
 /// A [`Breaker`]'s circuit for one dependency, from [`Breaker::bind`].
 #[derive(Clone)]
-pub struct BoundBreaker {
+pub struct DependencyBreaker {
     circuit: Arc<Circuit>,
     dependency: Dependency,
     breaker: Breaker,
 }
 
-impl fmt::Debug for BoundBreaker {
+impl fmt::Debug for DependencyBreaker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BoundBreaker")
+        f.debug_struct("DependencyBreaker")
             .field("dependency", &self.dependency)
             .field("breaker", &self.breaker)
             .finish()
     }
 }
 
-impl BoundBreaker {
+impl DependencyBreaker {
     /// The breaker.
     pub fn breaker(&self) -> &Breaker {
         &self.breaker
     }
 }
 
-impl AttemptGate for BoundBreaker {
+impl AttemptGate for DependencyBreaker {
     fn admit(&self, dependency: &Dependency) -> Result<Ticket, BoxError> {
         if *dependency == self.dependency {
             self.breaker.admit_through(&self.circuit, dependency)

@@ -42,13 +42,14 @@ impl BreakerLayer<HttpClassifier, ByAuthority> {
 }
 
 impl<C> BreakerLayer<C> {
-    /// A breaker judging results with `classifier`, for one dependency named
-    /// `"the dependency"` until [`dependency`](Self::dependency) names it.
+    /// A breaker judging results with `classifier`, for one dependency:
+    /// a dependency of its own ([`Dependency::unnamed`]) until
+    /// [`dependency`](Self::dependency) names it.
     pub fn new(breaker: Breaker, classifier: C) -> Self {
         BreakerLayer {
             breaker,
             classifier: Arc::new(classifier),
-            key: Dependency::new("the dependency"),
+            key: Dependency::unnamed(),
         }
     }
 }

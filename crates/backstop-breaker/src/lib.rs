@@ -85,7 +85,10 @@ mod sync;
 
 pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
-pub use circuit::{Breaker, CircuitStats, State, Transition};
+#[allow(deprecated)]
+pub use circuit::State;
+pub use circuit::{Breaker, CircuitStats, Transition};
 pub use config::BreakerConfig;
-pub use gate::BoundBreaker;
+#[allow(deprecated)]
+pub use gate::{BoundBreaker, DependencyBreaker};
 pub use layer::{BreakerLayer, CircuitBreaker, ResponseFuture};

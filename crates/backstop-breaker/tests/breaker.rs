@@ -3,7 +3,7 @@
 
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::{
-    Breaker, BreakerConfig, BreakerLayer, CircuitOpen, CircuitState, State, Transition,
+    Breaker, BreakerConfig, BreakerLayer, CircuitOpen, CircuitState, Transition,
 };
 use backstop_budget::Budget;
 use backstop_core::{AttemptTimedOut, Dependency};
@@ -88,7 +88,7 @@ fn carrier() -> Dependency {
 }
 
 /// The transitions a hook saw, as (from, to).
-type Seen = Arc<Mutex<Vec<(State, State)>>>;
+type Seen = Arc<Mutex<Vec<(CircuitState, CircuitState)>>>;
 
 fn recorder() -> (Seen, impl Fn(&Transition) + Send + Sync + 'static) {
     let seen: Seen = Arc::default();
@@ -124,7 +124,7 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     for _ in 0..5 {
         assert_eq!(call(&svc).await.unwrap().status(), 503);
     }
-    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Open);
     let before = dep.calls();
     let start = Instant::now();
     for _ in 0..100 {
@@ -146,7 +146,7 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     );
     assert_eq!(
         *transitions.lock().unwrap(),
-        vec![(State::Closed, State::Open)]
+        vec![(CircuitState::Closed, CircuitState::Open)]
     );
 }
 
@@ -173,7 +173,7 @@ async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_coold
     advance(Duration::from_secs(10)).await;
     // The trial fails: open again, for 20 s this time.
     assert_eq!(call(&svc).await.unwrap().status(), 500);
-    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Open);
     assert_eq!(
         breaker.stats(&carrier()).retry_in,
         Some(Duration::from_secs(20))
@@ -188,7 +188,7 @@ async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_coold
     advance(Duration::from_secs(25)).await;
     dep.set(Answer::Ok);
     call(&svc).await.unwrap();
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
     // After closing, the cooldown starts from the beginning again.
     dep.set(Answer::Status(500));
     call(&svc).await.unwrap();
@@ -198,7 +198,7 @@ async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_coold
         Some(Duration::from_secs(10))
     );
 
-    use State::*;
+    use CircuitState::*;
     assert_eq!(
         *transitions.lock().unwrap(),
         vec![
@@ -249,7 +249,7 @@ async fn half_open_admits_exactly_the_trial_calls_and_fails_the_rest_fast() {
     }
     assert_eq!((ok, busy), (3, 7));
     assert_eq!(dep.calls() - before, 3);
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
 }
 
 fn poll_once<F: Future>(f: std::pin::Pin<&mut F>) -> Poll<F::Output> {
@@ -281,7 +281,7 @@ where
         let fut = s.call(Request::new(()));
         let mut fut = pin!(fut);
         assert!(poll_once(fut.as_mut()).is_pending());
-        assert_eq!(breaker.state(&carrier()), State::HalfOpen);
+        assert_eq!(breaker.state(&carrier()), CircuitState::HalfOpen);
         let e = call(svc).await.unwrap_err();
         // As a layer the breaker's own error comes back; as a gate, inside the retry error.
         let open = match e.downcast::<RetryError>() {
@@ -292,7 +292,7 @@ where
     }
     dep.set(Answer::Ok);
     assert_eq!(call(svc).await.unwrap().status(), 200);
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
     let s = breaker.stats(&carrier());
     assert_eq!(
         (s.consecutive_failures, s.failures),
@@ -314,7 +314,7 @@ async fn a_cancelled_call_while_closed_is_no_failure() {
         let mut fut = pin!(fut);
         assert!(poll_once(fut.as_mut()).is_pending());
     }
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
 }
 
 #[tokio::test(start_paused = true)]
@@ -332,14 +332,14 @@ async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
             Answer::Ok
         });
         let _ = call(&svc).await;
-        assert_eq!(breaker.state(&carrier()), State::Closed, "call {i}");
+        assert_eq!(breaker.state(&carrier()), CircuitState::Closed, "call {i}");
     }
     let s = breaker.stats(&carrier());
     assert_eq!((s.calls, s.failures), (19, 9));
     // The 20th call fails: 10 failures of 20 calls is 50 %.
     dep.set(Answer::Timeout);
     let _ = call(&svc).await;
-    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Open);
 }
 
 #[tokio::test(start_paused = true)]
@@ -362,7 +362,7 @@ async fn old_failures_leave_the_window() {
         call(&svc).await.unwrap();
     }
     // 5 failures in the last 15 calls (the first 15 failures left the window).
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
 }
 
 #[tokio::test(start_paused = true)]
@@ -376,7 +376,7 @@ async fn client_errors_are_successes_for_the_breaker() {
         dep.set(Answer::Status(status));
         call(&svc).await.unwrap();
     }
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
     assert_eq!(breaker.stats(&carrier()).failures, 0);
 }
 
@@ -393,12 +393,12 @@ async fn slow_calls_count_as_failures_when_configured() {
     for _ in 0..5 {
         call(&svc).await.unwrap();
     }
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
     dep.set(Answer::Slow(Duration::from_millis(600)));
     for _ in 0..3 {
         call(&svc).await.unwrap();
     }
-    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Open);
 }
 
 #[tokio::test(start_paused = true)]
@@ -427,8 +427,8 @@ async fn isolate_and_reset_by_hand() {
     assert_eq!(
         *transitions.lock().unwrap(),
         vec![
-            (State::Closed, State::Isolated),
-            (State::Isolated, State::Closed)
+            (CircuitState::Closed, CircuitState::Isolated),
+            (CircuitState::Isolated, CircuitState::Closed)
         ]
     );
 }
@@ -525,7 +525,7 @@ async fn many_tasks_hammering_one_dependency_lose_no_count() {
         t.await.unwrap();
     }
     let s = breaker.stats(&carrier());
-    assert_eq!(s.state, State::Closed);
+    assert_eq!(s.state, CircuitState::Closed);
     assert_eq!(s.calls, 16_000);
     assert_eq!(s.failures, 4_000);
     assert_eq!(dep.calls() + failing.calls(), 16_000);
@@ -553,7 +553,7 @@ fn story_parts() -> (Breaker, Budget, Dep) {
 
 /// The retry layer of that story: "carrier-api", 100 ms waits, seeded.
 fn story_retry()
--> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpReplay, Dependency> {
+-> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpResend, Dependency> {
     RetryLayer::http()
         .dependency("carrier-api")
         .backoff(Backoff::constant(Duration::from_millis(100)))
@@ -600,7 +600,7 @@ async fn an_open_circuit_stops_retries_at_once<S>(
     assert_eq!(start.elapsed(), Duration::ZERO);
     assert_eq!(dep.calls(), 4);
     // The breaker's circuit and the budget's account are both "carrier-api".
-    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Open);
     assert_eq!(budget.stats(&carrier()).requests, 3);
     assert_eq!(budget.stats(&carrier()).retries, 3);
 }
@@ -644,7 +644,7 @@ async fn as_the_retry_layers_gate_an_open_circuit_stops_retries_at_once() {
     advance(Duration::from_secs(30)).await;
     dep.set(Answer::Ok);
     assert_eq!(call(&svc).await.unwrap().status(), 200);
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
 }
 
 /// One attempt per call, asking `breaker` first.
@@ -666,7 +666,7 @@ async fn as_a_gate_a_cancelled_trial_gives_its_slot_back() {
     let dep = Dep::new(Answer::Status(503));
     let svc = gated(&breaker, &dep);
     assert_eq!(call(&svc).await.unwrap().status(), 503);
-    assert_eq!(breaker.state(&carrier()), State::Open);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Open);
     cancelled_trials_give_their_slots_back(&svc, &breaker, &dep).await;
 }
 
@@ -678,8 +678,11 @@ async fn a_bound_breaker_sends_a_request_naming_another_dependency_to_that_circu
     let mut req = Request::new(());
     req.extensions_mut().insert(Dependency::new("label-api"));
     assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 503);
-    assert_eq!(breaker.state(&Dependency::new("label-api")), State::Open);
-    assert_eq!(breaker.state(&carrier()), State::Closed);
+    assert_eq!(
+        breaker.state(&Dependency::new("label-api")),
+        CircuitState::Open
+    );
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
 }
 
 #[tokio::test(start_paused = true)]
@@ -706,17 +709,17 @@ async fn a_result_from_before_a_transition_counts_for_nothing() {
         let ticket = breaker.admit(&dep).unwrap();
         breaker.complete(&dep, ticket, failure, t);
     }
-    assert_eq!(breaker.state(&dep), State::Open);
+    assert_eq!(breaker.state(&dep), CircuitState::Open);
     advance(Duration::from_secs(2)).await;
     let trial = breaker.admit(&dep).unwrap();
     breaker.complete(&dep, trial, Some(Verdict::Success), Instant::now());
-    assert_eq!(breaker.state(&dep), State::Closed);
+    assert_eq!(breaker.state(&dep), CircuitState::Closed);
     // The slow call's failure arrives now: it belongs to the closed period before, so it does
     // not count towards this one. One fresh failure then leaves the circuit closed.
     breaker.complete(&dep, slow, failure, t);
     let ticket = breaker.admit(&dep).unwrap();
     breaker.complete(&dep, ticket, failure, Instant::now());
-    assert_eq!(breaker.state(&dep), State::Closed);
+    assert_eq!(breaker.state(&dep), CircuitState::Closed);
     assert_eq!(breaker.stats(&dep).consecutive_failures, 1);
 }
 
@@ -746,7 +749,7 @@ async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
     for i in 0..4 {
         let dep = Dependency::new(format!("down-{i}"));
         fail(&dep);
-        assert_eq!(breaker.state(&dep), State::Open);
+        assert_eq!(breaker.state(&dep), CircuitState::Open);
     }
     // Past the bound, a failing host and a thousand healthy ones.
     fail(&Dependency::new("failing-host"));
@@ -760,7 +763,35 @@ async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
     for i in 0..4 {
         assert_eq!(
             breaker.state(&Dependency::new(format!("down-{i}"))),
-            State::Open
+            CircuitState::Open
         );
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_unnamed_layers_on_one_breaker_have_a_circuit_each() {
+    // Neither layer names its dependency: a failing one must not open the other's circuit.
+    let breaker = Breaker::new(BreakerConfig::default()).unwrap();
+    let failing = Dep::new(Answer::Status(503));
+    let healthy = Dep::new(Answer::Status(200));
+    let classifier = backstop_classify::HttpClassifier::new();
+    let a = BreakerLayer::new(breaker.clone(), classifier.clone()).layer(failing.service());
+    let b = BreakerLayer::new(breaker.clone(), classifier).layer(healthy.service());
+    for _ in 0..10 {
+        let _ = call(&a).await;
+    }
+    assert!(
+        call(&a).await.is_err(),
+        "the failing layer's circuit is open"
+    );
+    assert_eq!(call(&b).await.unwrap().status(), 200);
+    assert_eq!(healthy.calls(), 1);
+}
+
+#[test]
+fn the_process_wide_breaker_is_one_breaker() {
+    let dep = Dependency::new("process-wide-probe");
+    Breaker::process_wide().isolate(&dep);
+    assert_eq!(Breaker::process_wide().state(&dep), CircuitState::Isolated);
+    Breaker::process_wide().reset(&dep);
 }

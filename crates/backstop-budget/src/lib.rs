@@ -198,7 +198,7 @@ impl Budget {
     /// What has been counted for `dependency` in the current window.
     pub fn stats(&self, dependency: &Dependency) -> BudgetStats {
         let now = Instant::now();
-        let (requests, retries) = match self.inner.accounts.get_tracked(dependency) {
+        let (requests, retries) = match self.inner.accounts.tracked(dependency) {
             Some(a) => (a.requests.sum(now), a.retries.sum(now)),
             None => (0, 0),
         };
@@ -226,11 +226,20 @@ impl Default for Budget {
 }
 
 impl Budget {
+    /// The one budget of the whole process, with the default configuration: what every
+    /// `Backstop` stack uses unless given another, so that every stack calling a dependency
+    /// spends from that dependency's one account. Choose it by name when a hand-composed
+    /// stack should share it too; give a stack `Budget::new(..)` for an account of its own.
+    pub fn process_wide() -> Budget {
+        static PROCESS: std::sync::OnceLock<Budget> = std::sync::OnceLock::new();
+        PROCESS.get_or_init(Budget::default).clone()
+    }
+
     /// This budget's account for one dependency, looked up once: a stack whose dependency is
     /// fixed deposits and withdraws through it without a registry lookup per call. A call that
     /// names another dependency still goes to that one's account.
-    pub fn bind(&self, dependency: &Dependency) -> BoundBudget {
-        BoundBudget {
+    pub fn bind(&self, dependency: &Dependency) -> DependencyBudget {
+        DependencyBudget {
             account: self.inner.accounts.get(dependency),
             dependency: dependency.clone(),
             budget: self.clone(),
@@ -260,24 +269,28 @@ impl RetryBudget for Budget {
     }
 }
 
+/// The old name of [`DependencyBudget`] ("bound" read as "bounded").
+#[deprecated(note = "renamed DependencyBudget")]
+pub type BoundBudget = DependencyBudget;
+
 /// A [`Budget`]'s account for one dependency, from [`Budget::bind`].
 #[derive(Clone)]
-pub struct BoundBudget {
+pub struct DependencyBudget {
     account: Arc<Account>,
     dependency: Dependency,
     budget: Budget,
 }
 
-impl fmt::Debug for BoundBudget {
+impl fmt::Debug for DependencyBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BoundBudget")
+        f.debug_struct("DependencyBudget")
             .field("dependency", &self.dependency)
             .field("budget", &self.budget)
             .finish()
     }
 }
 
-impl RetryBudget for BoundBudget {
+impl RetryBudget for DependencyBudget {
     #[inline]
     fn deposit(&self, dependency: &Dependency, now: Instant) {
         if *dependency == self.dependency {

@@ -16,7 +16,8 @@ use crate::{Deadline, Dependency, HasExtensions};
 /// in the extensions itself.
 ///
 /// ```
-/// use backstop_core::{CallContext, Deadline, Dependency, HasExtensions, RetryScope};
+/// use backstop_core::plumbing::CallContext;
+/// use backstop_core::{Deadline, Dependency, HasExtensions, RetryScope};
 /// use std::time::Duration;
 ///
 /// let mut req = http::Request::new(());

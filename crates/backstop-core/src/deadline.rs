@@ -5,7 +5,7 @@ use tokio::time::Instant;
 /// The instant by which a whole logical call (every attempt and every backoff sleep) must end.
 ///
 /// The deadline layer and the retry layer store it in the request's extensions (see
-/// [`CallContext`](crate::CallContext)), so every layer further in sees it; the retry
+/// call context), so every layer further in sees it; the retry
 /// layer refuses to sleep past it and the attempt timeout shortens the last attempt to fit
 /// inside it. A caller that has its own, tighter deadline puts it in the request first: the
 /// tighter one always wins.
@@ -66,13 +66,13 @@ impl Deadline {
         Instant::now() >= self.at
     }
 
-    /// The deadline in force for a request: the one in its [`CallContext`](crate::CallContext)
+    /// The deadline in force for a request: the one in its call context
     /// extension (a retry layer's or a deadline layer's), or else a bare `Deadline` a caller
     /// inserted.
     #[inline]
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
         let ext = req.extensions();
-        ext.get::<crate::CallContext>()
+        ext.get::<crate::context::CallContext>()
             .and_then(|c| c.deadline)
             .or_else(|| ext.get::<Deadline>().copied())
     }
@@ -91,7 +91,7 @@ impl Deadline {
             Some(existing) if existing <= self => existing,
             _ => self,
         };
-        crate::CallContext::of_mut(req).deadline = Some(effective);
+        crate::context::CallContext::of_mut(req).deadline = Some(effective);
         effective
     }
 }

@@ -9,7 +9,7 @@ use std::{
 ///
 /// Cheap to clone (a reference-counted string and its hash). The retry layer names it once per
 /// logical call and makes it current for the layers its attempts reach (see
-/// [`CallContext`](crate::CallContext)), so that the budget, the breaker, the attempt timeout and
+/// call context), so that the budget, the breaker, the attempt timeout and
 /// every error message name the same dependency.
 ///
 /// The name is hashed once, when the `Dependency` is made, with a per-process random key (so
@@ -18,7 +18,7 @@ use std::{
 #[derive(Clone)]
 pub struct Dependency {
     name: Arc<str>,
-    hash: u64,
+    pub(crate) hash: u64,
 }
 
 fn keys() -> &'static RandomState {
@@ -30,6 +30,22 @@ impl Dependency {
     /// A dependency with the given name.
     pub fn new(name: impl AsRef<str>) -> Self {
         Self::from_arc(Arc::from(name.as_ref()))
+    }
+
+    /// A dependency for a layer nobody named: unlike any other (each call makes a new one,
+    /// `unnamed dependency #1`, `#2`, ...), so two unnamed layers given the same budget or
+    /// breaker never share an account or a circuit. Name the dependency for errors, metrics and
+    /// sharing that mean something.
+    ///
+    /// ```
+    /// use backstop_core::Dependency;
+    /// assert_ne!(Dependency::unnamed(), Dependency::unnamed());
+    /// assert!(Dependency::unnamed().as_str().starts_with("unnamed dependency #"));
+    /// ```
+    pub fn unnamed() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Dependency::new(format!("unnamed dependency #{n}"))
     }
 
     fn from_arc(name: Arc<str>) -> Self {
@@ -79,13 +95,8 @@ impl Dependency {
     /// How many distinct dependency names a process labels metrics with.
     pub const MAX_METRIC_LABELS: usize = 1_000;
 
-    /// The name's hash (per process, randomly keyed).
-    pub fn prehash(&self) -> u64 {
-        self.hash
-    }
-
     /// The dependency recorded on a request: the one in its
-    /// [`CallContext`](crate::CallContext) extension, or else a bare `Dependency` a caller
+    /// call context extension, or else a bare `Dependency` a caller
     /// inserted.
     pub fn of<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<Dependency> {
         Dependency::on(req).cloned()
@@ -95,14 +106,14 @@ impl Dependency {
     #[inline]
     pub fn on<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
         let ext = req.extensions();
-        ext.get::<crate::CallContext>()
+        ext.get::<crate::context::CallContext>()
             .and_then(|c| c.dependency.as_ref())
             .or_else(|| ext.get::<Dependency>())
     }
 
     /// Records this dependency on the request, for the layers further in.
     pub fn attach<R: crate::HasExtensions + ?Sized>(self, req: &mut R) {
-        crate::CallContext::of_mut(req).dependency = Some(self);
+        crate::context::CallContext::of_mut(req).dependency = Some(self);
     }
 }
 

@@ -230,9 +230,12 @@ impl fmt::Display for InvalidConfig {
 
 impl Error for InvalidConfig {}
 
-/// Why a circuit breaker refused a call.
+/// A circuit's state: what a breaker reports for a dependency, and, in a [`CircuitOpen`], why
+/// it refused a call (never `Closed` there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CircuitState {
+    /// Calls flow.
+    Closed,
     /// The dependency failed repeatedly; calls fail fast until the cooldown ends.
     Open,
     /// The cooldown ended and trial calls are in flight; other calls fail fast until a trial
@@ -240,6 +243,24 @@ pub enum CircuitState {
     HalfOpen,
     /// An operator isolated the dependency; calls fail fast until it is reset.
     Isolated,
+}
+
+impl CircuitState {
+    /// `closed`, `open`, `half_open` or `isolated`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CircuitState::Closed => "closed",
+            CircuitState::Open => "open",
+            CircuitState::HalfOpen => "half_open",
+            CircuitState::Isolated => "isolated",
+        }
+    }
+}
+
+impl fmt::Display for CircuitState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A circuit breaker failed the call at once, without sending it.
@@ -289,7 +310,8 @@ impl fmt::Display for CircuitOpen {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let d = &self.dependency;
         match self.state {
-            CircuitState::Open => {
+            // A refusal is never made while closed; a gate that says so is read as open.
+            CircuitState::Open | CircuitState::Closed => {
                 write!(f, "{d} is unavailable (circuit open); do not retry now")?;
                 match self.retry_in {
                     Some(t) => write!(f, "; try again in {}", HumanDuration::rounded_up(t)),

@@ -100,7 +100,7 @@ impl UnvouchedKey {
 /// The mark of the outermost retry layer. A retry layer that finds it makes exactly one attempt
 /// and leaves retrying to the outer one.
 ///
-/// The outer layer sets it in the request's [`CallContext`](crate::CallContext) before its
+/// The outer layer sets it in the request's call context before its
 /// first attempt, so it reaches every layer further in, across tasks and futures too.
 ///
 /// Any other retrying code can honour it too: if a request carries it, someone outside is
@@ -110,11 +110,11 @@ pub struct RetryScope;
 
 impl RetryScope {
     /// Whether a retry layer already owns the call: the request carries the mark (in its
-    /// [`CallContext`](crate::CallContext), or a bare `RetryScope` a caller inserted).
+    /// call context, or a bare `RetryScope` a caller inserted).
     #[inline]
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
         let ext = req.extensions();
-        ext.get::<crate::CallContext>()
+        ext.get::<crate::context::CallContext>()
             .is_some_and(|c| c.retry_scope)
             || ext.get::<RetryScope>().is_some()
     }
@@ -130,7 +130,7 @@ impl RetryScope {
 
     /// Marks the call as owned by a retry layer.
     pub fn mark<R: HasExtensions + ?Sized>(req: &mut R) {
-        crate::CallContext::of_mut(req).retry_scope = true;
+        crate::context::CallContext::of_mut(req).retry_scope = true;
     }
 }
 

@@ -40,7 +40,6 @@ mod outcome;
 mod verdict;
 
 pub use budget::{NoBudget, RetryBudget};
-pub use context::CallContext;
 pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
@@ -51,3 +50,16 @@ pub use extensions::{HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, is_ide
 pub use gate::{AttemptGate, Ticket};
 pub use outcome::Outcome;
 pub use verdict::{Classify, Verdict};
+
+/// Not part of the public API: what the Backstop crates use to reach each other. Anything here
+/// may change in any release; nothing else in this crate is public for that reason alone.
+#[doc(hidden)]
+pub mod plumbing {
+    pub use crate::context::CallContext;
+
+    /// The dependency name's hash (per process, randomly keyed), which picks a registry shard.
+    #[inline]
+    pub fn prehash(dependency: &crate::Dependency) -> u64 {
+        dependency.hash
+    }
+}

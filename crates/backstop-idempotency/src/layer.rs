@@ -219,10 +219,7 @@ impl<S, I: Clone, G: Clone> Layer<S> for IdempotencyLayer<I, G> {
     fn layer(&self, inner: S) -> Self::Service {
         SetIdempotencyKey {
             inner,
-            inject: self.inject.clone(),
-            make: self.make.clone(),
-            require: self.require,
-            vouched: self.vouched,
+            keys: self.clone(),
         }
     }
 }
@@ -231,10 +228,7 @@ impl<S, I: Clone, G: Clone> Layer<S> for IdempotencyLayer<I, G> {
 #[derive(Clone, Debug)]
 pub struct SetIdempotencyKey<S, I, G> {
     inner: S,
-    inject: I,
-    make: G,
-    require: bool,
-    vouched: bool,
+    keys: IdempotencyLayer<I, G>,
 }
 
 impl<S, I, G> SetIdempotencyKey<S, I, G> {
@@ -269,26 +263,18 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        match attach(
-            &self.inject,
-            &self.make,
-            self.require,
-            self.vouched,
-            &mut req,
-        ) {
+        match attach_key(&self.keys, &mut req) {
             Ok(()) => KeyFuture::Inner(self.inner.call(req)),
             Err(refused) => KeyFuture::Refused(Some(refused)),
         }
     }
 }
 
-/// Gives `req` the key it needs (see [`IdempotencyLayer`] for the sources and their order), or
-/// says why it must not be sent.
-fn attach<Req, I, G>(
-    inject: &I,
-    make: &G,
-    require: bool,
-    vouched: bool,
+/// Gives `req` the key `keys` says it needs (see [`IdempotencyLayer`] for the sources and their
+/// order), or says why it must not be sent: what the layer's service does, and what the
+/// facade's call hook does through `plumbing::attach`.
+pub fn attach_key<Req, I, G>(
+    keys: &IdempotencyLayer<I, G>,
     req: &mut Req,
 ) -> Result<(), InvalidConfig>
 where
@@ -296,6 +282,7 @@ where
     I: Inject<Req>,
     G: MakeKey<Req>,
 {
+    let inject = &keys.inject;
     if !inject.needs_key(req) {
         return Ok(());
     }
@@ -305,7 +292,7 @@ where
     }
     let ext = req.extensions();
     // A key the caller gave itself is its word that the dependency honours it.
-    let mut vouched = vouched;
+    let mut vouched = keys.vouched;
     let key = match ext.get::<IdempotencyKey>() {
         Some(k) => {
             vouched = true;
@@ -319,7 +306,7 @@ where
                      each attempt would get a new key and a lost reply could be acted on twice",
                 ));
             }
-            None => make.make_key(req),
+            None => keys.make.make_key(req),
         },
     };
     match key {
@@ -335,7 +322,7 @@ where
             }
             Ok(())
         }
-        None if require => Err(InvalidConfig::new(
+        None if keys.require => Err(InvalidConfig::new(
             "this tool call needs an idempotency key and none was given: attach an \
              ActionContext (run, step and call ids) or an IdempotencyKey to the request; \
              it was not sent",
@@ -345,17 +332,6 @@ where
 }
 
 impl<I, G> IdempotencyLayer<I, G> {
-    /// Does what the layer's service does to a request, for code that composes its own call
-    /// layer: attaches the key `req` needs, or says why it must not be sent.
-    pub fn attach<Req>(&self, req: &mut Req) -> Result<(), InvalidConfig>
-    where
-        Req: HasExtensions,
-        I: Inject<Req>,
-        G: MakeKey<Req>,
-    {
-        attach(&self.inject, &self.make, self.require, self.vouched, req)
-    }
-
     /// Declares that the dependency honours idempotency keys (it runs a keyed request once and
     /// answers repeats with the stored result), so a key this layer attaches makes an unknown
     /// outcome safe to repeat. Without it only a key the caller set itself does; a key derived

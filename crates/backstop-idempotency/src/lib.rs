@@ -57,3 +57,10 @@ pub use layer::{
     HttpKeys, IdempotencyLayer, Inject, KeyFuture, KeyedRequest, MakeKey, NoKey, RandomKey,
     SetIdempotencyKey, ToolKeys,
 };
+
+/// Not part of the public API: what the Backstop crates use to reach each other. Anything here
+/// may change in any release.
+#[doc(hidden)]
+pub mod plumbing {
+    pub use crate::layer::attach_key as attach;
+}

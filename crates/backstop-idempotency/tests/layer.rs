@@ -40,7 +40,7 @@ fn recording(
 
 fn retry() -> RetryLayer<
     backstop_classify::HttpClassifier,
-    backstop_retry::HttpReplay,
+    backstop_retry::HttpResend,
     backstop_core::Dependency,
 > {
     RetryLayer::http()

@@ -1,4 +1,4 @@
-use crate::NotReplayable;
+use crate::NotCopyable;
 use backstop_core::BoxError;
 use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderMap, Request};
@@ -67,7 +67,7 @@ impl<B> ReplayBody<B> {
         matches!(self.kind, Kind::Buffered { .. })
     }
 
-    pub(crate) fn try_clone(&self) -> Result<Self, NotReplayable> {
+    pub(crate) fn try_clone(&self) -> Result<Self, NotCopyable> {
         match &self.kind {
             Kind::Buffered { data, trailers } => Ok(ReplayBody {
                 kind: Kind::Buffered {
@@ -75,7 +75,7 @@ impl<B> ReplayBody<B> {
                     trailers: trailers.clone(),
                 },
             }),
-            Kind::Streaming { limit, .. } => Err(NotReplayable::new(format!(
+            Kind::Streaming { limit, .. } => Err(NotCopyable::new(format!(
                 "the request body is larger than the {limit}-byte replay buffer, so it was sent once"
             ))),
         }

@@ -1,4 +1,4 @@
-use crate::NotReplayable;
+use crate::NotCopyable;
 use crate::words::{Diagnosis, ErrorKind, Told};
 use backstop_classify::Verdict;
 use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
@@ -25,7 +25,7 @@ pub enum StopReason {
     /// honours it, so repeating the request could do it twice.
     KeyNotVouched,
     /// The request cannot be replayed (for example, its body exceeded the replay buffer).
-    NotReplayable(NotReplayable),
+    NotCopyable(NotCopyable),
     /// The dependency's retry budget refused the retry.
     BudgetExhausted,
     /// The wait before the next attempt would end at or after the deadline.
@@ -53,7 +53,7 @@ impl fmt::Display for StopReason {
                 "not retried because nobody vouched that the dependency honours the idempotency \
                  key the stack attached",
             ),
-            StopReason::NotReplayable(r) => write!(f, "not retried because {r}"),
+            StopReason::NotCopyable(r) => write!(f, "not retried because {r}"),
             StopReason::BudgetExhausted => f.write_str("the retry budget is exhausted"),
             StopReason::DeadlineTooClose { wait, left } => write!(
                 f,
@@ -230,7 +230,7 @@ impl RetryError {
             deadline: self.history.deadline.or(diagnosis.deadline),
             unvouched_key: self.history.stopped == StopReason::KeyNotVouched,
             not_replayable: match &self.history.stopped {
-                StopReason::NotReplayable(why) => Some(why),
+                StopReason::NotCopyable(why) => Some(why),
                 _ => None,
             },
         }

@@ -16,16 +16,15 @@
 //! ordinary inner futures (one that ends in `.map_err(BoxError::from)`, say).
 
 use crate::{
-    AttemptRecord, CallHook, Diagnosis, ErrorKind, NotReplayable, Replay, RetryError, RetryHistory,
+    AttemptRecord, CallHook, Diagnosis, ErrorKind, NotCopyable, Resend, RetryError, RetryHistory,
     StopReason, Ticket, layer::Policy,
 };
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{
-    BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
-    UnvouchedKey,
+    BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome, UnvouchedKey,
 };
-use backstop_timeout::AttemptEnd;
+use backstop_timeout::plumbing::AttemptCutoff;
 use pin_project::{pin_project, pinned_drop};
 use rand::rngs::SmallRng;
 use std::{
@@ -100,7 +99,7 @@ pub(crate) struct Call<S, Req> {
     /// The gate's ticket for the attempt in flight.
     ticket: Option<Ticket>,
     /// When the attempt in flight is cut short, if it is.
-    expiry: Option<AttemptEnd>,
+    expiry: Option<AttemptCutoff>,
     /// The current attempt's span (disabled, and free, when nobody listens).
     span: Span,
 }
@@ -112,7 +111,7 @@ enum Template<Req> {
     /// Kept for the copies.
     Kept(Req),
     /// It could not be copied, for this reason: the call has one attempt.
-    Uncopyable(NotReplayable),
+    Uncopyable(NotCopyable),
 }
 
 /// How an attempt ended: the inner service's result, or this layer's own error (timed out,
@@ -223,7 +222,8 @@ where
         self.attempt_started = now;
         self.sent = false;
         self.span = attempt_span(parent, &self.dependency, self.attempt);
-        self.expiry = match AttemptEnd::plan(now, policy.settings.attempt_timeout, self.deadline) {
+        self.expiry = match AttemptCutoff::plan(now, policy.settings.attempt_timeout, self.deadline)
+        {
             Ok(end) => end,
             Err(passed) => {
                 let error = passed.error(Some(self.dependency.clone()));
@@ -241,7 +241,11 @@ where
         // on the copy it sends (the template stays as the caller gave it, and a request that
         // carries no other extension pays for the map once per attempt, not twice).
         let mut req = req(&mut self.template);
-        CallContext::claim(&mut req, self.dependency.clone(), self.deadline);
+        backstop_core::plumbing::CallContext::claim(
+            &mut req,
+            self.dependency.clone(),
+            self.deadline,
+        );
         self.sent = true;
         let _entered = self.span.enter();
         Ok(self.svc.call(req))
@@ -320,8 +324,8 @@ impl<Req> Template<Req> {
     /// Keeps `req` and returns a copy to send, or, when it cannot be copied, keeps why and
     /// returns `req` itself.
     #[inline]
-    fn keep(&mut self, replay: &impl Replay<Req>, req: Req) -> Req {
-        match replay.replay(&req) {
+    fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
+        match resend.copy(&req) {
             Ok(copy) => {
                 *self = Template::Kept(req);
                 copy
@@ -334,11 +338,11 @@ impl<Req> Template<Req> {
     }
 
     /// The kept request, or why there is none.
-    fn kept(&self) -> Result<&Req, NotReplayable> {
+    fn kept(&self) -> Result<&Req, NotCopyable> {
         match self {
             Template::Kept(req) => Ok(req),
             Template::Uncopyable(why) => Err(why.clone()),
-            Template::Unneeded => Err(NotReplayable::new("the request was not kept for a retry")),
+            Template::Unneeded => Err(NotCopyable::new("the request was not kept for a retry")),
         }
     }
 }
@@ -350,7 +354,7 @@ where
     S::Response: HasExtensions,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
-    P: Replay<Req>,
+    P: Resend<Req>,
     H: CallHook<Req, S::Response>,
 {
     /// A call the hook refused: it ends with `error` when first polled, without sending.
@@ -382,7 +386,7 @@ where
             let now = call.started;
             let begun = call.begin(&policy, now, parent, |template| {
                 if copies {
-                    template.keep(&policy.replay, req)
+                    template.keep(&policy.resend, req)
                 } else {
                     req
                 }
@@ -397,7 +401,7 @@ where
             }
         } else {
             let first = if copies {
-                call.template.keep(&policy.replay, req)
+                call.template.keep(&policy.resend, req)
             } else {
                 req
             };
@@ -436,7 +440,7 @@ where
     S::Response: HasExtensions,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
-    P: Replay<Req>,
+    P: Resend<Req>,
     H: CallHook<Req, S::Response>,
 {
     if call.nested {
@@ -461,7 +465,7 @@ where
     S::Response: HasExtensions,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
-    P: Replay<Req>,
+    P: Resend<Req>,
     H: CallHook<Req, S::Response>,
 {
     type Output = Result<S::Response, H::Error>;
@@ -504,7 +508,7 @@ where
     S::Response: HasExtensions,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
-    P: Replay<Req>,
+    P: Resend<Req>,
     H: CallHook<Req, S::Response>,
 {
     loop {
@@ -639,7 +643,7 @@ where
     S::Response: HasExtensions,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
-    P: Replay<Req>,
+    P: Resend<Req>,
     H: CallHook<Req, S::Response>,
 {
     type Output = Result<S::Response, BoxError>;
@@ -792,7 +796,7 @@ impl Retries {
                 max_attempts: settings.max_attempts,
             });
         }
-        let template = call.template.kept().map_err(StopReason::NotReplayable)?;
+        let template = call.template.kept().map_err(StopReason::NotCopyable)?;
         if outcome == Outcome::Unknown && !policy.classifier.is_replay_safe(template) {
             return Err(if UnvouchedKey::is_marked(template) {
                 StopReason::KeyNotVouched
@@ -841,9 +845,9 @@ impl Retries {
         S: Service<Req>,
         S::Error: Into<BoxError>,
         S::Response: HasExtensions,
-        P: Replay<Req>,
+        P: Resend<Req>,
     {
-        let copied = call.template.kept().and_then(|t| policy.replay.replay(t));
+        let copied = call.template.kept().and_then(|t| policy.resend.copy(t));
         copied.map_err(|why| {
             let verdict = self.history.last().map_or(NOT_SENT, |a| a.verdict);
             let cause = Box::new(why.clone());
@@ -851,7 +855,7 @@ impl Retries {
                 call,
                 Ended::Own(cause),
                 verdict,
-                StopReason::NotReplayable(why),
+                StopReason::NotCopyable(why),
             )
         })
     }

@@ -1,5 +1,5 @@
 use crate::{
-    AttemptGate, CallHook, CloneRequest, HttpReplay, NoBudget, NoHook, Replay, RetryBudget,
+    AttemptGate, CallHook, CloneRequest, HttpResend, NoBudget, NoHook, Resend, RetryBudget,
     future::{Call, ResponseFuture},
 };
 use backstop_backoff::{Backoff, RngSource};
@@ -23,7 +23,7 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
 pub(crate) struct Policy<C, P, K, H> {
     pub(crate) classifier: C,
-    pub(crate) replay: P,
+    pub(crate) resend: P,
     pub(crate) key: K,
     pub(crate) hook: H,
     pub(crate) settings: Settings,
@@ -46,7 +46,7 @@ pub(crate) struct Settings {
 #[derive(Clone)]
 pub struct RetryLayer<C, P = CloneRequest, K = Dependency, H = NoHook> {
     classifier: C,
-    replay: P,
+    resend: P,
     key: K,
     hook: H,
     settings: Settings,
@@ -57,7 +57,7 @@ impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, H> fmt::Debug for RetryLayer<C
         let s = &self.settings;
         f.debug_struct("RetryLayer")
             .field("classifier", &self.classifier)
-            .field("replay", &self.replay)
+            .field("resend", &self.resend)
             .field("dependency", &self.key)
             .field("max_attempts", &s.max_attempts)
             .field("backoff", &s.backoff)
@@ -70,14 +70,15 @@ impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, H> fmt::Debug for RetryLayer<C
 }
 
 impl<C> RetryLayer<C> {
-    /// Retries with `classifier`, replaying requests by `Clone`, for one dependency named
-    /// `"the dependency"` until [`dependency`](Self::dependency) names it. Three attempts, full
+    /// Retries with `classifier`, copying requests by `Clone`, for one dependency:
+    /// a dependency of its own ([`Dependency::unnamed`]) until
+    /// [`dependency`](Self::dependency) names it. Three attempts, full
     /// jitter from 200 ms up to 5 s, no budget.
     pub fn new(classifier: C) -> Self {
         RetryLayer {
             classifier,
-            replay: CloneRequest,
-            key: Dependency::new("the dependency"),
+            resend: CloneRequest,
+            key: Dependency::unnamed(),
             hook: NoHook,
             settings: Settings {
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
@@ -92,12 +93,12 @@ impl<C> RetryLayer<C> {
     }
 }
 
-impl RetryLayer<HttpClassifier, HttpReplay, ByAuthority> {
-    /// Retries HTTP requests: the default [`HttpClassifier`], [`HttpReplay`], and one
+impl RetryLayer<HttpClassifier, HttpResend, ByAuthority> {
+    /// Retries HTTP requests: the default [`HttpClassifier`], [`HttpResend`], and one
     /// dependency per URI authority unless [`dependency`](Self::dependency) names it.
     pub fn http() -> Self {
         RetryLayer::new(HttpClassifier::new())
-            .replay(HttpReplay)
+            .resend(HttpResend)
             .dependency_key(ByAuthority)
     }
 }
@@ -107,22 +108,28 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
     pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K, H> {
         RetryLayer {
             classifier,
-            replay: self.replay,
+            resend: self.resend,
             key: self.key,
             hook: self.hook,
             settings: self.settings,
         }
     }
 
-    /// Replaces how requests are replayed.
-    pub fn replay<P2>(self, replay: P2) -> RetryLayer<C, P2, K, H> {
+    /// Replaces how requests are copied for each attempt ([`Resend`]).
+    pub fn resend<P2>(self, resend: P2) -> RetryLayer<C, P2, K, H> {
         RetryLayer {
             classifier: self.classifier,
-            replay,
+            resend,
             key: self.key,
             hook: self.hook,
             settings: self.settings,
         }
+    }
+
+    /// The old name of [`resend`](Self::resend).
+    #[deprecated(note = "renamed resend (backstop::replay is the server's replay)")]
+    pub fn replay<P2>(self, resend: P2) -> RetryLayer<C, P2, K, H> {
+        self.resend(resend)
     }
 
     /// Names the one dependency every request goes to.
@@ -135,7 +142,7 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
     pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2, H> {
         RetryLayer {
             classifier: self.classifier,
-            replay: self.replay,
+            resend: self.resend,
             key,
             hook: self.hook,
             settings: self.settings,
@@ -149,7 +156,7 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
     pub fn hook<H2>(self, hook: H2) -> RetryLayer<C, P, K, H2> {
         RetryLayer {
             classifier: self.classifier,
-            replay: self.replay,
+            resend: self.resend,
             key: self.key,
             hook,
             settings: self.settings,
@@ -227,20 +234,44 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
         self
     }
 
+    /// What the layer is configured to allow a call: attempts, attempt timeout, deadline.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_attempts: self.settings.max_attempts,
+            attempt_timeout: self.settings.attempt_timeout,
+            deadline: self.settings.deadline,
+        }
+    }
+
     /// The configured maximum attempts.
+    #[deprecated(note = "use limits().max_attempts")]
     pub fn get_max_attempts(&self) -> u32 {
         self.settings.max_attempts
     }
 
     /// The configured attempt timeout.
+    #[deprecated(note = "use limits().attempt_timeout")]
     pub fn get_attempt_timeout(&self) -> Option<Duration> {
         self.settings.attempt_timeout
     }
 
     /// The configured deadline.
+    #[deprecated(note = "use limits().deadline")]
     pub fn get_deadline(&self) -> Option<Duration> {
         self.settings.deadline
     }
+}
+
+/// What a [`RetryLayer`] allows each call, from [`RetryLayer::limits`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// The most attempts per call, the first one included.
+    pub max_attempts: u32,
+    /// The limit on each attempt, if any.
+    pub attempt_timeout: Option<Duration>,
+    /// The layer's own deadline over each call, if any.
+    pub deadline: Option<Duration>,
 }
 
 impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K, H> {
@@ -252,7 +283,7 @@ impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K,
             ready: false,
             policy: Arc::new(Policy {
                 classifier: self.classifier.clone(),
-                replay: self.replay.clone(),
+                resend: self.resend.clone(),
                 key: self.key.clone(),
                 hook: self.hook.clone(),
                 settings: self.settings.clone(),
@@ -313,7 +344,7 @@ where
     S::Response: HasExtensions,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
-    P: Replay<Req>,
+    P: Resend<Req>,
     K: DependencyKey<Req>,
     H: CallHook<Req, S::Response>,
 {

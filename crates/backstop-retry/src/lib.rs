@@ -12,7 +12,7 @@
 //! - the wait (the server's `Retry-After`, else the [backoff](backstop_backoff::Backoff), full
 //!   jitter from 200 ms up to 5 s) ends before the request's [`Deadline`];
 //! - the dependency's [`RetryBudget`] allows another retry;
-//! - the request can be replayed ([`Replay`]): any `Clone` request, or an `http::Request` whose
+//! - the request can be copied ([`Resend`]): any `Clone` request, or an `http::Request` whose
 //!   body can be replayed (`Full<Bytes>`, or a body buffered by [`BufferBodyLayer`] up to a
 //!   limit).
 //!
@@ -92,8 +92,11 @@ pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use future::ResponseFuture;
 pub use hook::{CallHook, NoHook};
-pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
-pub use replay::{CloneRequest, HttpReplay, NotReplayable, Replay, ReplayableBody};
+pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
+#[allow(deprecated)]
+pub use replay::{
+    CloneRequest, CopyableBody, HttpReplay, HttpResend, NotCopyable, NotReplayable, Resend,
+};
 pub use words::{Diagnosis, ErrorKind, Told};
 
 /// Future types.

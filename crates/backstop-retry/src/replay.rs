@@ -1,17 +1,20 @@
 use crate::body::ReplayBody;
 use std::{borrow::Cow, error::Error, fmt};
 
-/// Why a request could not be replayed.
+/// Why a request could not be copied for another attempt (a streamed body, say): the call
+/// has one attempt. Not to be confused with a request that is not *replay-safe*
+/// ([`StopReason::NotReplaySafe`](crate::StopReason::NotReplaySafe)), which could be copied but
+/// must not be repeated.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NotReplayable {
+pub struct NotCopyable {
     reason: Cow<'static, str>,
 }
 
-impl NotReplayable {
-    /// A request that cannot be replayed, for the given reason (lowercase, no trailing period,
+impl NotCopyable {
+    /// A request that cannot be copied, for the given reason (lowercase, no trailing period,
     /// completing "not retried because ...").
     pub fn new(reason: impl Into<Cow<'static, str>>) -> Self {
-        NotReplayable {
+        NotCopyable {
             reason: reason.into(),
         }
     }
@@ -22,42 +25,43 @@ impl NotReplayable {
     }
 }
 
-impl fmt::Display for NotReplayable {
+impl fmt::Display for NotCopyable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.reason)
     }
 }
 
-impl Error for NotReplayable {}
+impl Error for NotCopyable {}
 
-/// Makes the copy of a request that one attempt consumes.
+/// Makes the copy of a request that one attempt sends.
 ///
-/// The retry layer replays requests, it never rebuilds them: the original is kept and each
-/// attempt sends a replay of it, so every attempt carries the same headers, idempotency key and
-/// body.
-pub trait Replay<Req> {
+/// The retry layer resends requests, it never rebuilds them: the original is kept and each
+/// attempt sends a copy of it, so every attempt carries the same headers, idempotency key and
+/// body. (Called `Replay` before 0.2; `backstop::replay` is the server's replay of stored
+/// results.)
+pub trait Resend<Req> {
     /// A copy of `req` for one attempt, or why there can be none.
-    fn replay(&self, req: &Req) -> Result<Req, NotReplayable>;
+    fn copy(&self, req: &Req) -> Result<Req, NotCopyable>;
 }
 
-/// Replays any `Clone` request by cloning it (the default, for non-HTTP tool calls).
+/// Copies any `Clone` request by cloning it (the default, for non-HTTP tool calls).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CloneRequest;
 
-impl<Req: Clone> Replay<Req> for CloneRequest {
-    fn replay(&self, req: &Req) -> Result<Req, NotReplayable> {
+impl<Req: Clone> Resend<Req> for CloneRequest {
+    fn copy(&self, req: &Req) -> Result<Req, NotCopyable> {
         Ok(req.clone())
     }
 }
 
-/// Replays an `http::Request<B>` whose body can be replayed ([`ReplayableBody`]): method, URI,
+/// Copies an `http::Request<B>` whose body can be copied ([`CopyableBody`]): method, URI,
 /// version, headers, extensions and body.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct HttpReplay;
+pub struct HttpResend;
 
-impl<B: ReplayableBody> Replay<http::Request<B>> for HttpReplay {
-    fn replay(&self, req: &http::Request<B>) -> Result<http::Request<B>, NotReplayable> {
-        let mut copy = http::Request::new(req.body().replay_body()?);
+impl<B: CopyableBody> Resend<http::Request<B>> for HttpResend {
+    fn copy(&self, req: &http::Request<B>) -> Result<http::Request<B>, NotCopyable> {
+        let mut copy = http::Request::new(req.body().copy_body()?);
         *copy.method_mut() = req.method().clone();
         *copy.uri_mut() = req.uri().clone();
         *copy.version_mut() = req.version();
@@ -71,19 +75,32 @@ impl<B: ReplayableBody> Replay<http::Request<B>> for HttpReplay {
 ///
 /// Every `Clone` body is (`Full<Bytes>`, `Empty<Bytes>`, `String`, `()`); a streaming body is
 /// not, unless [`BufferBodyLayer`](crate::BufferBodyLayer) buffered it into a [`ReplayBody`].
-pub trait ReplayableBody: Sized {
+pub trait CopyableBody: Sized {
     /// A copy of the body for another attempt.
-    fn replay_body(&self) -> Result<Self, NotReplayable>;
+    fn copy_body(&self) -> Result<Self, NotCopyable>;
 }
 
-impl<B: Clone> ReplayableBody for B {
-    fn replay_body(&self) -> Result<Self, NotReplayable> {
+impl<B: Clone> CopyableBody for B {
+    fn copy_body(&self) -> Result<Self, NotCopyable> {
         Ok(self.clone())
     }
 }
 
-impl<B> ReplayableBody for ReplayBody<B> {
-    fn replay_body(&self) -> Result<Self, NotReplayable> {
+impl<B> CopyableBody for ReplayBody<B> {
+    fn copy_body(&self) -> Result<Self, NotCopyable> {
         self.try_clone()
     }
 }
+
+/// The old name of [`HttpResend`].
+#[deprecated(note = "renamed HttpResend")]
+pub type HttpReplay = HttpResend;
+
+/// The old name of [`HttpResend`], as a value.
+#[deprecated(note = "renamed HttpResend")]
+#[allow(non_upper_case_globals)]
+pub const HttpReplay: HttpResend = HttpResend;
+
+/// The old name of [`NotCopyable`].
+#[deprecated(note = "renamed NotCopyable (it is not about replay safety)")]
+pub type NotReplayable = NotCopyable;

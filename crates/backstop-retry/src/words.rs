@@ -139,7 +139,7 @@ pub struct Told<'a> {
     pub unvouched_key: bool,
     /// For [`ErrorKind::Failed`]: why the request could not be sent again, when that was what
     /// stopped the retries.
-    pub not_replayable: Option<&'a crate::NotReplayable>,
+    pub not_replayable: Option<&'a crate::NotCopyable>,
 }
 
 struct Tries(u32, Duration);

@@ -7,7 +7,7 @@ use backstop_classify::{HttpClassifier, Outcome, Verdict};
 use backstop_core::{
     AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, RetryScope,
 };
-use backstop_retry::{AttemptGate, HttpReplay, RetryError, RetryLayer, StopReason, Ticket};
+use backstop_retry::{AttemptGate, HttpResend, RetryError, RetryLayer, StopReason, Ticket};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
@@ -33,7 +33,7 @@ fn get() -> Req {
         .unwrap()
 }
 
-fn layer() -> RetryLayer<HttpClassifier, HttpReplay, Dependency> {
+fn layer() -> RetryLayer<HttpClassifier, HttpResend, Dependency> {
     RetryLayer::http()
         .dependency("carrier-api")
         .rng(RngSource::seeded(7))

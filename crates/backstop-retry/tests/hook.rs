@@ -4,7 +4,7 @@
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::HttpClassifier;
 use backstop_core::{BoxError, Dependency};
-use backstop_retry::{CallHook, HttpReplay, RetryBudget, RetryError, RetryLayer};
+use backstop_retry::{CallHook, HttpResend, RetryBudget, RetryError, RetryLayer};
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use http_body_util::Full;
@@ -28,7 +28,7 @@ fn post() -> Req {
         .unwrap()
 }
 
-fn layer() -> RetryLayer<HttpClassifier, HttpReplay, Dependency> {
+fn layer() -> RetryLayer<HttpClassifier, HttpResend, Dependency> {
     RetryLayer::http()
         .dependency("labels-api")
         .rng(RngSource::seeded(7))

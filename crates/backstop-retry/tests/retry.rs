@@ -4,7 +4,7 @@ use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, Outcome, Verdict};
 use backstop_core::{AttemptTimedOut, BoxError, Deadline, Dependency, HasExtensions};
 use backstop_retry::{
-    BufferBodyLayer, NotReplayable, Replay, RetryBudget, RetryError, RetryHistory, RetryLayer,
+    BufferBodyLayer, NotCopyable, Resend, RetryBudget, RetryError, RetryHistory, RetryLayer,
     StopReason,
 };
 use bytes::Bytes;
@@ -95,7 +95,7 @@ impl Script {
     }
 }
 
-fn layer() -> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpReplay, Dependency>
+fn layer() -> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpResend, Dependency>
 {
     RetryLayer::http()
         .dependency("carrier-api")
@@ -472,7 +472,7 @@ async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
         vec![Bytes::from_static(b"01234567890123456789tail")]
     );
     match &RetryHistory::of(&res).unwrap().stopped {
-        StopReason::NotReplayable(why) => {
+        StopReason::NotCopyable(why) => {
             assert!(why.reason().contains("16-byte replay buffer"), "{why}")
         }
         other => panic!("{other:?}"),
@@ -583,9 +583,9 @@ async fn non_http_tool_calls_work_the_same_way() {
 async fn a_request_that_cannot_be_copied_is_sent_once() {
     #[derive(Clone, Copy, Debug)]
     struct Never;
-    impl Replay<ToolCall> for Never {
-        fn replay(&self, _req: &ToolCall) -> Result<ToolCall, NotReplayable> {
-            Err(NotReplayable::new("the tool call holds a one-shot stream"))
+    impl Resend<ToolCall> for Never {
+        fn copy(&self, _req: &ToolCall) -> Result<ToolCall, NotCopyable> {
+            Err(NotCopyable::new("the tool call holds a one-shot stream"))
         }
     }
     let calls = Arc::new(AtomicU32::new(0));
@@ -594,7 +594,7 @@ async fn a_request_that_cannot_be_copied_is_sent_once() {
         c.fetch_add(1, Ordering::SeqCst);
         async { Err::<ToolResult, BoxError>("lost reply".into()) }
     });
-    let svc = RetryLayer::new(ToolRules).replay(Never).layer(tool);
+    let svc = RetryLayer::new(ToolRules).resend(Never).layer(tool);
     let call = ToolCall {
         tool: "get_stream",
         extensions: http::Extensions::new(),

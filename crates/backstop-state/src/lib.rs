@@ -30,7 +30,7 @@
 //! // least recently used entry nobody holds); "billing-api" is held, so it stays.
 //! registry.get(&Dependency::new("a-third-host")).add(now, 1);
 //! assert_eq!(registry.len(), 2);
-//! assert!(registry.get_tracked(&Dependency::new("carrier-api")).is_none());
+//! assert!(registry.tracked(&Dependency::new("carrier-api")).is_none());
 //! assert_eq!(held.sum(now), 0, "never shared with the third host");
 //! ```
 #![forbid(unsafe_code)]

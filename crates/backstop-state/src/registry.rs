@@ -93,7 +93,7 @@ impl<T> Registry<T> {
 
     fn shard(&self, dep: &Dependency) -> &Shard<T> {
         // Bits 32.. pick the shard; the map inside uses the low bits and the top seven.
-        &self.shards[(dep.prehash() >> 32) as usize % SHARDS]
+        &self.shards[(backstop_core::plumbing::prehash(dep) >> 32) as usize % SHARDS]
     }
 
     fn now_ms(&self) -> u64 {
@@ -153,7 +153,7 @@ impl<T> Registry<T> {
     /// Removes the least recently used entry that may go from the first shard, starting at
     /// `dep`'s, that has one (one shard lock at a time).
     fn evict_one(&self, dep: &Dependency) -> bool {
-        let start = (dep.prehash() >> 32) as usize % SHARDS;
+        let start = (backstop_core::plumbing::prehash(dep) >> 32) as usize % SHARDS;
         for i in 0..SHARDS {
             let mut map = write(&self.shards[(start + i) % SHARDS]);
             let victim = map
@@ -170,15 +170,21 @@ impl<T> Registry<T> {
         false
     }
 
-    /// The state of `dep` if it is tracked.
+    /// The old name of [`tracked`](Self::tracked).
+    #[deprecated(note = "renamed tracked")]
     pub fn get_tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
+        self.tracked(dep)
+    }
+
+    /// The state of `dep` if it is tracked.
+    pub fn tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
         read(self.shard(dep)).get(dep).map(|s| s.state.clone())
     }
 
     /// Whether `dep` is not tracked and the bound is reached (its next lookup must make room
     /// or go untracked).
     pub fn is_overflowing(&self, dep: &Dependency) -> bool {
-        self.get_tracked(dep).is_none() && self.len() >= self.max
+        self.tracked(dep).is_none() && self.len() >= self.max
     }
 
     /// How many dependencies are tracked.
@@ -270,12 +276,12 @@ mod tests {
         let held = r.get(&Dependency::new("held"));
         let other = r.get(&Dependency::new("other"));
         assert!(!Arc::ptr_eq(&held, &other));
-        assert!(r.get_tracked(&Dependency::new("held")).is_some());
+        assert!(r.tracked(&Dependency::new("held")).is_some());
         drop(held);
         // Idle now: the least recently used entry makes room.
         let _ = r.get(&Dependency::new("third"));
-        assert!(r.get_tracked(&Dependency::new("held")).is_none());
-        assert!(r.get_tracked(&Dependency::new("third")).is_some());
+        assert!(r.tracked(&Dependency::new("held")).is_none());
+        assert!(r.tracked(&Dependency::new("third")).is_some());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,4 +1,4 @@
-use crate::timed::{AttemptEnd, TimedFuture};
+use crate::timed::{AttemptCutoff, TimedFuture};
 use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use std::{
     task::{Context, Poll},
@@ -97,7 +97,7 @@ where
 
     fn call(&mut self, req: Req) -> Self::Future {
         let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
-        match AttemptEnd::plan(Instant::now(), Some(self.limit), Deadline::of(&req)) {
+        match AttemptCutoff::plan(Instant::now(), Some(self.limit), Deadline::of(&req)) {
             Ok(end) => TimedFuture::new(
                 self.inner.call(req),
                 end.expect("an attempt timeout always sets an end"),

@@ -1,6 +1,6 @@
 //! The attempt's limit and the deadline over the response body.
 
-use crate::timed::AttemptEnd;
+use crate::timed::AttemptCutoff;
 use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
@@ -128,11 +128,11 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         // A deadline already passed is the attempt's business (it is not sent); here it only
         // means the body has no time at all.
-        let end = match AttemptEnd::plan(Instant::now(), self.limit, Deadline::of(&req)) {
+        let end = match AttemptCutoff::plan(Instant::now(), self.limit, Deadline::of(&req)) {
             Ok(end) => end,
-            Err(passed) => Some(AttemptEnd {
+            Err(passed) => Some(AttemptCutoff {
                 at: Instant::now(),
-                expiry: crate::Expiry::Deadline {
+                expiry: crate::timed::Expiry::Deadline {
                     length: passed.length,
                 },
             }),
@@ -151,7 +151,7 @@ where
 pub struct BodyTimeoutFuture<F> {
     #[pin]
     inner: F,
-    end: Option<(AttemptEnd, Option<Dependency>)>,
+    end: Option<(AttemptCutoff, Option<Dependency>)>,
 }
 
 impl<F, B, E> Future for BodyTimeoutFuture<F>
@@ -178,7 +178,7 @@ pub struct TimedBody<B> {
     /// Boxed: the response that carries this body is moved through every layer on its way
     /// out, and only a body that has to wait needs the timer.
     sleep: Option<Pin<Box<Sleep>>>,
-    end: Option<(AttemptEnd, Option<Dependency>)>,
+    end: Option<(AttemptCutoff, Option<Dependency>)>,
     done: bool,
 }
 
@@ -192,7 +192,7 @@ impl<B> fmt::Debug for TimedBody<B> {
 
 impl<B> TimedBody<B> {
     /// `body`, ended at `end` (never, when `None`), naming the dependency in its error.
-    pub fn new(body: B, end: Option<(AttemptEnd, Option<Dependency>)>) -> Self {
+    pub(crate) fn new(body: B, end: Option<(AttemptCutoff, Option<Dependency>)>) -> Self {
         TimedBody {
             body,
             sleep: None,

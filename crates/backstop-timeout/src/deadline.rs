@@ -1,4 +1,4 @@
-use crate::timed::{AttemptEnd, TimedFuture};
+use crate::timed::{AttemptCutoff, TimedFuture};
 use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
 use std::{
     task::{Context, Poll},
@@ -103,7 +103,7 @@ where
         let now = Instant::now();
         let deadline = Deadline::after_from(now, self.budget).tighten(&mut req);
         let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
-        match AttemptEnd::plan(now, None, Some(deadline)) {
+        match AttemptCutoff::plan(now, None, Some(deadline)) {
             Ok(end) => TimedFuture::new(
                 self.inner.call(req),
                 end.expect("a deadline always sets an end"),

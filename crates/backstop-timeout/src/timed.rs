@@ -29,7 +29,8 @@ pub enum Expiry {
 /// from outside.
 ///
 /// ```
-/// use backstop_timeout::{AttemptEnd, Deadline, Expiry};
+/// use backstop_core::Deadline;
+/// use backstop_timeout::plumbing::{AttemptCutoff, Expiry};
 /// use std::time::Duration;
 /// use tokio::time::Instant;
 ///
@@ -37,15 +38,15 @@ pub enum Expiry {
 /// # async fn main() {
 /// let now = Instant::now();
 /// let limit = Some(Duration::from_secs(3));
-/// let end = AttemptEnd::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(2))));
+/// let end = AttemptCutoff::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(2))));
 /// assert!(matches!(end.unwrap().unwrap().expiry, Expiry::Deadline { .. }));
-/// let end = AttemptEnd::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(10))));
+/// let end = AttemptCutoff::plan(now, limit, Some(Deadline::at(now + Duration::from_secs(10))));
 /// assert_eq!(end.unwrap().unwrap().expiry, Expiry::Attempt { limit: Duration::from_secs(3) });
-/// assert!(AttemptEnd::plan(now, limit, Some(Deadline::at(now))).is_err());
+/// assert!(AttemptCutoff::plan(now, limit, Some(Deadline::at(now))).is_err());
 /// # }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttemptEnd {
+pub struct AttemptCutoff {
     /// The instant the attempt is cut at.
     pub at: Instant,
     /// Which limit that is.
@@ -66,7 +67,7 @@ impl DeadlinePassed {
     }
 }
 
-impl AttemptEnd {
+impl AttemptCutoff {
     /// When an attempt starting at `now` ends, given its own `limit` and the call's `deadline`
     /// (`Ok(None)`: neither is set). Instants are compared, never subtracted.
     #[inline]
@@ -74,8 +75,8 @@ impl AttemptEnd {
         now: Instant,
         limit: Option<Duration>,
         deadline: Option<Deadline>,
-    ) -> Result<Option<AttemptEnd>, DeadlinePassed> {
-        let own = limit.map(|limit| AttemptEnd {
+    ) -> Result<Option<AttemptCutoff>, DeadlinePassed> {
+        let own = limit.map(|limit| AttemptCutoff {
             at: now
                 .checked_add(limit)
                 .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365)),
@@ -92,7 +93,7 @@ impl AttemptEnd {
         }
         Ok(Some(match own {
             Some(own) if own.at < end => own,
-            _ => AttemptEnd {
+            _ => AttemptCutoff {
                 at: end,
                 expiry: Expiry::Deadline {
                     length: deadline.length(),
@@ -130,7 +131,7 @@ enum State<F> {
         /// at once never touches the timer.
         #[pin]
         sleep: Option<Sleep>,
-        end: AttemptEnd,
+        end: AttemptCutoff,
         dependency: Option<Dependency>,
     },
     Failed {
@@ -140,7 +141,7 @@ enum State<F> {
 
 impl<F> TimedFuture<F> {
     /// `inner`, cut at `end`.
-    pub(crate) fn new(inner: F, end: AttemptEnd, dependency: Option<Dependency>) -> Self {
+    pub(crate) fn new(inner: F, end: AttemptCutoff, dependency: Option<Dependency>) -> Self {
         TimedFuture {
             state: State::Running {
                 inner,

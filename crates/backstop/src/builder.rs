@@ -1,7 +1,7 @@
 use crate::BoxErrors;
 use crate::{
     DeadLetterSink,
-    finish::{Finish, Reconcile, Shared},
+    finish::{Reconcile, Shared, StackHook},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
@@ -11,13 +11,9 @@ use backstop_core::{Dependency, HumanDuration, InvalidConfig};
 use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
 };
-use backstop_retry::{CloneRequest, HttpReplay, Retry, RetryLayer};
+use backstop_retry::{CloneRequest, HttpResend, Retry, RetryLayer};
 use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
-use std::{
-    fmt,
-    sync::{Arc, OnceLock},
-    time::Duration,
-};
+use std::{fmt, sync::Arc, time::Duration};
 use tower_layer::Layer;
 
 /// The default overall deadline of a call: 30 s.
@@ -45,32 +41,22 @@ pub enum Preset {
     Destructive,
 }
 
-/// A key generator chosen by the preset.
+/// How the composed stack makes a key when the caller gave none, as the preset chooses.
 #[derive(Clone, Copy, Debug)]
-pub enum Generator {
+pub enum KeyGenerator {
     /// A random key per logical call.
     Random,
     /// No key unless the caller or the runtime gave one.
-    None,
+    CallerOnly,
 }
 
-impl<Req> MakeKey<Req> for Generator {
+impl<Req> MakeKey<Req> for KeyGenerator {
     fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
         match self {
-            Generator::Random => RandomKey.make_key(req),
-            Generator::None => None,
+            KeyGenerator::Random => RandomKey.make_key(req),
+            KeyGenerator::CallerOnly => None,
         }
     }
-}
-
-fn shared_budget() -> Budget {
-    static B: OnceLock<Budget> = OnceLock::new();
-    B.get_or_init(Budget::default).clone()
-}
-
-fn shared_breaker() -> Breaker {
-    static B: OnceLock<Breaker> = OnceLock::new();
-    B.get_or_init(Breaker::default).clone()
 }
 
 /// Builds the whole Backstop stack for one dependency, in the one right order:
@@ -80,7 +66,7 @@ fn shared_breaker() -> Breaker {
 /// ```
 ///
 /// All of it in one layer and one future per call: the retry layer runs the call-level work as
-/// its hook ([`Finish`]) and keeps the deadline, the breaker and the attempt timeout itself.
+/// its hook ([`StackHook`]) and keeps the deadline, the breaker and the attempt timeout itself.
 ///
 /// The deadline is kept by the retry layer itself (`RetryLayer::deadline`): waits never cross
 /// it, the attempt timeout cuts the last attempt to fit it, and a caller's tighter deadline on
@@ -115,7 +101,7 @@ fn shared_breaker() -> Breaker {
 pub struct Backstop<C, P, I> {
     dependency: Dependency,
     classifier: C,
-    replay: P,
+    resend: P,
     keys: IdempotencyLayer<I, RandomKey>,
     preset: Preset,
     max_attempts: Option<u32>,
@@ -146,21 +132,21 @@ impl<C: fmt::Debug, P, I> fmt::Debug for Backstop<C, P, I> {
     }
 }
 
-impl Backstop<HttpClassifier, HttpReplay, HttpKeys> {
+impl Backstop<HttpClassifier, HttpResend, HttpKeys> {
     /// The stack for HTTP calls to `dependency` (hyper-util's client, reqwest through tower,
-    /// any `Service<http::Request<B>>` whose body can be replayed).
+    /// any `Service<http::Request<B>>` whose body can be copied).
     pub fn http(dependency: impl Into<Dependency>) -> Self {
         Self::with(
             dependency.into(),
             HttpClassifier::new(),
-            HttpReplay,
+            HttpResend,
             IdempotencyLayer::http(),
         )
     }
 }
 
 impl<C> Backstop<C, CloneRequest, ToolKeys> {
-    /// The stack for non-HTTP tool calls to `dependency`: requests are replayed by `Clone`,
+    /// The stack for non-HTTP tool calls to `dependency`: requests are copied by `Clone`,
     /// carry their key through `KeyedRequest`, and `classifier` judges their results. In the
     /// composed stack errors reach the classifier boxed (`BoxError`), so implement
     /// `Classify<Req, Res, BoxError>`, or generically over `E: AsError`.
@@ -178,13 +164,13 @@ impl<C, P, I> Backstop<C, P, I> {
     fn with(
         dependency: Dependency,
         classifier: C,
-        replay: P,
+        resend: P,
         keys: IdempotencyLayer<I, RandomKey>,
     ) -> Self {
         Backstop {
             dependency,
             classifier,
-            replay,
+            resend,
             keys,
             preset: Preset::Standard,
             max_attempts: None,
@@ -270,7 +256,7 @@ impl<C, P, I> Backstop<C, P, I> {
         self
     }
 
-    /// The retry budget (the process-wide default otherwise).
+    /// The retry budget ([`Budget::process_wide`] otherwise).
     #[must_use]
     pub fn budget(mut self, budget: Budget) -> Self {
         self.budget = Some(Some(budget));
@@ -284,7 +270,7 @@ impl<C, P, I> Backstop<C, P, I> {
         self
     }
 
-    /// The circuit breaker (the process-wide default otherwise).
+    /// The circuit breaker ([`Breaker::process_wide`] otherwise).
     #[must_use]
     pub fn breaker(mut self, breaker: Breaker) -> Self {
         self.breaker = Some(Some(breaker));
@@ -338,7 +324,7 @@ impl<C, P, I> Backstop<C, P, I> {
         Backstop {
             dependency: self.dependency,
             classifier,
-            replay: self.replay,
+            resend: self.resend,
             keys: self.keys,
             preset: self.preset,
             max_attempts: self.max_attempts,
@@ -401,7 +387,7 @@ impl<C, P, I> Backstop<C, P, I> {
         }
         let breaker = match self.breaker {
             Some(b) => b,
-            None => Some(shared_breaker()),
+            None => Some(Breaker::process_wide()),
         };
         if let Some(b) = &breaker {
             let window = b.config().window();
@@ -434,9 +420,9 @@ impl<C, P, I> Backstop<C, P, I> {
                 "the create and payment presets require idempotency keys: remove no_idempotency(), or choose another preset",
             ));
         }
-        let transport = self.replay.clone();
+        let transport = self.resend.clone();
         let mut retry = RetryLayer::new(self.classifier)
-            .replay(self.replay)
+            .resend(self.resend)
             .dependency(self.dependency.clone())
             .backoff(self.backoff)
             .max_attempts(max_attempts)?
@@ -455,24 +441,24 @@ impl<C, P, I> Backstop<C, P, I> {
         match self.budget {
             Some(None) => {}
             Some(Some(b)) => retry = retry.budget(Arc::new(b.bind(&self.dependency))),
-            None => retry = retry.budget(Arc::new(shared_budget().bind(&self.dependency))),
+            None => retry = retry.budget(Arc::new(Budget::process_wide().bind(&self.dependency))),
         }
         let keys =
             (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
                 // Requiring keys is declaring that the dependency honours them.
                 Preset::Create | Preset::Payment => self
                     .keys
-                    .generator(Generator::None)
+                    .generator(KeyGenerator::CallerOnly)
                     .require_key()
                     .vouched(true),
                 _ => self
                     .keys
-                    .generator(Generator::Random)
+                    .generator(KeyGenerator::Random)
                     .vouched(self.honours_keys),
             });
         // The call-level work (key, span, errors, dead letters) runs inside the retry layer's
         // future: one future per call instead of two.
-        let retry = retry.hook(Finish::new(Shared {
+        let retry = retry.hook(StackHook::new(Shared {
             dependency: self.dependency.clone(),
             inject: I::default(),
             keys,
@@ -489,7 +475,7 @@ impl<C, P, I> Backstop<C, P, I> {
 }
 
 /// How the composed stack wraps the client for its kind of request: for HTTP
-/// ([`HttpReplay`]), a [`BodyTimeout`] keeps each attempt's limit and the deadline running over
+/// ([`HttpResend`]), a [`BodyTimeout`] keeps each attempt's limit and the deadline running over
 /// the response body; tool calls ([`CloneRequest`]) are passed as they are. Either way
 /// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
 pub trait Transport<S> {
@@ -499,7 +485,7 @@ pub trait Transport<S> {
     fn wrap(&self, client: S, attempt_timeout: Option<Duration>) -> Self::Client;
 }
 
-impl<S> Transport<S> for HttpReplay {
+impl<S> Transport<S> for HttpResend {
     type Client = BoxErrors<BodyTimeout<S>>;
     fn wrap(&self, client: S, attempt_timeout: Option<Duration>) -> Self::Client {
         BoxErrors(BodyTimeoutLayer::new(attempt_timeout).layer(client))
@@ -517,17 +503,17 @@ impl<S> Transport<S> for CloneRequest {
 ///
 /// One retry layer over the client, whatever the configuration: it keeps the deadline, times
 /// each attempt and asks the breaker before each one itself, and runs the call-level work
-/// ([`Finish`]: idempotency key, call span, errors and dead letters) once per call as its hook.
+/// ([`StackHook`]: idempotency key, call span, errors and dead letters) once per call as its hook.
 /// For HTTP the response's body is returned as a [`TimedBody`](backstop_timeout::TimedBody):
 /// the attempt's limit and the deadline keep running while the caller reads it.
 pub type BackstopService<S, C, P, I> =
-    Retry<<P as Transport<S>>::Client, C, P, Dependency, Finish<I>>;
+    Retry<<P as Transport<S>>::Client, C, P, Dependency, StackHook<I>>;
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
 #[derive(Clone)]
 pub struct BackstopLayer<C, P, I> {
-    retry: RetryLayer<C, P, Dependency, Finish<I>>,
+    retry: RetryLayer<C, P, Dependency, StackHook<I>>,
     transport: P,
     breaker: Option<Breaker>,
 }
@@ -544,17 +530,17 @@ impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C
 impl<C, P, I> BackstopLayer<C, P, I> {
     /// The attempt timeout in force.
     pub fn attempt_timeout(&self) -> Option<Duration> {
-        self.retry.get_attempt_timeout()
+        self.retry.limits().attempt_timeout
     }
 
     /// The deadline in force.
     pub fn deadline(&self) -> Option<Duration> {
-        self.retry.get_deadline()
+        self.retry.limits().deadline
     }
 
     /// The attempts per call.
     pub fn max_attempts(&self) -> u32 {
-        self.retry.get_max_attempts()
+        self.retry.limits().max_attempts
     }
 
     /// The circuit breaker the stack asks before each attempt, if it has one.
@@ -567,7 +553,9 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<
     type Service = BackstopService<S, C, P, I>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let client = self.transport.wrap(inner, self.retry.get_attempt_timeout());
+        let client = self
+            .transport
+            .wrap(inner, self.retry.limits().attempt_timeout);
         self.retry.layer(client)
     }
 }

@@ -1,4 +1,4 @@
-use crate::Generator;
+use crate::builder::KeyGenerator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};
@@ -11,7 +11,7 @@ pub(crate) struct Shared<I> {
     pub(crate) dependency: Dependency,
     pub(crate) inject: I,
     /// Attaches idempotency keys (`None`: turned off).
-    pub(crate) keys: Option<IdempotencyLayer<I, Generator>>,
+    pub(crate) keys: Option<IdempotencyLayer<I, KeyGenerator>>,
     pub(crate) read_only: bool,
     pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
     pub(crate) reconcile: Option<Reconcile>,
@@ -25,29 +25,29 @@ pub(crate) struct Shared<I> {
 ///
 /// A hook rather than a layer of its own: every layer a call goes through moves its whole
 /// future once more and polls it once more.
-pub struct Finish<I> {
+pub struct StackHook<I> {
     shared: Arc<Shared<I>>,
 }
 
-impl<I> Finish<I> {
+impl<I> StackHook<I> {
     pub(crate) fn new(shared: Shared<I>) -> Self {
-        Finish {
+        StackHook {
             shared: Arc::new(shared),
         }
     }
 }
 
-impl<I> Clone for Finish<I> {
+impl<I> Clone for StackHook<I> {
     fn clone(&self) -> Self {
-        Finish {
+        StackHook {
             shared: self.shared.clone(),
         }
     }
 }
 
-impl<I> fmt::Debug for Finish<I> {
+impl<I> fmt::Debug for StackHook<I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Finish")
+        f.debug_struct("StackHook")
             .field("dependency", &self.shared.dependency)
             .finish()
     }
@@ -60,39 +60,39 @@ struct Letterhead {
     key: Option<IdempotencyKey>,
 }
 
-/// What [`Finish`] keeps for one call: its span, and what a dead letter would need.
-pub struct FinishState {
+/// What [`StackHook`] keeps for one call: its span, and what a dead letter would need.
+pub struct StackCall {
     span: tracing::Span,
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.
     letterhead: Option<Box<Letterhead>>,
 }
 
-impl fmt::Debug for FinishState {
+impl fmt::Debug for StackCall {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FinishState")
+        f.debug_struct("StackCall")
             .field("span", &self.span)
             .field("letter", &self.letterhead.is_some())
             .finish()
     }
 }
 
-impl<I, Req, Res> CallHook<Req, Res> for Finish<I>
+impl<I, Req, Res> CallHook<Req, Res> for StackHook<I>
 where
     Req: HasExtensions,
     Res: HasExtensions,
     I: Inject<Req>,
 {
-    type State = FinishState;
+    type State = StackCall;
     type Error = Error;
 
-    fn begin(&self, req: &mut Req, _dependency: &Dependency) -> Result<FinishState, Error> {
+    fn begin(&self, req: &mut Req, _dependency: &Dependency) -> Result<StackCall, Error> {
         let sh = &*self.shared;
         if sh.read_only {
             req.extensions_mut().insert(ReplaySafe);
         }
         if let Some(keys) = &sh.keys
-            && let Err(refused) = keys.attach(req)
+            && let Err(refused) = backstop_idempotency::plumbing::attach(keys, req)
         {
             let mut err = Error::from_box(Box::new(refused));
             err.set_dependency_if_missing(&sh.dependency);
@@ -138,14 +138,14 @@ where
                 })
             });
         }
-        Ok(FinishState { span, letterhead })
+        Ok(StackCall { span, letterhead })
     }
 
-    fn span<'a>(&self, state: &'a FinishState) -> Option<&'a tracing::Span> {
+    fn span<'a>(&self, state: &'a StackCall) -> Option<&'a tracing::Span> {
         Some(&state.span)
     }
 
-    fn end(&self, state: &mut FinishState, result: Result<Res, BoxError>) -> Result<Res, Error> {
+    fn end(&self, state: &mut StackCall, result: Result<Res, BoxError>) -> Result<Res, Error> {
         let span = &state.span;
         let e = match result {
             Ok(res) => {

@@ -112,61 +112,96 @@ mod finish;
 
 pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
-    Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Generator,
-    Preset, Transport,
+    Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset,
+    Transport,
 };
 #[cfg(feature = "json")]
 pub use dead_letter::JsonLinesSink;
 pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
 pub use error::{Error, ErrorKind};
-pub use finish::{Finish, FinishState};
 
 #[doc(inline)]
 pub use backstop_core::{
     BoxError, CircuitOpen, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,
 };
 
+// Each type has one path here: the vocabulary every layer shares is at the root or in `core`,
+// each extension point in the module of its concern, and nothing twice.
+
 /// Classification of attempts: [`Verdict`](classify::Verdict), [`Classify`](classify::Classify),
 /// the HTTP classifier and the `Retry-After` parser.
 pub mod classify {
     #[doc(inline)]
-    pub use backstop_classify::*;
+    pub use backstop_classify::{
+        AsError, HttpClassifier, StatusClass, classify_error, is_attempt_timeout,
+        parse_retry_after, parse_retry_after_value,
+    };
+    #[doc(inline)]
+    pub use backstop_core::{Classify, Verdict};
 }
 
 /// Backoff schedules.
 pub mod backoff {
+    #[doc(hidden)]
+    #[allow(deprecated)]
+    pub use backstop_backoff::InvalidBackoff;
     #[doc(inline)]
-    pub use backstop_backoff::*;
+    pub use backstop_backoff::{Backoff, DEFAULT_BASE, DEFAULT_CAP, RngSource, Schedule};
 }
 
-/// The attempt timeout and the overall deadline.
+/// The attempt timeout, the overall deadline and response bodies under them.
 pub mod timeout {
     #[doc(inline)]
-    pub use backstop_timeout::*;
+    pub use backstop_timeout::{
+        AttemptTimeout, AttemptTimeoutLayer, BodyTimedOut, BodyTimeout, BodyTimeoutLayer,
+        DeadlineLayer, TimedBody, WithDeadline, future,
+    };
 }
 
 /// The one retry layer.
 pub mod retry {
     #[doc(inline)]
-    pub use backstop_retry::*;
+    pub use backstop_core::RetryScope;
+    #[doc(inline)]
+    pub use backstop_retry::{
+        AttemptRecord, BufferBody, BufferBodyLayer, CallHook, CloneRequest, CopyableBody,
+        DEFAULT_MAX_ATTEMPTS, Diagnosis, HttpResend, Limits, NoHook, NotCopyable, ReplayBody,
+        Resend, Retry, RetryError, RetryHistory, RetryLayer, StopReason, Told, futures,
+    };
+    #[doc(hidden)]
+    #[allow(deprecated)]
+    pub use backstop_retry::{HttpReplay, NotReplayable};
 }
 
 /// The per-dependency retry budget.
 pub mod budget {
+    #[doc(hidden)]
+    #[allow(deprecated)]
+    pub use backstop_budget::BoundBudget;
     #[doc(inline)]
-    pub use backstop_budget::*;
+    pub use backstop_budget::{Budget, BudgetConfig, BudgetStats, DependencyBudget};
+    #[doc(inline)]
+    pub use backstop_core::{NoBudget, RetryBudget};
 }
 
 /// The per-dependency circuit breaker.
 pub mod breaker {
+    #[doc(hidden)]
+    #[allow(deprecated)]
+    pub use backstop_breaker::{BoundBreaker, State};
     #[doc(inline)]
-    pub use backstop_breaker::*;
+    pub use backstop_breaker::{
+        Breaker, BreakerConfig, BreakerLayer, CircuitBreaker, CircuitStats, DependencyBreaker,
+        ResponseFuture, Transition,
+    };
+    #[doc(inline)]
+    pub use backstop_core::{AttemptGate, CircuitState, Ticket};
 }
 
 /// Per-dependency shared state: the bounded registry and sliding counters.
 pub mod state {
     #[doc(inline)]
-    pub use backstop_state::*;
+    pub use backstop_state::{Registry, SlidingCount};
 }
 
 /// Idempotency keys on the client: derivation and injection once per logical call.
@@ -183,8 +218,19 @@ pub mod replay {
     pub use backstop_replay::*;
 }
 
-/// The vocabulary every layer shares.
+/// The rest of the vocabulary every layer shares (the most used of it is at the crate root).
 pub mod core {
     #[doc(inline)]
-    pub use backstop_core::*;
+    pub use backstop_core::{
+        AttemptTimedOut, ByAuthority, CauseChain, DeadlineExceeded, DeadlineWords, HumanDuration,
+        InvalidConfig, UnvouchedKey, is_idempotent_method,
+    };
+}
+
+/// Not part of the public API: the composed stack's own pieces, public only because
+/// [`BackstopService`] names them. Anything here may change in any release.
+#[doc(hidden)]
+pub mod plumbing {
+    pub use crate::builder::KeyGenerator;
+    pub use crate::finish::{StackCall, StackHook};
 }

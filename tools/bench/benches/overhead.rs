@@ -97,7 +97,7 @@ fn failure_paths(c: &mut Criterion) {
                     let (budget, dep) = (budget.clone(), dep.clone());
                     s.spawn(move || {
                         for _ in 0..iters {
-                            backstop::retry::RetryBudget::deposit(
+                            backstop::budget::RetryBudget::deposit(
                                 &budget,
                                 &dep,
                                 tokio::time::Instant::now(),

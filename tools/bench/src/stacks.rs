@@ -8,7 +8,7 @@ use backstop::{
     classify::HttpClassifier,
     idempotency::HttpKeys,
     idempotency::IdempotencyLayer,
-    retry::HttpReplay,
+    retry::HttpResend,
     retry::RetryLayer,
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
 };
@@ -182,7 +182,7 @@ pub fn tower_resilience_stack() -> impl Bench {
 pub fn backstop_layer(
     dependency: &str,
     attempt_timeout: Duration,
-) -> BackstopLayer<HttpClassifier, HttpReplay, HttpKeys> {
+) -> BackstopLayer<HttpClassifier, HttpResend, HttpKeys> {
     Backstop::http(dependency)
         .budget(Budget::default())
         .breaker(Breaker::default())
@@ -280,7 +280,7 @@ pub fn retry_budget_timeout() -> impl Bench {
 pub fn retry_gate_layer(
     dependency: &str,
     attempt_timeout: Duration,
-) -> RetryLayer<HttpClassifier, HttpReplay, backstop::Dependency> {
+) -> RetryLayer<HttpClassifier, HttpResend, backstop::Dependency> {
     let dependency = backstop::Dependency::new(dependency);
     RetryLayer::http()
         .dependency(dependency.clone())
