@@ -148,6 +148,13 @@ fn main() {
             calls,
             rounds,
         ),
+        measure(
+            &rt,
+            "Backstop: full stack, circuit open (refused, not sent)",
+            stacks::backstop_open(),
+            calls,
+            rounds,
+        ),
     ];
     let bare = &rows[0];
     println!("| stack | ns/call | overhead ns | allocations/call | extra allocations |");

@@ -44,6 +44,28 @@ pub fn get() -> Req {
         .unwrap()
 }
 
+/// A realistic request: five headers and a 64-byte body (a GET still, so that every stack,
+/// tower's included, treats it the same).
+pub fn realistic() -> Req {
+    Request::get("http://carrier.local/rates?from=SFO&to=JFK")
+        .header("accept", "application/json")
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer 0123456789abcdef0123456789abcdef")
+        .header("user-agent", "backstop-bench/0.1")
+        .header("x-request-id", "3f2a9c1e-7b4d-4e8a-9c0f-5d6e7f8a9b0c")
+        .body(Full::new(Bytes::from_static(
+            b"{\"parcel\":{\"kg\":2.5,\"cm\":[30,20,10]},\"service\":\"express\"}       ",
+        )))
+        .unwrap()
+}
+
+static REALISTIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`drive`] send [`realistic`] requests instead of [`get`]'s.
+pub fn use_realistic_requests() {
+    REALISTIC.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The dependency: answers `200 OK` at once.
 pub fn ok_service()
 -> impl Service<Req, Response = Res, Error = io::Error, Future = Ready<Result<Res, io::Error>>>
@@ -349,7 +371,14 @@ pub fn refused_budget() -> Svc {
 pub async fn drive<S: Bench>(svc: &mut S, n: u64) {
     for _ in 0..n {
         let res = match svc.ready().await {
-            Ok(s) => s.call(get()).await,
+            Ok(s) => {
+                let req = if REALISTIC.load(std::sync::atomic::Ordering::Relaxed) {
+                    realistic()
+                } else {
+                    get()
+                };
+                s.call(req).await
+            }
             Err(e) => Err(e),
         };
         std::hint::black_box(res.is_ok());

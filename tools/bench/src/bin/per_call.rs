@@ -5,7 +5,9 @@
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/per_call STACK N`
 //! for two values of N: the difference divided by the difference in N is the cost per call.
 //! STACK is one of: bare, tower, tower-resilience, backstop, backstop-open (its breaker open), retry, retry-budget,
-//! retry-budget-timeout, retry-gate-timeout, breaker, deadline, attempt-timeout. `per_call sizes` prints the size
+//! retry-budget-timeout, retry-gate-timeout, breaker, deadline, attempt-timeout; a third argument
+//! `realistic` sends a request with five headers and a 64-byte body instead of a bare GET.
+//! `per_call sizes` prints the size
 //! of each stack's response future (every outer layer moves it once more on every call).
 
 use backstop_bench::stacks::{self, Bench, drive};
@@ -23,6 +25,9 @@ fn run<S: Bench>(svc: S, n: u64) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let n: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(10_000);
+    if args.get(3).map(String::as_str) == Some("realistic") {
+        stacks::use_realistic_requests();
+    }
     match args.get(1).map(String::as_str).unwrap_or("backstop") {
         "bare" => run(stacks::bare(), n),
         "tower" => run(stacks::tower_stack(), n),
