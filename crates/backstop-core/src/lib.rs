@@ -48,7 +48,7 @@ pub use error::{
 };
 pub use extensions::{HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, is_idempotent_method};
 pub use gate::{AttemptGate, Ticket};
-pub use outcome::Outcome;
+pub use outcome::{Outcome, ReportsOutcome};
 pub use verdict::{Classify, Verdict};
 
 /// Not part of the public API: what the Backstop crates use to reach each other. Anything here

@@ -54,3 +54,38 @@ impl fmt::Display for Outcome {
         f.write_str(self.as_str())
     }
 }
+
+/// An error that knows what became of the request's side effect: every Backstop error does.
+/// What a journal, a dead-letter sink or an agent runtime reads to decide whether a step may be
+/// sent again.
+pub trait ReportsOutcome {
+    /// What is known of the side effect.
+    fn outcome(&self) -> Outcome;
+
+    /// When the dependency can be tried again, if it said.
+    fn retry_after(&self) -> Option<std::time::Duration> {
+        None
+    }
+}
+
+impl ReportsOutcome for crate::AttemptTimedOut {
+    fn outcome(&self) -> Outcome {
+        Outcome::Unknown
+    }
+}
+
+impl ReportsOutcome for crate::DeadlineExceeded {
+    fn outcome(&self) -> Outcome {
+        crate::DeadlineExceeded::outcome(self)
+    }
+}
+
+impl ReportsOutcome for crate::CircuitOpen {
+    fn outcome(&self) -> Outcome {
+        Outcome::NotSent
+    }
+
+    fn retry_after(&self) -> Option<std::time::Duration> {
+        self.retry_in()
+    }
+}

@@ -249,3 +249,13 @@ impl Error for RetryError {
         Some(&*self.cause)
     }
 }
+
+impl backstop_core::ReportsOutcome for RetryError {
+    fn outcome(&self) -> Outcome {
+        RetryError::outcome(self)
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        RetryError::retry_after(self)
+    }
+}

@@ -170,3 +170,13 @@ impl Error {
         self.dependency.get_or_insert_with(|| d.clone());
     }
 }
+
+impl backstop_core::ReportsOutcome for Error {
+    fn outcome(&self) -> Outcome {
+        Error::outcome(self)
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        Error::retry_after(self)
+    }
+}

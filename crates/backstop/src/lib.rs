@@ -223,7 +223,7 @@ pub mod core {
     #[doc(inline)]
     pub use backstop_core::{
         AttemptTimedOut, ByAuthority, CauseChain, DeadlineExceeded, DeadlineWords, HumanDuration,
-        InvalidConfig, UnvouchedKey, is_idempotent_method,
+        InvalidConfig, ReportsOutcome, UnvouchedKey, is_idempotent_method,
     };
 }
 

@@ -1,0 +1,208 @@
+//! The journal through the stack: a call carrying an `ActionContext` is journaled without the
+//! caller writing journal code.
+
+use crate::{
+    journal::{Change, Journal, JournalError},
+    model::{NewStep, StepState},
+    runner::{CallResult, Next},
+};
+use backstop_core::{BoxError, Dependency, HasExtensions, ReportsOutcome};
+use backstop_idempotency::ActionContext;
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// Judges how a call ended, for the journal.
+pub trait Judge<T, E> {
+    /// The call's end, as the journal records it.
+    fn judge(&self, result: &Result<T, E>) -> CallResult;
+}
+
+/// The default judge: success is `Ok`, and an error reports its own outcome (every Backstop
+/// error does, [`ReportsOutcome`]). Stores no result.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByOutcome;
+
+impl<T, E: ReportsOutcome + fmt::Display> Judge<T, E> for ByOutcome {
+    fn judge(&self, result: &Result<T, E>) -> CallResult {
+        CallResult::from_result(result, |_| None)
+    }
+}
+
+impl<T, E, F> Judge<T, E> for F
+where
+    F: Fn(&Result<T, E>) -> CallResult,
+{
+    fn judge(&self, result: &Result<T, E>) -> CallResult {
+        self(result)
+    }
+}
+
+/// Journals every call that carries an [`ActionContext::ToolCall`] (run, step and call ids):
+/// `pending` and then `sent` are written before the call goes on, how it ended after. Place it
+/// outside the Backstop stack, so that one logical call (all its attempts) is one journaled
+/// step. A step already over is not sent again ([`JournalError::AlreadyDone`]); one whose
+/// outcome is unknown is refused until it is reconciled; a parked one until its time. A call
+/// without a tool-call context passes through unjournaled.
+///
+/// The step's key is the one the idempotency layer derives from the same ids, so a resumed
+/// run sends the key the crashed one did.
+#[derive(Clone)]
+pub struct JournalLayer<J = ByOutcome> {
+    journal: Journal,
+    tool: Option<Arc<str>>,
+    judge: J,
+}
+
+impl fmt::Debug for JournalLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JournalLayer")
+            .field("journal", &self.journal)
+            .field("tool", &self.tool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JournalLayer {
+    /// Journals into `journal`; the tool is the request's dependency unless [`tool`](Self::tool)
+    /// names it.
+    pub fn new(journal: Journal) -> Self {
+        JournalLayer {
+            journal,
+            tool: None,
+            judge: ByOutcome,
+        }
+    }
+}
+
+impl<J> JournalLayer<J> {
+    /// Names the tool the steps call.
+    #[must_use]
+    pub fn tool(mut self, tool: &str) -> Self {
+        self.tool = Some(Arc::from(tool));
+        self
+    }
+
+    /// Judges results with `judge` (an HTTP 5xx is an `Ok` response, say; or to store the
+    /// result).
+    pub fn judge<J2>(self, judge: J2) -> JournalLayer<J2> {
+        JournalLayer {
+            journal: self.journal,
+            tool: self.tool,
+            judge,
+        }
+    }
+}
+
+impl<S, J: Clone> Layer<S> for JournalLayer<J> {
+    type Service = Journaled<S, J>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Journaled {
+            inner,
+            journal: self.journal.clone(),
+            tool: self.tool.clone(),
+            judge: self.judge.clone(),
+        }
+    }
+}
+
+/// See [`JournalLayer`].
+#[derive(Clone)]
+pub struct Journaled<S, J = ByOutcome> {
+    inner: S,
+    journal: Journal,
+    tool: Option<Arc<str>>,
+    judge: J,
+}
+
+impl<S: fmt::Debug, J> fmt::Debug for Journaled<S, J> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Journaled")
+            .field("inner", &self.inner)
+            .field("tool", &self.tool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, Req, J> Service<Req> for Journaled<S, J>
+where
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: Into<BoxError> + Send + 'static,
+    Req: HasExtensions + Send + 'static,
+    J: Judge<S::Response, S::Error> + Clone + Send + Sync + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        // The readied service goes with the call; its clone stays for the next one.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let context = req.extensions().get::<ActionContext>().cloned();
+        let Some(ActionContext::ToolCall {
+            run_id,
+            step_id,
+            call_id,
+        }) = context
+        else {
+            let fut = inner.call(req);
+            return Box::pin(async move { fut.await.map_err(Into::into) });
+        };
+        let tool = match (&self.tool, Dependency::of(&req)) {
+            (Some(tool), _) => tool.to_string(),
+            (None, Some(dep)) => dep.as_str().to_owned(),
+            (None, None) => "tool".to_owned(),
+        };
+        let journal = self.journal.clone();
+        let judge = self.judge.clone();
+        Box::pin(async move {
+            // The arguments are the request's business: the ids name the step.
+            let new = NewStep::tool_call(&run_id, &step_id, &call_id, &tool, b"");
+            let step = journal.begin(&new).await?;
+            match Next::for_step(&step, journal.now_ms()) {
+                Next::Resend => {}
+                Next::Done => {
+                    crate::obs::duplicate_prevented(&step);
+                    return Err(JournalError::AlreadyDone(Box::new(step)).into());
+                }
+                Next::Wake { .. } => return Err(JournalError::Parked(Box::new(step)).into()),
+                Next::Reconcile | Next::Human { .. } => {
+                    return Err(JournalError::NeedsReconciliation(Box::new(step)).into());
+                }
+            }
+            let sent = Change {
+                attempt: true,
+                ..Change::default()
+            };
+            journal
+                .transition(&step.id, &[step.state], StepState::Sent, sent)
+                .await?;
+            let result = inner.call(req).await;
+            if let Err(e) = journal.record(&step.id, judge.judge(&result)).await {
+                // The call's result is real and goes back; the step stays `sent`, which a
+                // resume reconciles.
+                tracing::warn!(
+                    target: "backstop::journal",
+                    step = %step.id,
+                    error = %e,
+                    "the call's end could not be journaled"
+                );
+            }
+            result.map_err(Into::into)
+        })
+    }
+}

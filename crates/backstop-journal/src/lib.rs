@@ -1,0 +1,56 @@
+//! A durable step journal for tool calls: the missing third goal, correctness after partial
+//! failure.
+//!
+//! Retries keep a call alive inside one process; the journal keeps a *run* correct across
+//! processes. Every step of a run (a tool call, identified by run, step and call ids) is written
+//! durably at each transition, before anything that depends on it happens: `pending`, then
+//! `sent` before the call leaves, then what came of it. After a crash a recovery worker claims
+//! the run ([`Journal::claim_next`]: `FOR UPDATE SKIP LOCKED` on PostgreSQL) and resumes it:
+//! a done step returns its stored result and is not called again, a step never sent is sent,
+//! a step whose outcome is unknown is *reconciled* with its provider first
+//! ([`Journal::reconcile_run`] with a [`Reconcile`] hook per tool: by key or by business
+//! identity), a parked step waits for its time, and whatever nobody can tell goes to a person
+//! (`backstop journal stuck`, `backstop journal resolve`).
+//!
+//! Stores: one SQLite file, the default ([`Journal::sqlite`]; in memory for unit tests), or
+//! PostgreSQL for several workers ([`Journal::postgres`], feature `postgres`); the same schema,
+//! created and migrated on open, and no compile-time macros.
+//!
+//! ```
+//! use backstop_journal::{CallResult, Journal, NewStep, StepState};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), backstop_journal::JournalError> {
+//! let journal = Journal::in_memory().await?;
+//! let step = NewStep::tool_call("run-7", "create-invoice", "c1", "billing", br#"{"amount":40}"#);
+//! let done = journal
+//!     .execute(&step, |sent| async move {
+//!         // `sent.key` is the idempotency key every attempt sends.
+//!         assert_eq!(sent.state, StepState::Sent);
+//!         CallResult::Succeeded { result: Some(r#"{"invoice":"inv_1"}"#.into()), provider_ref: None }
+//!     })
+//!     .await?;
+//! assert_eq!(done.state, StepState::Succeeded);
+//!
+//! // The run resumes after a crash: the step is done and is not called again.
+//! let again = journal.execute(&step, |_| async { unreachable!("not called") }).await?;
+//! assert_eq!(again.result.as_deref(), Some(r#"{"invoice":"inv_1"}"#));
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod journal;
+mod layer;
+mod model;
+mod obs;
+mod runner;
+
+pub use journal::{Change, Clock, Journal, JournalError};
+pub use layer::{ByOutcome, JournalLayer, Journaled, Judge};
+pub use model::{
+    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, Transition, UnknownState,
+    digest,
+};
+pub use runner::{CallResult, Next, Reconcile, Reconciled, Reconcilers, ResumeReport};

@@ -1,0 +1,581 @@
+//! The journal against real databases: a SQLite file in a temporary directory, and a
+//! PostgreSQL cluster of the test's own (initdb + pg_ctl on a free loopback port). Each
+//! scenario runs on both.
+
+use backstop_core::Outcome;
+use backstop_journal::{
+    CallResult, Change, Journal, JournalError, JournalLayer, NewStep, Next, Reconciled,
+    Reconcilers, Resolution, Step, StepId, StepState,
+};
+#[cfg(feature = "postgres")]
+use backstop_testkit::PostgresServer;
+use std::{
+    future::Future,
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicI64, AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+use tower::{Service, ServiceExt, service_fn};
+
+/// A clock the test moves by hand (milliseconds since the epoch).
+#[derive(Clone)]
+struct TestClock(Arc<AtomicI64>);
+
+impl TestClock {
+    fn new() -> Self {
+        TestClock(Arc::new(AtomicI64::new(1_767_225_600_000)))
+    }
+    fn advance(&self, by: Duration) {
+        self.0
+            .fetch_add(i64::try_from(by.as_millis()).unwrap(), Ordering::SeqCst);
+    }
+    fn install(&self, journal: Journal) -> Journal {
+        let t = self.0.clone();
+        journal.with_clock(Arc::new(move || t.load(Ordering::SeqCst)))
+    }
+}
+
+fn temp_db(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("backstop-journal-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("journal.db")
+}
+
+async fn sqlite(name: &str, clock: &TestClock) -> Journal {
+    clock.install(Journal::sqlite(temp_db(name)).await.unwrap())
+}
+
+fn ok(result: &str) -> CallResult {
+    CallResult::Succeeded {
+        result: Some(result.to_owned()),
+        provider_ref: None,
+    }
+}
+
+fn failed(outcome: Outcome, retry_after: Option<Duration>) -> CallResult {
+    CallResult::Failed {
+        outcome,
+        error: format!("the carrier failed ({})", outcome.as_str()),
+        retry_after,
+    }
+}
+
+fn states(history: &[backstop_journal::Transition]) -> Vec<&'static str> {
+    history.iter().map(|t| t.to.as_str()).collect()
+}
+
+// --- scenarios, each run on both stores ------------------------------------------------------
+
+async fn a_done_step_is_not_called_again(j: &Journal, clock: &TestClock) {
+    let step = NewStep::tool_call("r-done", "invoice", "c1", "billing", b"{\"eur\":40}");
+    let calls = AtomicU32::new(0);
+    let done = j
+        .execute(&step, |sent| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(sent.state, StepState::Sent);
+            assert_eq!(sent.attempts, 1);
+            assert_eq!(sent.key, step.key);
+            async { ok("{\"invoice\":\"inv_1\"}") }
+        })
+        .await
+        .unwrap();
+    assert_eq!(done.state, StepState::Succeeded);
+    clock.advance(Duration::from_secs(5));
+    let again = j
+        .execute(&step, |_| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { ok("second") }
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "a done step is not called again"
+    );
+    assert_eq!(again.result.as_deref(), Some("{\"invoice\":\"inv_1\"}"));
+    let history = j.history(&step.id).await.unwrap();
+    assert_eq!(states(&history), ["pending", "sent", "succeeded"]);
+    assert!(history.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+    assert!(history.iter().all(|t| t.actor == "journal"));
+    assert_eq!(j.plan("r-done").await.unwrap()[0].1, Next::Done);
+}
+
+async fn an_unknown_step_is_reconciled_before_it_is_sent_again(j: &Journal) {
+    let step = NewStep::tool_call("r-unknown", "reserve", "c1", "inventory", b"{\"sku\":7}");
+    let s = j
+        .execute(&step, |_| async { failed(Outcome::Unknown, None) })
+        .await
+        .unwrap();
+    assert_eq!(s.state, StepState::Unknown);
+    // Nothing sends it again before it is reconciled.
+    let refused = j.execute(&step, |_| async { unreachable!() }).await;
+    assert!(
+        matches!(refused, Err(JournalError::NeedsReconciliation(_))),
+        "{refused:?}"
+    );
+    let asked = Arc::new(AtomicU32::new(0));
+    let a = asked.clone();
+    let hooks = Reconcilers::new().tool("inventory", move |s: &Step| {
+        a.fetch_add(1, Ordering::SeqCst);
+        let key = s.key.clone();
+        async move {
+            assert!(!key.is_empty());
+            Reconciled::Happened {
+                result: Some("{\"reservation\":\"res_9\"}".into()),
+                provider_ref: Some("res_9".into()),
+            }
+        }
+    });
+    let report = j.reconcile_run("r-unknown", &hooks).await.unwrap();
+    assert_eq!(report.reconciled, std::slice::from_ref(&step.id));
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    let s = j.step(&step.id).await.unwrap().unwrap();
+    assert_eq!(s.state, StepState::ReconciledSucceeded);
+    assert_eq!(s.provider_ref.as_deref(), Some("res_9"));
+    assert_eq!(
+        states(&j.history(&step.id).await.unwrap()),
+        [
+            "pending",
+            "sent",
+            "unknown",
+            "requires_reconciliation",
+            "reconciled_succeeded"
+        ]
+    );
+}
+
+async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_happen(j: &Journal) {
+    let step = NewStep::tool_call("r-crash", "email", "c1", "mailer", b"{}");
+    let s = j.begin(&step).await.unwrap();
+    // The worker wrote `sent` and died before the answer.
+    j.transition(
+        &s.id,
+        &[StepState::Pending],
+        StepState::Sent,
+        Change {
+            attempt: true,
+            ..Change::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(j.plan("r-crash").await.unwrap()[0].1, Next::Reconcile);
+    let hooks = Reconcilers::new().tool("mailer", |_: &Step| async { Reconciled::NotHappened });
+    let report = j.reconcile_run("r-crash", &hooks).await.unwrap();
+    assert_eq!(report.resend, std::slice::from_ref(&step.id));
+    let calls = AtomicU32::new(0);
+    let s = j
+        .execute(&step, |sent| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(sent.attempts, 2, "the second attempt, with the same key");
+            async { ok("{\"message\":\"m_1\"}") }
+        })
+        .await
+        .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(s.state, StepState::Succeeded);
+    assert_eq!(
+        states(&j.history(&step.id).await.unwrap()),
+        [
+            "pending",
+            "sent",
+            "unknown",
+            "requires_reconciliation",
+            "pending",
+            "sent",
+            "succeeded"
+        ]
+    );
+}
+
+async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, clock: &TestClock) {
+    let step = NewStep::tool_call("r-human", "refund", "c1", "payments", b"{\"eur\":12}");
+    j.execute(&step, |_| async { failed(Outcome::Unknown, None) })
+        .await
+        .unwrap();
+    struct Unsure;
+    impl backstop_journal::Reconcile for Unsure {
+        fn reconcile<'a>(
+            &'a self,
+            _step: &'a Step,
+        ) -> std::pin::Pin<Box<dyn Future<Output = Reconciled> + Send + 'a>> {
+            Box::pin(async {
+                Reconciled::CannotTell {
+                    why: "the payments API has no lookup by key".into(),
+                }
+            })
+        }
+        fn key_ttl(&self) -> Option<Duration> {
+            Some(Duration::from_secs(24 * 3600))
+        }
+    }
+    clock.advance(Duration::from_secs(25 * 3600));
+    let report = j
+        .reconcile_run("r-human", &Reconcilers::new().tool("payments", Unsure))
+        .await
+        .unwrap();
+    assert_eq!(report.human, std::slice::from_ref(&step.id));
+    let stuck = j.stuck().await.unwrap();
+    let s = stuck
+        .iter()
+        .find(|s| s.id == step.id)
+        .expect("listed as stuck");
+    let why = s.attention.as_deref().unwrap();
+    assert!(
+        why.contains("no lookup by key") && why.contains("time to live"),
+        "{why}"
+    );
+    assert!(matches!(
+        j.plan("r-human").await.unwrap()[0].1,
+        Next::Human { .. }
+    ));
+    let summary = j.runs(100).await.unwrap();
+    let run = summary.iter().find(|r| r.run == "r-human").unwrap();
+    assert_eq!(run.state(), "needs_human");
+
+    let s = j
+        .resolve(
+            &step.id,
+            Resolution::Retry,
+            "ana",
+            "the bank shows no refund",
+        )
+        .await
+        .unwrap();
+    assert_eq!(s.state, StepState::Pending);
+    assert!(s.attention.is_none());
+    let last = j.history(&step.id).await.unwrap().pop().unwrap();
+    assert_eq!(
+        (last.actor.as_str(), last.reason.as_deref()),
+        ("ana", Some("the bank shows no refund"))
+    );
+    j.execute(&step, |_| async { ok("{\"refund\":\"rf_1\"}") })
+        .await
+        .unwrap();
+    // A step that is over cannot be "resolved" again.
+    let again = j.resolve(&step.id, Resolution::Failed, "ana", "oops").await;
+    assert!(
+        matches!(again, Err(JournalError::Conflict { .. })),
+        "{again:?}"
+    );
+}
+
+async fn an_open_circuit_parks_the_step_until_its_time(j: &Journal, clock: &TestClock) {
+    let step = NewStep::tool_call("r-park", "label", "c1", "carrier", b"{}");
+    let s = j
+        .execute(&step, |_| async {
+            failed(Outcome::NotSent, Some(Duration::from_secs(30)))
+        })
+        .await
+        .unwrap();
+    assert_eq!(s.state, StepState::Parked);
+    let at = s.park_until.unwrap();
+    assert_eq!(
+        j.plan("r-park").await.unwrap()[0].1,
+        Next::Wake { at_ms: at }
+    );
+    let early = j
+        .execute(&step, |_| async { unreachable!() })
+        .await
+        .unwrap();
+    assert_eq!(early.state, StepState::Parked, "not sent before its time");
+    clock.advance(Duration::from_secs(31));
+    let s = j.execute(&step, |_| async { ok("{}") }).await.unwrap();
+    assert_eq!(s.state, StepState::Succeeded);
+    assert_eq!(s.attempts, 2);
+}
+
+async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
+    let step = NewStep::tool_call("r-cas", "invoice", "c1", "billing", b"{\"eur\":1}");
+    j.begin(&step).await.unwrap();
+    let wrong = j
+        .transition(
+            &step.id,
+            &[StepState::Sent],
+            StepState::Succeeded,
+            Change::default(),
+        )
+        .await;
+    assert!(matches!(
+        wrong,
+        Err(JournalError::Conflict {
+            found: Some(StepState::Pending),
+            ..
+        })
+    ));
+    let skip = j
+        .transition(
+            &step.id,
+            &[StepState::Pending],
+            StepState::Succeeded,
+            Change::default(),
+        )
+        .await;
+    assert!(
+        matches!(skip, Err(JournalError::Conflict { .. })),
+        "pending cannot jump to succeeded"
+    );
+    assert_eq!(
+        j.history(&step.id).await.unwrap().len(),
+        1,
+        "nothing written"
+    );
+    let other = NewStep::tool_call("r-cas", "invoice", "c1", "billing", b"{\"eur\":2}");
+    assert!(matches!(
+        j.begin(&other).await,
+        Err(JournalError::ArgsChanged { .. })
+    ));
+}
+
+async fn two_workers_never_hold_one_run(j: &Journal, clock: &TestClock) {
+    let step = NewStep::tool_call("r-claim", "s", "c", "t", b"");
+    j.begin(&step).await.unwrap();
+    let lease = Duration::from_secs(60);
+    assert!(j.claim("r-claim", "worker-a", lease).await.unwrap());
+    assert!(!j.claim("r-claim", "worker-b", lease).await.unwrap());
+    assert!(
+        j.claim("r-claim", "worker-a", lease).await.unwrap(),
+        "renewal"
+    );
+    clock.advance(Duration::from_secs(61));
+    assert!(
+        j.claim("r-claim", "worker-b", lease).await.unwrap(),
+        "an expired lease is free"
+    );
+    j.release("r-claim", "worker-a").await.unwrap();
+    assert!(
+        !j.claim("r-claim", "worker-a", lease).await.unwrap(),
+        "only the holder releases"
+    );
+    j.release("r-claim", "worker-b").await.unwrap();
+}
+
+async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
+    type Req = http::Request<()>;
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let inner = service_fn(move |_req: Req| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, backstop_core::CircuitOpen>(http::Response::new(())) }
+    });
+    let mut svc = JournalLayer::new(j.clone())
+        .tool("carrier")
+        .layer_into(inner);
+    let with_context = || {
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert(backstop_idempotency::ActionContext::tool_call(
+                "r-layer", "label", "c1",
+            ));
+        req
+    };
+    svc.ready()
+        .await
+        .unwrap()
+        .call(with_context())
+        .await
+        .unwrap();
+    let id = StepId::new("r-layer", "label", "c1");
+    let s = j.step(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (s.state, s.tool.as_str()),
+        (StepState::Succeeded, "carrier")
+    );
+    assert_eq!(
+        s.key,
+        backstop_idempotency::ActionContext::tool_call("r-layer", "label", "c1")
+            .key()
+            .as_str(),
+        "the key the idempotency layer sends"
+    );
+    let again = svc.ready().await.unwrap().call(with_context()).await;
+    let e = again.unwrap_err();
+    assert!(e.to_string().contains("not sent again"), "{e}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // No tool-call context: passes through, unjournaled.
+    svc.ready()
+        .await
+        .unwrap()
+        .call(http::Request::new(()))
+        .await
+        .unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+trait LayerInto {
+    fn layer_into<S>(&self, inner: S) -> backstop_journal::Journaled<S>;
+}
+
+impl LayerInto for JournalLayer {
+    fn layer_into<S>(&self, inner: S) -> backstop_journal::Journaled<S> {
+        tower::Layer::layer(self, inner)
+    }
+}
+
+async fn all(j: Journal, clock: TestClock) {
+    a_done_step_is_not_called_again(&j, &clock).await;
+    an_unknown_step_is_reconciled_before_it_is_sent_again(&j).await;
+    a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_happen(&j).await;
+    what_nobody_can_tell_goes_to_a_person_who_resolves_it(&j, &clock).await;
+    an_open_circuit_parks_the_step_until_its_time(&j, &clock).await;
+    moves_are_compare_and_set_and_arguments_are_checked(&j).await;
+    two_workers_never_hold_one_run(&j, &clock).await;
+    the_layer_journals_tool_calls_through_the_stack(&j).await;
+}
+
+#[tokio::test]
+async fn every_scenario_on_sqlite() {
+    let clock = TestClock::new();
+    all(sqlite("all", &clock).await, clock).await;
+}
+
+// The PostgreSQL tests need the `postgres` feature: `cargo test --workspace` has it (the
+// workspace package's dev-dependency turns it on), as does
+// `cargo test -p backstop-journal --features postgres`.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn every_scenario_on_postgres() {
+    let pg = PostgresServer::start().await;
+    let clock = TestClock::new();
+    let j = clock.install(Journal::postgres(&pg.url()).await.unwrap());
+    all(j, clock).await;
+}
+
+#[tokio::test]
+async fn the_sqlite_file_keeps_everything_across_reopening() {
+    let clock = TestClock::new();
+    let path = temp_db("reopen");
+    let j = clock.install(Journal::sqlite(&path).await.unwrap());
+    let step = NewStep::tool_call("r-reopen", "s", "c", "t", b"");
+    j.execute(&step, |_| async { ok("kept") }).await.unwrap();
+    drop(j);
+    let j = Journal::sqlite(&path).await.unwrap();
+    let s = j.step(&step.id).await.unwrap().unwrap();
+    assert_eq!(
+        (s.state, s.result.as_deref()),
+        (StepState::Succeeded, Some("kept"))
+    );
+}
+
+/// Many workers claiming at once on PostgreSQL (`FOR UPDATE SKIP LOCKED`): each run is taken
+/// by exactly one of them.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_workers_claiming_together_take_different_runs() {
+    let pg = PostgresServer::start().await;
+    let j = Journal::postgres(&pg.url()).await.unwrap();
+    for i in 0..20 {
+        j.begin(&NewStep::tool_call(
+            &format!("run-{i:02}"),
+            "s",
+            "c",
+            "t",
+            b"",
+        ))
+        .await
+        .unwrap();
+    }
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let j = j.clone();
+        workers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            while let Some(run) = j
+                .claim_next(&format!("worker-{w}"), Duration::from_secs(60))
+                .await
+                .unwrap()
+            {
+                mine.push(run);
+            }
+            mine
+        }));
+    }
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    all.sort();
+    let n = all.len();
+    all.dedup();
+    assert_eq!(n, 20, "every run claimed once: {all:?}");
+    assert_eq!(all.len(), 20);
+}
+
+#[tokio::test]
+async fn sqlite_claim_next_takes_each_run_once() {
+    let clock = TestClock::new();
+    let j = sqlite("claim-next", &clock).await;
+    for i in 0..5 {
+        j.begin(&NewStep::tool_call(&format!("run-{i}"), "s", "c", "t", b""))
+            .await
+            .unwrap();
+    }
+    let mut got = Vec::new();
+    while let Some(run) = j.claim_next("w", Duration::from_secs(60)).await.unwrap() {
+        got.push(run);
+    }
+    assert_eq!(got.len(), 5);
+    clock.advance(Duration::from_secs(61));
+    assert!(
+        j.claim_next("w2", Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+/// Workers racing to move one step: the state is compare-and-set in the database, so exactly
+/// one moves it and the others are told it moved.
+async fn racing_moves_let_exactly_one_through(j: Journal) {
+    for round in 0..10 {
+        let step = NewStep::tool_call(&format!("r-race-{round}"), "s", "c", "t", b"");
+        j.begin(&step).await.unwrap();
+        let mut racers = Vec::new();
+        for _ in 0..8 {
+            let j = j.clone();
+            let id = step.id.clone();
+            racers.push(tokio::spawn(async move {
+                j.transition(
+                    &id,
+                    &[StepState::Pending],
+                    StepState::Sent,
+                    Change {
+                        attempt: true,
+                        ..Change::default()
+                    },
+                )
+                .await
+            }));
+        }
+        let mut moved = 0;
+        for r in racers {
+            match r.await.unwrap() {
+                Ok(_) => moved += 1,
+                Err(JournalError::Conflict { .. }) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(moved, 1, "round {round}");
+        let s = j.step(&step.id).await.unwrap().unwrap();
+        assert_eq!(s.attempts, 1);
+        assert_eq!(j.history(&step.id).await.unwrap().len(), 2);
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_racing_moves_let_exactly_one_through() {
+    let pg = PostgresServer::start().await;
+    racing_moves_let_exactly_one_through(Journal::postgres(&pg.url()).await.unwrap()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_racing_moves_let_exactly_one_through() {
+    let clock = TestClock::new();
+    racing_moves_let_exactly_one_through(sqlite("race", &clock).await).await;
+}
