@@ -313,8 +313,10 @@ impl Journal {
     /// several workers: runs are claimed with `FOR UPDATE SKIP LOCKED`.
     #[cfg(feature = "postgres")]
     pub async fn postgres(url: &str) -> Result<Journal, JournalError> {
+        // A database that cannot be reached is an error within seconds, not a hang.
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(8)
+            .acquire_timeout(Duration::from_secs(5))
             .connect(url)
             .await?;
         Journal::from_backend(Backend::Postgres(pool)).await

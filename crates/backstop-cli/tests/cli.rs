@@ -1,0 +1,176 @@
+//! The `backstop journal` commands, run as a user runs them (the real binary), over a SQLite
+//! journal and a PostgreSQL one that a workflow wrote.
+
+use backstop_core::Outcome;
+use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, Step};
+use std::{process::Command, time::Duration};
+
+fn backstop(db: &str, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .arg("journal")
+        .arg("--db")
+        .arg(db)
+        .args(args)
+        .output()
+        .expect("the backstop binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A run with a done step, a step nobody can tell about, and a parked one.
+async fn write_a_run(j: &Journal) {
+    let invoice = NewStep::tool_call("run-1", "invoice", "", "billing", b"{}");
+    j.execute(&invoice, |_| async {
+        CallResult::Succeeded {
+            result: Some("{\"invoice\":\"inv_1\"}".into()),
+            provider_ref: Some("inv_1".into()),
+        }
+    })
+    .await
+    .unwrap();
+    let reserve = NewStep::tool_call("run-1", "reserve", "", "inventory", b"{}");
+    j.execute(&reserve, |_| async {
+        CallResult::Failed {
+            outcome: Outcome::Unknown,
+            error: "the inventory service did not answer within 2 s".into(),
+            retry_after: None,
+        }
+    })
+    .await
+    .unwrap();
+    let hooks = Reconcilers::new().tool("inventory", |_: &Step| async {
+        Reconciled::CannotTell {
+            why: "inventory has no lookup by key".into(),
+        }
+    });
+    j.reconcile_run("run-1", &hooks).await.unwrap();
+    let email = NewStep::tool_call("run-1", "email", "", "mailer", b"{}");
+    j.execute(&email, |_| async {
+        CallResult::Failed {
+            outcome: Outcome::NotSent,
+            error: "mailer is unavailable (circuit open)".into(),
+            retry_after: Some(Duration::from_secs(600)),
+        }
+    })
+    .await
+    .unwrap();
+}
+
+fn operate(db: &str) {
+    let (code, out, err) = backstop(db, &["runs"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("run-1") && out.contains("needs_human"),
+        "{out}"
+    );
+
+    let (code, out, _) = backstop(db, &["show", "run-1"]);
+    assert_eq!(code, 0);
+    for want in [
+        "invoice",
+        "succeeded",
+        "reserve",
+        "requires_reconciliation (needs a person)",
+        "parked (wakes in 10 min",
+        "did not answer within 2 s",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+    assert!(
+        out.contains("sent ") && out.contains("pending "),
+        "time in each state:\n{out}"
+    );
+
+    let (code, out, _) = backstop(db, &["--json", "show", "run-1"]);
+    assert_eq!(code, 0);
+    let steps: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(steps.as_array().unwrap().len(), 3);
+    assert_eq!(steps[1]["state"], "requires_reconciliation");
+    // pending, sent, unknown, requires_reconciliation, and the hand-over to a person.
+    assert_eq!(steps[1]["history"].as_array().unwrap().len(), 5);
+
+    let (code, out, _) = backstop(db, &["stuck", "--fail-if-any"]);
+    assert_eq!(code, 5, "stuck steps exit 5 with --fail-if-any");
+    assert!(
+        out.contains("a person: inventory has no lookup by key") && out.contains("its time"),
+        "{out}"
+    );
+
+    let (code, out, err) = backstop(
+        db,
+        &[
+            "resolve",
+            "run-1",
+            "reserve",
+            "--succeeded",
+            "--by",
+            "ana",
+            "--why",
+            "the warehouse shows reservation res_9",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("reconciled_succeeded"), "{out}");
+    let (code, _, err) = backstop(
+        db,
+        &[
+            "resolve", "run-1", "reserve", "--retry", "--by", "ana", "--why", "again",
+        ],
+    );
+    assert_eq!(code, 4, "a step that is over is not repaired again: {err}");
+    assert!(err.contains("reconciled_succeeded"), "{err}");
+
+    let (code, _, err) = backstop(db, &["show", "run-404"]);
+    assert_eq!(code, 3);
+    assert!(err.contains("run-404 is not in the journal"), "{err}");
+    let (code, _, err) = backstop(
+        db,
+        &[
+            "resolve", "run-1", "nope", "--failed", "--by", "a", "--why", "b",
+        ],
+    );
+    assert_eq!(code, 3, "{err}");
+    let (code, _, _) = backstop(
+        db,
+        &["resolve", "run-1", "reserve", "--by", "a", "--why", "b"],
+    );
+    assert_eq!(code, 2, "a resolution must be chosen");
+}
+
+#[tokio::test]
+async fn the_operator_reads_and_repairs_a_sqlite_journal() {
+    let dir = std::env::temp_dir().join(format!("backstop-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = dir.join("journal.db");
+    write_a_run(&Journal::sqlite(&db).await.unwrap()).await;
+    tokio::task::spawn_blocking(move || operate(db.to_str().unwrap()))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_operator_reads_and_repairs_a_postgres_journal() {
+    let pg = backstop_testkit::PostgresServer::start().await;
+    let url = pg.url();
+    write_a_run(&Journal::postgres(&url).await.unwrap()).await;
+    tokio::task::spawn_blocking(move || operate(&url))
+        .await
+        .unwrap();
+}
+
+#[test]
+fn a_missing_journal_or_database_is_a_clear_error() {
+    let (code, _, err) = backstop("/nonexistent/journal.db", &["runs"]);
+    assert_eq!(code, 3);
+    assert!(
+        err.contains("no journal at /nonexistent/journal.db") && err.contains("--db"),
+        "{err}"
+    );
+    let (code, _, err) = backstop("postgres://nobody@127.0.0.1:1/none", &["runs"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("cannot open the journal"), "{err}");
+}
