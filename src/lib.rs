@@ -1,3 +1,5 @@
-//! The unpublished package that owns Backstop's top-level `examples/` and `tests/`.
-//! It has no code of its own; see the crates under `crates/`.
+//! What the workspace's examples, test processes and crash tests share (not published).
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod invoice;

@@ -7,6 +7,8 @@ mod agent_tools;
 mod double_refund;
 #[path = "../examples/hyper_client.rs"]
 mod hyper_client;
+#[path = "../examples/invoice_workflow.rs"]
+mod invoice_workflow;
 #[path = "../examples/reqwest_client.rs"]
 mod reqwest_client;
 #[path = "../examples/shipping_label.rs"]
@@ -35,4 +37,14 @@ fn hyper_client_runs() {
 #[test]
 fn reqwest_client_runs() {
     reqwest_client::main().unwrap();
+}
+
+#[test]
+fn invoice_workflow_runs() {
+    let dir = std::env::temp_dir().join(format!("backstop-invoice-example-{}", std::process::id()));
+    invoice_workflow::run_demo(
+        std::path::Path::new(env!("CARGO_BIN_EXE_invoice_worker")),
+        &dir,
+    )
+    .unwrap();
 }

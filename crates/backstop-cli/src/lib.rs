@@ -1,0 +1,435 @@
+//! `backstop`: the operator's view of the step journal, as a command (`src/main.rs`) and as a
+//! library ([`run`]) for programs that show the same tables.
+//!
+//! ```text
+//! backstop journal runs                      recent runs, their state, steps needing attention
+//! backstop journal show RUN                  a table of the run's steps
+//! backstop journal stuck                     steps waiting for a person, parked steps
+//! backstop journal resolve RUN STEP --succeeded|--failed|--retry --by WHO --why WHY
+//! ```
+//!
+//! The journal is `--db URL` (or `BACKSTOP_JOURNAL`): a SQLite file (`path/to/journal.db` or
+//! `sqlite://path`) or `postgres://...`; the default is `backstop-journal.db` here. `--json` on
+//! every command prints JSON for scripts. Exit codes: 0 done; 1 the journal's database failed;
+//! 2 the command line is wrong; 3 no such journal, run or step; 4 the repair was refused (the
+//! step is over, or another worker moved it); 5 `stuck --fail-if-any` found steps.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+use backstop_journal::{Journal, JournalError, Resolution, RunSummary, Step, StepId, Transition};
+use clap::{Args, Parser, Subcommand};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use serde_json::{Value, json};
+use std::time::{Duration, UNIX_EPOCH};
+
+#[derive(Parser, Debug)]
+#[command(name = "backstop", version, about = "Backstop's operator tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// The step journal: what every run did, and what needs a person.
+    Journal(JournalArgs),
+}
+
+#[derive(Args, Debug)]
+struct JournalArgs {
+    /// The journal: a SQLite file (`journal.db`, `sqlite://PATH`) or `postgres://...`.
+    #[arg(
+        long,
+        env = "BACKSTOP_JOURNAL",
+        default_value = "backstop-journal.db",
+        global = true
+    )]
+    db: String,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: JournalCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum JournalCommand {
+    /// Recent runs: their state and the steps that need attention.
+    Runs {
+        /// How many runs, most recently changed first.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// One run's steps: state, attempts, key, last error, time in each state.
+    Show {
+        /// The run.
+        run: String,
+    },
+    /// Steps waiting for a person, and parked steps with when they wake.
+    Stuck {
+        /// Exit with 5 when there are any (for a script or a cron check).
+        #[arg(long)]
+        fail_if_any: bool,
+    },
+    /// Repairs a step that is not over, recording who and why.
+    Resolve(ResolveArgs),
+}
+
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("resolution").required(true).args(["succeeded", "failed", "retry"])))]
+struct ResolveArgs {
+    /// The run.
+    run: String,
+    /// The step.
+    step: String,
+    /// The tool call within the step, when it has one.
+    #[arg(long, default_value = "")]
+    call: String,
+    /// It happened (you checked with the provider).
+    #[arg(long)]
+    succeeded: bool,
+    /// The result to store with --succeeded.
+    #[arg(long, requires = "succeeded")]
+    result: Option<String>,
+    /// It did not take effect and must not be retried.
+    #[arg(long)]
+    failed: bool,
+    /// It did not take effect: send it again, with the same key.
+    #[arg(long)]
+    retry: bool,
+    /// Who decides.
+    #[arg(long)]
+    by: String,
+    /// Why, in words (recorded in the step's history).
+    #[arg(long)]
+    why: String,
+}
+
+/// What went wrong, and the exit code it gets.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl From<JournalError> for Failure {
+    fn from(e: JournalError) -> Self {
+        let code = match e {
+            JournalError::NotFound(_) => 3,
+            JournalError::Conflict { .. } | JournalError::AlreadyDone(_) => 4,
+            _ => 1,
+        };
+        Failure {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// Runs the command line `args` (its first item is the program's name) and returns the exit
+/// code; what the command prints goes to standard output and standard error.
+pub async fn run<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return u8::try_from(e.exit_code()).unwrap_or(2);
+        }
+    };
+    let Command::Journal(args) = cli.command;
+    match journal(args).await {
+        Ok(code) => code,
+        Err(f) => {
+            eprintln!("backstop: {}", f.message);
+            f.code
+        }
+    }
+}
+
+async fn open(db: &str) -> Result<Journal, Failure> {
+    let remote = db.starts_with("postgres://") || db.starts_with("postgresql://");
+    if !remote {
+        let path = db.strip_prefix("sqlite://").unwrap_or(db);
+        if !std::path::Path::new(path).exists() {
+            return Err(Failure {
+                code: 3,
+                message: format!(
+                    "no journal at {path}: give the journal with --db PATH (or BACKSTOP_JOURNAL), \
+                     or postgres://... for a shared one"
+                ),
+            });
+        }
+    }
+    Journal::open(db).await.map_err(|e| Failure {
+        code: 1,
+        message: format!("cannot open the journal at {db}: {e}"),
+    })
+}
+
+async fn journal(args: JournalArgs) -> Result<u8, Failure> {
+    let j = open(&args.db).await?;
+    let now = j.now_ms();
+    match args.command {
+        JournalCommand::Runs { limit } => {
+            let runs = j.runs(limit).await?;
+            if args.json {
+                print_json(&Value::Array(runs.iter().map(run_json).collect()));
+            } else if runs.is_empty() {
+                println!("no runs in the journal");
+            } else {
+                let mut t = table(&[
+                    "run",
+                    "state",
+                    "steps",
+                    "done",
+                    "need a person",
+                    "parked",
+                    "in doubt",
+                    "updated",
+                    "claimed by",
+                ]);
+                for r in &runs {
+                    t.add_row(vec![
+                        r.run.clone(),
+                        r.state().to_owned(),
+                        r.steps.to_string(),
+                        r.done.to_string(),
+                        r.needs_human.to_string(),
+                        r.parked.to_string(),
+                        r.unknown.to_string(),
+                        ago(now, r.updated_ms),
+                        r.claimed_by.clone().unwrap_or_default(),
+                    ]);
+                }
+                println!("{t}");
+            }
+            Ok(0)
+        }
+        JournalCommand::Show { run } => {
+            let steps = j.run(&run).await?;
+            if steps.is_empty() {
+                return Err(Failure {
+                    code: 3,
+                    message: format!(
+                        "run {run} is not in the journal (see `backstop journal runs`)"
+                    ),
+                });
+            }
+            let mut rows = Vec::with_capacity(steps.len());
+            for s in &steps {
+                rows.push((s, j.history(&s.id).await?));
+            }
+            if args.json {
+                let v = rows
+                    .iter()
+                    .map(|(s, h)| {
+                        let mut v = step_json(s);
+                        v["history"] = Value::Array(h.iter().map(transition_json).collect());
+                        v["time_in_state_ms"] = json!(
+                            time_in_states(h, now)
+                                .into_iter()
+                                .map(|(st, ms)| (st.to_owned(), json!(ms)))
+                                .collect::<serde_json::Map<_, _>>()
+                        );
+                        v
+                    })
+                    .collect();
+                print_json(&Value::Array(v));
+            } else {
+                let mut t = table(&[
+                    "step",
+                    "call",
+                    "tool",
+                    "state",
+                    "attempts",
+                    "key",
+                    "last error",
+                    "time in each state",
+                ]);
+                for (s, h) in &rows {
+                    let times = time_in_states(h, now)
+                        .into_iter()
+                        .map(|(st, ms)| format!("{st} {}", human(ms)))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let state = match (&s.attention, s.park_until) {
+                        (Some(_), _) => format!("{} (needs a person)", s.state),
+                        (None, Some(at)) if s.state == backstop_journal::StepState::Parked => {
+                            format!("parked (wakes {})", when(now, at))
+                        }
+                        _ => s.state.to_string(),
+                    };
+                    t.add_row(vec![
+                        s.id.step.to_string(),
+                        s.id.call.to_string(),
+                        s.tool.clone(),
+                        state,
+                        s.attempts.to_string(),
+                        short_key(&s.key),
+                        s.last_error
+                            .clone()
+                            .or_else(|| s.attention.clone())
+                            .unwrap_or_default(),
+                        times,
+                    ]);
+                }
+                println!("run {run}");
+                println!("{t}");
+            }
+            Ok(0)
+        }
+        JournalCommand::Stuck { fail_if_any } => {
+            let stuck = j.stuck().await?;
+            if args.json {
+                print_json(&Value::Array(stuck.iter().map(step_json).collect()));
+            } else if stuck.is_empty() {
+                println!("nothing is stuck: no step waits for a person, none is parked");
+            } else {
+                let mut t = table(&[
+                    "run",
+                    "step",
+                    "call",
+                    "tool",
+                    "state",
+                    "waiting for",
+                    "since",
+                ]);
+                for s in &stuck {
+                    let waiting = match (&s.attention, s.park_until) {
+                        (Some(why), _) => format!("a person: {why}"),
+                        (None, Some(at)) => format!("its time: wakes {}", when(now, at)),
+                        (None, None) => String::new(),
+                    };
+                    t.add_row(vec![
+                        s.id.run.to_string(),
+                        s.id.step.to_string(),
+                        s.id.call.to_string(),
+                        s.tool.clone(),
+                        s.state.to_string(),
+                        waiting,
+                        ago(now, s.updated_ms),
+                    ]);
+                }
+                println!("{t}");
+            }
+            Ok(if fail_if_any && !stuck.is_empty() {
+                5
+            } else {
+                0
+            })
+        }
+        JournalCommand::Resolve(r) => {
+            let resolution = if r.succeeded {
+                Resolution::Succeeded { result: r.result }
+            } else if r.failed {
+                Resolution::Failed
+            } else {
+                Resolution::Retry
+            };
+            let id = StepId::new(&r.run, &r.step, &r.call);
+            if j.step(&id).await?.is_none() {
+                return Err(Failure {
+                    code: 3,
+                    message: format!(
+                        "step {id} is not in the journal (see `backstop journal show {}`)",
+                        r.run
+                    ),
+                });
+            }
+            let step = j.resolve(&id, resolution, &r.by, &r.why).await?;
+            if args.json {
+                print_json(&step_json(&step));
+            } else {
+                println!("step {id} is now {} (by {}: {})", step.state, r.by, r.why);
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(header.to_vec());
+    t
+}
+
+fn print_json(v: &Value) {
+    println!("{}", serde_json::to_string_pretty(v).expect("JSON"));
+}
+
+fn run_json(r: &RunSummary) -> Value {
+    json!({
+        "run": r.run, "state": r.state(), "steps": r.steps, "done": r.done,
+        "needs_human": r.needs_human, "parked": r.parked, "unknown": r.unknown,
+        "updated_ms": r.updated_ms, "claimed_by": r.claimed_by,
+    })
+}
+
+fn step_json(s: &Step) -> Value {
+    json!({
+        "run": &*s.id.run, "step": &*s.id.step, "call": &*s.id.call, "tool": s.tool,
+        "kind": s.kind.as_str(), "state": s.state.as_str(), "outcome": s.state.outcome().as_str(),
+        "attempts": s.attempts, "key": s.key, "last_error": s.last_error, "result": s.result,
+        "provider_ref": s.provider_ref, "park_until_ms": s.park_until, "needs_human": s.attention,
+        "created_ms": s.created_ms, "updated_ms": s.updated_ms, "sent_ms": s.sent_ms,
+    })
+}
+
+fn transition_json(t: &Transition) -> Value {
+    json!({
+        "from": t.from.map(|s| s.as_str()), "to": t.to.as_str(), "at_ms": t.at_ms,
+        "attempts": t.attempts, "error": t.error, "actor": t.actor, "reason": t.reason,
+    })
+}
+
+/// How long the step spent in each state it passed through, summed, in order of first visit.
+fn time_in_states(history: &[Transition], now: i64) -> Vec<(&'static str, i64)> {
+    let mut out: Vec<(&'static str, i64)> = Vec::new();
+    for (i, t) in history.iter().enumerate() {
+        let end = history.get(i + 1).map_or(now, |n| n.at_ms);
+        let spent = (end - t.at_ms).max(0);
+        match out.iter_mut().find(|(s, _)| *s == t.to.as_str()) {
+            Some((_, ms)) => *ms += spent,
+            None => out.push((t.to.as_str(), spent)),
+        }
+    }
+    out
+}
+
+fn human(ms: i64) -> String {
+    let ms = ms.max(0);
+    if ms < 1_000 {
+        format!("{ms} ms")
+    } else if ms < 120_000 {
+        format!("{:.1} s", ms as f64 / 1_000.0)
+    } else if ms < 7_200_000 {
+        format!("{} min", (ms + 30_000) / 60_000)
+    } else {
+        format!("{:.1} h", ms as f64 / 3_600_000.0)
+    }
+}
+
+fn ago(now: i64, at: i64) -> String {
+    format!("{} ago", human(now - at))
+}
+
+fn when(now: i64, at: i64) -> String {
+    let date = UNIX_EPOCH + Duration::from_millis(u64::try_from(at).unwrap_or(0));
+    if at > now {
+        format!("in {} ({})", human(at - now), httpdate::fmt_http_date(date))
+    } else {
+        format!("now (due {})", httpdate::fmt_http_date(date))
+    }
+}
+
+fn short_key(key: &str) -> String {
+    if key.len() > 16 {
+        format!("{}…", &key[..16])
+    } else {
+        key.to_owned()
+    }
+}

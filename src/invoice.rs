@@ -1,0 +1,544 @@
+//! Seed 001's invoice workflow: create an invoice, reserve inventory, send the email, each step
+//! journaled, each call through the Backstop stack over hyper-util, against three loopback
+//! services.
+//!
+//! The services ([`World`]) run in the parent process; the workflow runs in a child process
+//! ([`worker_main`], `src/bin/invoice_worker.rs`) so that it can be killed with SIGKILL at any
+//! point: between two journal writes ([`KillAt`] points `begun`, `sent`, `recorded`), or in the
+//! service just after it acted and before it answers (`effect`). A second worker resumes the
+//! run from the journal: it reconciles every step whose outcome is unknown with its service
+//! (billing and the mailer by key, inventory by the order it reserved for) before sending
+//! anything again.
+//!
+//! Billing honours idempotency keys; inventory and the mailer do not (each `POST` reserves or
+//! sends once more), which is what makes reconciliation, not the key, the guard there.
+
+use backstop::{Backstop, BackstopService, BoxError, Outcome};
+use backstop_journal::{
+    CallResult, Change, Journal, JournalError, NewStep, Next, Reconciled, Reconcilers, Step,
+    StepState,
+};
+use backstop_testkit::{Action, Seen, TestServer};
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, ExitStatus},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+use tower::ServiceExt;
+
+/// The workflow's steps: (step, tool).
+pub const STEPS: [(&str, &str); 3] = [
+    ("create-invoice", "billing"),
+    ("reserve-inventory", "inventory"),
+    ("send-email", "mailer"),
+];
+
+/// Where a worker is killed: `<step>:<point>`, the point one of `begun` (after `pending` is
+/// written), `sent` (after `sent` is written, before the call), `effect` (in the service, after
+/// it acted, before it answers) or `recorded` (after the outcome is written).
+pub type KillAt = String;
+
+/// Every kill point of the workflow, in the order a run passes them.
+pub fn kill_points() -> Vec<KillAt> {
+    let mut points = Vec::new();
+    for (step, _) in STEPS {
+        for point in ["begun", "sent", "effect", "recorded"] {
+            points.push(format!("{step}:{point}"));
+        }
+    }
+    points
+}
+
+/// What the services did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Effects {
+    /// Invoices created.
+    pub invoices: usize,
+    /// Inventory reservations made.
+    pub reservations: usize,
+    /// Emails sent.
+    pub messages: usize,
+}
+
+impl Effects {
+    /// Effects beyond one of each: duplicates.
+    pub fn duplicates(&self) -> usize {
+        self.invoices.saturating_sub(1)
+            + self.reservations.saturating_sub(1)
+            + self.messages.saturating_sub(1)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Ledger {
+    /// (idempotency key, invoice id)
+    invoices: Vec<(String, String)>,
+    /// (order, reservation id)
+    reservations: Vec<(String, String)>,
+    /// (key, message id)
+    messages: Vec<(String, String)>,
+    /// The worker to kill after the named step's service acts.
+    kill: Option<(String, u32)>,
+}
+
+/// The billing, inventory and mailer services on 127.0.0.1.
+#[derive(Debug)]
+pub struct World {
+    server: TestServer,
+    ledger: Arc<Mutex<Ledger>>,
+}
+
+fn query<'a>(path: &'a str, name: &str) -> Option<&'a str> {
+    let q = path.split_once('?')?.1;
+    q.split('&')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+}
+
+fn json_field(body: &[u8], name: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.get(name)?.as_str().map(str::to_owned)
+}
+
+impl World {
+    /// Starts the services.
+    pub async fn start() -> World {
+        let ledger: Arc<Mutex<Ledger>> = Arc::default();
+        let l = ledger.clone();
+        let server = TestServer::start(move |s: &Seen| World::answer(&l, s)).await;
+        World { server, ledger }
+    }
+
+    fn answer(ledger: &Mutex<Ledger>, s: &Seen) -> Action {
+        let mut l = ledger.lock().expect("ledger");
+        let key = s.header("idempotency-key").unwrap_or_default().to_owned();
+        let found = |id: Option<&String>, field: &str| match id {
+            Some(id) => Action::respond(200, &[], format!(r#"{{"{field}":"{id}"}}"#)),
+            None => Action::respond(404, &[], "{}"),
+        };
+        let path = s.path.as_str();
+        let (acted, reply) = match (s.method.as_str(), path.split('?').next().unwrap_or("")) {
+            ("POST", "/invoices") => {
+                // Billing honours keys: a repeat gets the invoice the key made.
+                let existing = l
+                    .invoices
+                    .iter()
+                    .find(|(k, _)| !key.is_empty() && *k == key);
+                let id = match existing {
+                    Some((_, id)) => id.clone(),
+                    None => {
+                        let id = format!("inv_{}", l.invoices.len() + 1);
+                        l.invoices.push((key.clone(), id.clone()));
+                        id
+                    }
+                };
+                (
+                    "create-invoice",
+                    Action::respond(201, &[], format!(r#"{{"invoice":"{id}"}}"#)),
+                )
+            }
+            ("GET", "/invoices") => {
+                let k = query(path, "key").unwrap_or_default();
+                return found(
+                    l.invoices.iter().find(|(kk, _)| kk == k).map(|(_, id)| id),
+                    "invoice",
+                );
+            }
+            ("POST", "/reservations") => {
+                // Inventory reserves again on every POST: no key support.
+                let order = json_field(&s.body, "order").unwrap_or_default();
+                let id = format!("res_{}", l.reservations.len() + 1);
+                l.reservations.push((order, id.clone()));
+                (
+                    "reserve-inventory",
+                    Action::respond(201, &[], format!(r#"{{"reservation":"{id}"}}"#)),
+                )
+            }
+            ("GET", "/reservations") => {
+                let o = query(path, "order").unwrap_or_default();
+                return found(
+                    l.reservations
+                        .iter()
+                        .find(|(oo, _)| oo == o)
+                        .map(|(_, id)| id),
+                    "reservation",
+                );
+            }
+            ("POST", "/messages") => {
+                // The mailer sends again on every POST; it keeps the key for lookups only.
+                let id = format!("msg_{}", l.messages.len() + 1);
+                l.messages.push((key.clone(), id.clone()));
+                (
+                    "send-email",
+                    Action::respond(202, &[], format!(r#"{{"message":"{id}"}}"#)),
+                )
+            }
+            ("GET", "/messages") => {
+                let k = query(path, "key").unwrap_or_default();
+                return found(
+                    l.messages.iter().find(|(kk, _)| kk == k).map(|(_, id)| id),
+                    "message",
+                );
+            }
+            _ => return Action::status(404),
+        };
+        if let Some((step, pid)) = l.kill.clone()
+            && step == acted
+        {
+            // It acted; the worker dies before it hears so.
+            l.kill = None;
+            drop(l);
+            kill(pid);
+        }
+        reply
+    }
+
+    /// The services' base URL.
+    pub fn url(&self) -> String {
+        self.server.url("")
+    }
+
+    /// Kills worker `pid` with SIGKILL right after `step`'s service has acted, before it
+    /// answers.
+    pub fn kill_after_effect(&self, step: &str, pid: u32) {
+        self.ledger.lock().expect("ledger").kill = Some((step.to_owned(), pid));
+    }
+
+    /// What the services did so far.
+    pub fn effects(&self) -> Effects {
+        let l = self.ledger.lock().expect("ledger");
+        Effects {
+            invoices: l.invoices.len(),
+            reservations: l.reservations.len(),
+            messages: l.messages.len(),
+        }
+    }
+}
+
+/// SIGKILL, from outside the process's own control, as an operator or the OOM killer would.
+pub fn kill(pid: u32) {
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    // The signal is delivered at once; give the kernel a moment to take the process down.
+    std::thread::sleep(Duration::from_millis(50));
+}
+
+/// Starts a worker process (`exe worker DB URL RUN [KILL_AT|-] [naive]`) and returns it.
+pub fn spawn_worker(
+    exe: &Path,
+    db: &Path,
+    url: &str,
+    run: &str,
+    kill_at: Option<&str>,
+    naive: bool,
+) -> std::process::Child {
+    let mut cmd = Command::new(exe);
+    cmd.arg("worker")
+        .arg(db)
+        .arg(url)
+        .arg(run)
+        .arg(kill_at.unwrap_or("-"));
+    if naive {
+        cmd.arg("naive");
+    }
+    cmd.spawn().expect("the worker starts")
+}
+
+/// How a worker ended, from its exit status: 0 done, 4 a step needs a person.
+pub fn worker_exit(status: ExitStatus) -> Result<i32, String> {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => Ok(code),
+        (None, Some(9)) => Err("killed".into()),
+        (None, sig) => Err(format!("ended by signal {sig:?}")),
+    }
+}
+
+/// A fresh journal file.
+pub fn fresh_db(dir: &Path) -> PathBuf {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).expect("a directory for the journal");
+    dir.join("journal.db")
+}
+
+/// The worker's entry: `worker DB URL RUN KILL_AT [naive]` (after the program name).
+/// Exit codes: 0 the run is done, 3 another worker holds it, 4 a step needs a person, 5 a step
+/// failed or is parked, 1 anything else.
+pub fn worker_main(args: &[String]) -> i32 {
+    let [db, url, run, kill_at, rest @ ..] = args else {
+        eprintln!("usage: worker DB URL RUN KILL_AT|- [naive]");
+        return 2;
+    };
+    let kill_at = (kill_at != "-").then(|| kill_at.clone());
+    let naive = rest.first().is_some_and(|a| a == "naive");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    match rt.block_on(work(Path::new(db), url, run, kill_at.as_deref(), naive)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("worker: {e}");
+            1
+        }
+    }
+}
+
+fn checkpoint(kill_at: Option<&str>, step: &str, point: &str) {
+    if kill_at == Some(&format!("{step}:{point}")) {
+        kill(std::process::id());
+        std::thread::sleep(Duration::from_secs(60));
+    }
+}
+
+type Stack = BackstopService<
+    Client<HttpConnector, Full<Bytes>>,
+    backstop::classify::HttpClassifier,
+    backstop::retry::HttpResend,
+    backstop::idempotency::HttpKeys,
+>;
+
+struct Tools {
+    billing: Stack,
+    inventory: Stack,
+    mailer: Stack,
+    url: String,
+}
+
+impl Tools {
+    fn new(url: &str) -> Result<Tools, BoxError> {
+        let client =
+            Client::builder(hyper_util::rt::TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let stack = |name: &str, honours_keys: bool| -> Result<Stack, BoxError> {
+            let mut b = Backstop::http(name)
+                .p99(Duration::from_millis(200))
+                .deadline(Duration::from_secs(5));
+            if honours_keys {
+                b = b.honours_keys();
+            }
+            Ok(tower::Layer::layer(&b.build()?, client.clone()))
+        };
+        Ok(Tools {
+            billing: stack("billing", true)?,
+            inventory: stack("inventory", false)?,
+            mailer: stack("mailer", false)?,
+            url: url.trim_end_matches('/').to_owned(),
+        })
+    }
+
+    fn stack(&self, tool: &str) -> Stack {
+        match tool {
+            "billing" => self.billing.clone(),
+            "inventory" => self.inventory.clone(),
+            _ => self.mailer.clone(),
+        }
+    }
+
+    /// Sends a step's request, with its key, and says how it ended.
+    async fn call(&self, step: &Step, path: &str, body: String, id_field: &str) -> CallResult {
+        let req = Request::post(format!("{}{path}", self.url))
+            .header("content-type", "application/json")
+            .header("idempotency-key", &step.key)
+            .body(Full::new(Bytes::from(body)))
+            .expect("a request");
+        match self.stack(&step.tool).oneshot(req).await {
+            Ok(res) if res.status().is_success() => {
+                let body = match res.into_body().collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(e) => {
+                        return CallResult::Failed {
+                            outcome: Outcome::Unknown,
+                            error: format!("the reply's body was lost: {e}"),
+                            retry_after: None,
+                        };
+                    }
+                };
+                CallResult::Succeeded {
+                    provider_ref: json_field(&body, id_field),
+                    result: Some(String::from_utf8_lossy(&body).into_owned()),
+                }
+            }
+            Ok(res) => CallResult::Failed {
+                outcome: if res.status().is_server_error() {
+                    Outcome::Unknown
+                } else {
+                    Outcome::Completed
+                },
+                error: format!("{} answered {}", step.tool, res.status()),
+                retry_after: None,
+            },
+            Err(e) => CallResult::from_result::<(), _>(&Err(e), |_| None),
+        }
+    }
+
+    /// Asks a service what became of a step: billing and the mailer by key, inventory by the
+    /// order (its business identity).
+    async fn lookup(&self, step: &Step) -> Reconciled {
+        let path = match step.tool.as_str() {
+            "billing" => format!("/invoices?key={}", step.key),
+            "inventory" => format!("/reservations?order=ord-{}", step.id.run),
+            _ => format!("/messages?key={}", step.key),
+        };
+        let req = Request::get(format!("{}{path}", self.url))
+            .body(Full::default())
+            .expect("a request");
+        match self.stack(&step.tool).oneshot(req).await {
+            Ok(res) if res.status() == 404 => Reconciled::NotHappened,
+            Ok(res) if res.status().is_success() => {
+                let body = res
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let field = match step.tool.as_str() {
+                    "billing" => "invoice",
+                    "inventory" => "reservation",
+                    _ => "message",
+                };
+                Reconciled::Happened {
+                    provider_ref: json_field(&body, field),
+                    result: Some(String::from_utf8_lossy(&body).into_owned()),
+                }
+            }
+            Ok(res) => Reconciled::CannotTell {
+                why: format!("{} answered {} to the lookup", step.tool, res.status()),
+            },
+            Err(e) => Reconciled::CannotTell {
+                why: format!("the lookup failed: {e}"),
+            },
+        }
+    }
+}
+
+/// How long a worker's claim on its run lasts without renewal: a run whose worker died is
+/// free for another after this (short, for the demo and the crash test).
+pub const LEASE: Duration = Duration::from_millis(800);
+
+/// Claims (or renews) `run`, waiting up to 10 s for a dead worker's lease to run out.
+async fn claim(journal: &Journal, run: &str, worker: &str) -> Result<bool, JournalError> {
+    for _ in 0..40 {
+        if journal.claim(run, worker, LEASE).await? {
+            return Ok(true);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok(false)
+}
+
+async fn work(
+    db: &Path,
+    url: &str,
+    run: &str,
+    kill_at: Option<&str>,
+    naive: bool,
+) -> Result<i32, BoxError> {
+    let journal = Journal::sqlite(db).await?;
+    let worker = format!("worker-{}", std::process::id());
+    let tools = Arc::new(Tools::new(url)?);
+    // A run already in the journal is resumed: claimed, then reconciled before anything is
+    // sent again.
+    if !journal.run(run).await?.is_empty() {
+        if !claim(&journal, run, &worker).await? {
+            return Ok(3);
+        }
+        if !naive {
+            let mut hooks = Reconcilers::new();
+            for (_, tool) in STEPS {
+                let t = tools.clone();
+                hooks = hooks.tool(tool, move |s: &Step| {
+                    let (t, s) = (t.clone(), s.clone());
+                    async move { t.lookup(&s).await }
+                });
+            }
+            let report = journal.reconcile_run(run, &hooks).await?;
+            if !report.human.is_empty() {
+                return Ok(4);
+            }
+        }
+    }
+    let mut invoice = String::new();
+    for (step, tool) in STEPS {
+        let args = match step {
+            "create-invoice" => format!(r#"{{"order":"ord-{run}","eur":40}}"#),
+            "reserve-inventory" => format!(r#"{{"order":"ord-{run}","sku":"sku-7","qty":1}}"#),
+            _ => format!(r#"{{"to":"ana@example.com","invoice":"{invoice}"}}"#),
+        };
+        let new = NewStep::tool_call(run, step, "", tool, args.as_bytes());
+        let mut s = match journal.begin(&new).await {
+            Ok(s) => s,
+            // The email's arguments name the invoice, which a resumed run knows again.
+            Err(JournalError::ArgsChanged { .. }) => return Ok(5),
+            Err(e) => return Err(e.into()),
+        };
+        // The claim is renewed at every step; a worker that dies lets it run out.
+        if !claim(&journal, run, &worker).await? {
+            return Ok(3);
+        }
+        checkpoint(kill_at, step, "begun");
+        match Next::for_step(&s, journal.now_ms()) {
+            Next::Done => {
+                if step == "create-invoice" {
+                    invoice = s.provider_ref.clone().unwrap_or_default();
+                }
+                continue;
+            }
+            Next::Resend => {}
+            Next::Wake { .. } => return Ok(5),
+            Next::Reconcile | Next::Human { .. } if naive => {
+                // What a runtime without reconciliation does: it sends the step again.
+                s = journal
+                    .resolve(
+                        &s.id,
+                        backstop_journal::Resolution::Retry,
+                        "naive",
+                        "resend without asking",
+                    )
+                    .await?;
+            }
+            Next::Reconcile | Next::Human { .. } => return Ok(4),
+        }
+        let sent = journal
+            .transition(
+                &s.id,
+                &[s.state],
+                StepState::Sent,
+                Change {
+                    attempt: true,
+                    ..Change::default()
+                },
+            )
+            .await?;
+        checkpoint(kill_at, step, "sent");
+        let (path, field) = match step {
+            "create-invoice" => ("/invoices", "invoice"),
+            "reserve-inventory" => ("/reservations", "reservation"),
+            _ => ("/messages", "message"),
+        };
+        let result = tools.call(&sent, path, args, field).await;
+        let done = journal.record(&s.id, result).await?;
+        checkpoint(kill_at, step, "recorded");
+        if !done.state.succeeded() {
+            eprintln!(
+                "worker: step {step} ended {}: {}",
+                done.state,
+                done.last_error.unwrap_or_default()
+            );
+            return Ok(5);
+        }
+        if step == "create-invoice" {
+            invoice = done.provider_ref.unwrap_or_default();
+        }
+    }
+    journal.release(run, &worker).await?;
+    Ok(0)
+}
+
+/// The operator's table for `run`, as `backstop journal show` prints it.
+pub async fn show(db: &Path, run: &str) {
+    let db = db.to_string_lossy().into_owned();
+    backstop_cli::run(["backstop", "journal", "--db", &db, "show", run]).await;
+}
