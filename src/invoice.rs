@@ -84,6 +84,8 @@ struct Ledger {
     messages: Vec<(String, String)>,
     /// The worker to kill after the named step's service acts.
     kill: Option<(String, u32)>,
+    /// The mailer's lookup is down (503).
+    mailer_lookup_down: bool,
 }
 
 /// The billing, inventory and mailer services on 127.0.0.1.
@@ -177,6 +179,7 @@ impl World {
                     Action::respond(202, &[], format!(r#"{{"message":"{id}"}}"#)),
                 )
             }
+            ("GET", "/messages") if l.mailer_lookup_down => return Action::status(503),
             ("GET", "/messages") => {
                 let k = query(path, "key").unwrap_or_default();
                 return found(
@@ -206,6 +209,11 @@ impl World {
     /// answers.
     pub fn kill_after_effect(&self, step: &str, pid: u32) {
         self.ledger.lock().expect("ledger").kill = Some((step.to_owned(), pid));
+    }
+
+    /// Takes the mailer's lookup down: a step it must reconcile goes to a person.
+    pub fn take_mailer_lookup_down(&self) {
+        self.ledger.lock().expect("ledger").mailer_lookup_down = true;
     }
 
     /// What the services did so far.
