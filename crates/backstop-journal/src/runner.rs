@@ -227,6 +227,50 @@ impl Journal {
         self.record(&step.id, result).await
     }
 
+    /// Undoes an action that succeeded, deliberately: the compensation is a step of its own
+    /// (`<step>:compensate`, its own key, its own states, run through [`execute`](Self::execute)
+    /// and so resumable like any step), and once it succeeds the action is marked
+    /// `compensated`. An action that did not succeed is refused: there is nothing to undo.
+    pub async fn compensate<F, Fut>(
+        &self,
+        action: &StepId,
+        tool: &str,
+        args: &[u8],
+        call: F,
+    ) -> Result<Step, JournalError>
+    where
+        F: FnOnce(Step) -> Fut,
+        Fut: Future<Output = CallResult>,
+    {
+        let done = [StepState::Succeeded, StepState::ReconciledSucceeded];
+        let original = self
+            .step(action)
+            .await?
+            .ok_or_else(|| JournalError::NotFound(format!("step {action}")))?;
+        if original.state == StepState::Compensated {
+            return Ok(original);
+        }
+        if !done.contains(&original.state) {
+            return Err(JournalError::Conflict {
+                id: action.clone(),
+                expected: done.to_vec(),
+                found: Some(original.state),
+                to: StepState::Compensated,
+            });
+        }
+        let undo = NewStep::compensation_of(action, tool, args);
+        let undone = self.execute(&undo, call).await?;
+        if !undone.state.succeeded() {
+            return Ok(undone);
+        }
+        let change = Change {
+            reason: Some(format!("compensated by step {}", undone.id)),
+            ..Change::default()
+        };
+        self.transition(action, &done, StepState::Compensated, change)
+            .await
+    }
+
     /// Records how a sent step's call ended.
     pub async fn record(&self, id: &StepId, result: CallResult) -> Result<Step, JournalError> {
         let sent = [StepState::Sent];

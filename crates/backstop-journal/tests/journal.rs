@@ -417,7 +417,50 @@ impl LayerInto for JournalLayer {
     }
 }
 
+async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
+    let charge = NewStep::tool_call("r-comp", "charge", "c1", "payments", b"{\"eur\":9}");
+    j.execute(&charge, |_| async { ok("{\"charge\":\"ch_1\"}") })
+        .await
+        .unwrap();
+    // The refund fails with an unknown outcome first: the charge stays as it is.
+    let first = j
+        .compensate(
+            &charge.id,
+            "payments",
+            b"{\"refund\":\"ch_1\"}",
+            |_| async { failed(Outcome::Unknown, None) },
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.state, StepState::Unknown);
+    assert_eq!(&*first.id.step, "charge:compensate");
+    assert_ne!(first.key, charge.key, "its own key");
+    assert_eq!(first.kind, backstop_journal::StepKind::Compensation);
+    let hooks = Reconcilers::new().tool("payments", |_: &Step| async { Reconciled::NotHappened });
+    j.reconcile_run("r-comp", &hooks).await.unwrap();
+    let charge_step = j
+        .compensate(
+            &charge.id,
+            "payments",
+            b"{\"refund\":\"ch_1\"}",
+            |_| async { ok("{\"refund\":\"rf_1\"}") },
+        )
+        .await
+        .unwrap();
+    assert_eq!(charge_step.state, StepState::Compensated);
+    let pending = NewStep::tool_call("r-comp", "other", "c1", "payments", b"{}");
+    j.begin(&pending).await.unwrap();
+    let refused = j
+        .compensate(&pending.id, "payments", b"{}", |_| async { unreachable!() })
+        .await;
+    assert!(
+        matches!(refused, Err(JournalError::Conflict { .. })),
+        "nothing to undo"
+    );
+}
+
 async fn all(j: Journal, clock: TestClock) {
+    a_compensation_is_a_journaled_step_of_its_own(&j).await;
     a_done_step_is_not_called_again(&j, &clock).await;
     an_unknown_step_is_reconciled_before_it_is_sent_again(&j).await;
     a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_happen(&j).await;
