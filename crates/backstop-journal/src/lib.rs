@@ -41,6 +41,11 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+compile_error!(
+    "backstop-journal needs a store: enable its `sqlite` feature (the default), `postgres`, or both"
+);
+
 mod journal;
 mod layer;
 mod model;

@@ -467,6 +467,7 @@ impl<C, P, I> Backstop<C, P, I> {
             reconcile: self.reconcile,
         }));
         Ok(BackstopLayer {
+            dependency: self.dependency.clone(),
             retry,
             transport,
             breaker,
@@ -513,6 +514,7 @@ pub type BackstopService<S, C, P, I> =
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
 #[derive(Clone)]
 pub struct BackstopLayer<C, P, I> {
+    dependency: Dependency,
     retry: RetryLayer<C, P, Dependency, StackHook<I>>,
     transport: P,
     breaker: Option<Breaker>,
@@ -528,6 +530,11 @@ impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C
 }
 
 impl<C, P, I> BackstopLayer<C, P, I> {
+    /// The dependency the stack calls.
+    pub fn dependency(&self) -> &Dependency {
+        &self.dependency
+    }
+
     /// The attempt timeout in force.
     pub fn attempt_timeout(&self) -> Option<Duration> {
         self.retry.limits().attempt_timeout

@@ -109,6 +109,8 @@ mod builder;
 mod dead_letter;
 mod error;
 mod finish;
+#[cfg(feature = "journal")]
+mod journaled;
 
 pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
@@ -216,6 +218,17 @@ pub mod idempotency {
 pub mod replay {
     #[doc(inline)]
     pub use backstop_replay::*;
+}
+
+/// The durable step journal: every tool call's transitions written before they matter,
+/// reconcile before retry, resume after a crash, park during outages (SQLite; PostgreSQL with
+/// `journal-postgres`). Feature `journal`. [`HttpJudge`](journal::HttpJudge) reads an HTTP
+/// response the way the retry layer does.
+#[cfg(feature = "journal")]
+pub mod journal {
+    pub use crate::journaled::HttpJudge;
+    #[doc(inline)]
+    pub use backstop_journal::*;
 }
 
 /// The rest of the vocabulary every layer shares (the most used of it is at the crate root).
