@@ -33,12 +33,13 @@ pub(crate) fn run_demo(worker: &Path, dir: &Path) -> Result<(), BoxError> {
     rt.block_on(async {
         let world = World::start().await;
         let db = invoice::fresh_db(dir);
+        let db_arg = db.to_string_lossy().into_owned();
         let run = "run-2026-12-01-ana";
 
         println!(
             "1. a worker runs the workflow and is killed during step 2, after inventory reserved"
         );
-        let mut first = invoice::spawn_worker(worker, &db, &world.url(), run, None, false);
+        let mut first = invoice::spawn_worker(worker, &db_arg, &world.url(), run, None, false);
         world.kill_after_effect("reserve-inventory", first.id());
         let status = tokio::task::spawn_blocking(move || first.wait()).await??;
         assert_eq!(invoice::worker_exit(status), Err("killed".to_owned()));
@@ -47,7 +48,7 @@ pub(crate) fn run_demo(worker: &Path, dir: &Path) -> Result<(), BoxError> {
         invoice::show(&db, run).await;
 
         println!("\n2. a second worker resumes the run from the journal");
-        let mut second = invoice::spawn_worker(worker, &db, &world.url(), run, None, false);
+        let mut second = invoice::spawn_worker(worker, &db_arg, &world.url(), run, None, false);
         let status = tokio::task::spawn_blocking(move || second.wait()).await??;
         assert_eq!(
             invoice::worker_exit(status),

@@ -234,10 +234,11 @@ pub fn kill(pid: u32) {
     let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
 }
 
-/// Starts a worker process (`exe worker DB URL RUN [KILL_AT|-] [naive]`) and returns it.
+/// Starts a worker process (`exe worker DB URL RUN [KILL_AT|-] [naive]`; DB a SQLite path or a
+/// `postgres://` URL) and returns it.
 pub fn spawn_worker(
     exe: &Path,
-    db: &Path,
+    db: &str,
     url: &str,
     run: &str,
     kill_at: Option<&str>,
@@ -286,7 +287,7 @@ pub fn worker_main(args: &[String]) -> i32 {
         .enable_all()
         .build()
         .expect("a runtime");
-    match rt.block_on(work(Path::new(db), url, run, kill_at.as_deref(), naive)) {
+    match rt.block_on(work(db, url, run, kill_at.as_deref(), naive)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("worker: {e}");
@@ -440,13 +441,13 @@ async fn claim(journal: &Journal, run: &str, worker: &str) -> Result<bool, Journ
 }
 
 async fn work(
-    db: &Path,
+    db: &str,
     url: &str,
     run: &str,
     kill_at: Option<&str>,
     naive: bool,
 ) -> Result<i32, BoxError> {
-    let journal = Journal::sqlite(db).await?;
+    let journal = Journal::open(db).await?;
     let worker = format!("worker-{}", std::process::id());
     let tools = Arc::new(Tools::new(url)?);
     // A run already in the journal is resumed: claimed, then reconciled before anything is

@@ -20,7 +20,14 @@ struct Tally {
     human: usize,
 }
 
-async fn crash_and_resume(kill_at: &str, naive: bool, n: usize) -> (usize, bool, bool) {
+/// Kills the worker at `kill_at` and resumes the run; `pg`: the journal on this PostgreSQL
+/// instead of a SQLite file.
+async fn crash_and_resume(
+    kill_at: &str,
+    naive: bool,
+    n: usize,
+    pg: Option<&str>,
+) -> (usize, bool, bool) {
     let worker = Path::new(env!("CARGO_BIN_EXE_invoice_worker"));
     let world = World::start().await;
     let dir = std::env::temp_dir().join(format!(
@@ -28,8 +35,11 @@ async fn crash_and_resume(kill_at: &str, naive: bool, n: usize) -> (usize, bool,
         std::process::id(),
         if naive { "naive" } else { "journal" }
     ));
-    let db = invoice::fresh_db(&dir);
-    let run = format!("run-{n}");
+    let db = match pg {
+        Some(url) => url.to_owned(),
+        None => invoice::fresh_db(&dir).to_string_lossy().into_owned(),
+    };
+    let run = format!("run-{n}-{}", if naive { "naive" } else { "journal" });
     let mut first = invoice::spawn_worker(worker, &db, &world.url(), &run, Some(kill_at), false);
     if let Some(step) = kill_at.strip_suffix(":effect") {
         world.kill_after_effect(step, first.id());
@@ -50,7 +60,7 @@ async fn crash_and_resume(kill_at: &str, naive: bool, n: usize) -> (usize, bool,
         .unwrap()
         .unwrap();
     let code = invoice::worker_exit(status).unwrap();
-    let journal = Journal::sqlite(&db).await.unwrap();
+    let journal = Journal::open(&db).await.unwrap();
     let steps = journal.run(&run).await.unwrap();
     let converged = code == 0
         && steps.len() == 3
@@ -74,10 +84,10 @@ async fn crash_and_resume(kill_at: &str, naive: bool, n: usize) -> (usize, bool,
     (effects.duplicates(), converged, human)
 }
 
-async fn every_kill_point(naive: bool) -> Tally {
+async fn every_kill_point(naive: bool, pg: Option<&str>) -> Tally {
     let mut tally = Tally::default();
     for (n, point) in invoice::kill_points().iter().enumerate() {
-        let (duplicates, converged, human) = crash_and_resume(point, naive, n).await;
+        let (duplicates, converged, human) = crash_and_resume(point, naive, n, pg).await;
         println!("{point}: {duplicates} duplicates, converged {converged}, human {human}");
         tally.points += 1;
         tally.duplicates += duplicates;
@@ -89,7 +99,7 @@ async fn every_kill_point(naive: bool) -> Tally {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_at_every_transition_and_resumed_the_journal_allows_no_duplicate() {
-    let t = every_kill_point(false).await;
+    let t = every_kill_point(false, None).await;
     println!("journal and reconciliation: {t:?}");
     assert_eq!(t.points, 12);
     assert_eq!(t.duplicates, 0, "{t:?}");
@@ -102,7 +112,7 @@ async fn killed_at_every_transition_and_resumed_the_journal_allows_no_duplicate(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resume_that_does_not_reconcile_acts_twice() {
-    let t = every_kill_point(true).await;
+    let t = every_kill_point(true, None).await;
     println!("resume without reconciliation: {t:?}");
     // Killed after inventory reserved or after the mailer sent, before the worker heard: the
     // naive resume sends again, and those services do not honour keys.
@@ -119,7 +129,7 @@ async fn what_the_provider_cannot_tell_goes_to_a_person_not_out_again() {
         "backstop-journal-crash-{}-human",
         std::process::id()
     ));
-    let db = invoice::fresh_db(&dir);
+    let db = invoice::fresh_db(&dir).to_string_lossy().into_owned();
     let mut first = invoice::spawn_worker(worker, &db, &world.url(), "run-h", None, false);
     world.kill_after_effect("send-email", first.id());
     world.take_mailer_lookup_down();
@@ -134,7 +144,7 @@ async fn what_the_provider_cannot_tell_goes_to_a_person_not_out_again() {
         .unwrap()
         .unwrap();
     assert_eq!(invoice::worker_exit(status), Ok(4), "a step needs a person");
-    let stuck = Journal::sqlite(&db).await.unwrap().stuck().await.unwrap();
+    let stuck = Journal::open(&db).await.unwrap().stuck().await.unwrap();
     assert_eq!(stuck.len(), 1);
     assert_eq!(&*stuck[0].id.step, "send-email");
     assert!(
@@ -142,4 +152,17 @@ async fn what_the_provider_cannot_tell_goes_to_a_person_not_out_again() {
         "{stuck:?}"
     );
     assert_eq!(world.effects().messages, 1, "not sent again");
+}
+
+/// The same, with the journal on PostgreSQL (a cluster of the test's own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_killed_at_every_transition_and_resumed_no_duplicate() {
+    let pg = backstop_testkit::PostgresServer::start().await;
+    let t = every_kill_point(false, Some(&pg.url())).await;
+    println!("journal on PostgreSQL: {t:?}");
+    assert_eq!(
+        (t.points, t.duplicates, t.converged, t.human),
+        (12, 0, 12, 0),
+        "{t:?}"
+    );
 }

@@ -132,3 +132,59 @@ async fn breaker_transitions_refusals_and_unknown_outcomes_are_counted() {
         1
     );
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_journal_counts_unknown_outcomes_duplicates_prevented_people_and_successes() {
+    use backstop::journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, Step};
+    let counters = Counters::default();
+    let _metrics = metrics::set_default_local_recorder(&counters);
+    let journal = Journal::in_memory().await.unwrap();
+
+    let invoice = NewStep::tool_call("run-m", "invoice", "", "billing", b"{}");
+    let ok = || async {
+        CallResult::Succeeded {
+            result: None,
+            provider_ref: None,
+        }
+    };
+    journal.execute(&invoice, |_| ok()).await.unwrap();
+    journal.execute(&invoice, |_| ok()).await.unwrap(); // a resumed run asks again
+    let refund = NewStep::tool_call("run-m", "refund", "", "payments", b"{}");
+    journal
+        .execute(&refund, |_| async {
+            CallResult::Failed {
+                outcome: backstop::Outcome::Unknown,
+                error: "no reply".into(),
+                retry_after: None,
+            }
+        })
+        .await
+        .unwrap();
+    let hooks = Reconcilers::new().tool("payments", |_: &Step| async {
+        Reconciled::CannotTell {
+            why: "no lookup".into(),
+        }
+    });
+    journal.reconcile_run("run-m", &hooks).await.unwrap();
+
+    assert_eq!(
+        counters.get("backstop_journal_success_after_attempt_total{attempt=1,tool=billing}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_journal_duplicates_prevented_total{tool=billing}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_journal_unknown_outcomes_total{tool=payments}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_journal_human_total{tool=payments}"),
+        1
+    );
+    assert_eq!(
+        counters.get("backstop_journal_transitions_total{to=sent,tool=payments}"),
+        1
+    );
+}

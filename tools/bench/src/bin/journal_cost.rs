@@ -20,7 +20,13 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 async fn measure(name: &str, journal: &Journal, n: usize) {
     let mut took = Vec::with_capacity(n);
     for i in 0..n {
-        let step = NewStep::tool_call(&format!("bench-{}", i / 10), &format!("s{i}"), "", "tool", b"{}");
+        let step = NewStep::tool_call(
+            &format!("bench-{}", i / 10),
+            &format!("s{i}"),
+            "",
+            "tool",
+            b"{}",
+        );
         let start = Instant::now();
         journal
             .execute(&step, |_| async {
@@ -45,13 +51,18 @@ async fn measure(name: &str, journal: &Journal, n: usize) {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1000);
     println!("| store | steps | p50 per step | p99 per step | mean |");
     println!("|---|---:|---:|---:|---:|");
     let dir = std::env::temp_dir().join(format!("backstop-journal-cost-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a directory");
-    let sqlite = Journal::sqlite(dir.join("journal.db")).await.expect("SQLite");
+    let sqlite = Journal::sqlite(dir.join("journal.db"))
+        .await
+        .expect("SQLite");
     measure("SQLite file (WAL, synchronous=FULL)", &sqlite, n).await;
     let pg = PostgresServer::start().await;
     let postgres = Journal::postgres(&pg.url()).await.expect("PostgreSQL");
