@@ -247,7 +247,13 @@ where
             self.deadline,
         );
         self.sent = true;
-        let _entered = self.span.enter();
+        // A span the service makes in its own `call` (tower-http's `TraceLayer`) is the
+        // attempt's child, or the call's when attempt spans are filtered out: the first attempt
+        // is begun from `call`, outside any poll, so the call's span is not entered by then.
+        let _entered = match parent {
+            Some(call) if self.span.is_disabled() => call.enter(),
+            _ => self.span.enter(),
+        };
         Ok(self.svc.call(req))
     }
 
