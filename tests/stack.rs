@@ -510,3 +510,98 @@ async fn an_open_circuit_fails_fast_without_copying_the_request_or_calling_the_c
         "nothing is copied for a call the circuit refuses"
     );
 }
+
+/// The builder names the key's header and format, and the classifier reads the same header: the
+/// key the stack sends is the one that makes the request replay-safe (they cannot disagree).
+#[tokio::test]
+async fn the_idempotency_header_is_named_once_for_the_key_and_the_classifier() {
+    /// (the named header, the default one) on each request.
+    type Headers = Vec<(Option<String>, Option<String>)>;
+    let seen: Arc<Mutex<Headers>> = Arc::default();
+    let log = seen.clone();
+    let server = TestServer::start(move |s: &Seen| {
+        log.lock().unwrap().push((
+            s.header("x-idempotency-key").map(str::to_owned),
+            s.header("idempotency-key").map(str::to_owned),
+        ));
+        if s.index == 0 {
+            Action::DropReply
+        } else {
+            Action::respond(201, &[], "{}")
+        }
+    })
+    .await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let svc = Backstop::http("payments-api")
+        .idempotency_header(
+            http::HeaderName::from_static("x-idempotency-key"),
+            backstop::idempotency::KeyFormat::StructuredField,
+        )
+        .honours_keys()
+        .rng(RngSource::seeded(5))
+        .build()
+        .unwrap()
+        .layer(client);
+    let res = svc
+        .oneshot(
+            Request::post(server.url("/charges"))
+                .body(Full::from("{}"))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen.len(),
+        2,
+        "the lost reply was repeated: the key is in the header the classifier reads"
+    );
+    let key = seen[0].0.clone().expect("the key is in x-idempotency-key");
+    assert!(
+        key.starts_with('"') && key.ends_with('"'),
+        "structured-field string: {key}"
+    );
+    assert_eq!(
+        seen[1].0.as_deref(),
+        Some(key.as_str()),
+        "the same key on every attempt"
+    );
+    assert!(
+        seen.iter().all(|(_, default)| default.is_none()),
+        "not also under the default name"
+    );
+}
+
+#[tokio::test]
+async fn a_callers_key_under_the_named_header_makes_a_post_replay_safe_without_the_key_layer() {
+    let server = TestServer::start(|s: &Seen| {
+        if s.index == 0 {
+            Action::DropReply
+        } else {
+            Action::respond(201, &[], "{}")
+        }
+    })
+    .await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let svc = Backstop::http("payments-api")
+        .idempotency_header(
+            http::HeaderName::from_static("x-idempotency-key"),
+            backstop::idempotency::KeyFormat::Plain,
+        )
+        .no_idempotency()
+        .rng(RngSource::seeded(5))
+        .build()
+        .unwrap()
+        .layer(client);
+    let req = Request::post(server.url("/charges"))
+        .header("x-idempotency-key", "charge-7")
+        .body(Full::from("{}"))
+        .unwrap();
+    assert_eq!(svc.oneshot(req).await.unwrap().status(), 201);
+    assert_eq!(
+        server.requests(),
+        2,
+        "the classifier reads the named header"
+    );
+}

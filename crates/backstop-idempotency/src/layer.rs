@@ -194,6 +194,11 @@ impl IdempotencyLayer<ToolKeys> {
 }
 
 impl<I, G> IdempotencyLayer<I, G> {
+    /// Where and how the keys go (the header's name and format, for HTTP).
+    pub fn injector(&self) -> &I {
+        &self.inject
+    }
+
     /// Replaces the last-resort generator ([`NoKey`] to never invent one).
     pub fn generator<G2>(self, make: G2) -> IdempotencyLayer<I, G2> {
         IdempotencyLayer {

@@ -145,6 +145,32 @@ impl Backstop<HttpClassifier, HttpResend, HttpKeys> {
     }
 }
 
+impl<P> Backstop<HttpClassifier, P, HttpKeys> {
+    /// Where the key goes: the header's name and its value's format (`Idempotency-Key`, plain,
+    /// by default). The classifier reads the same header, so the key the stack sends and the
+    /// header that makes a request replay-safe are always the same one.
+    ///
+    /// ```
+    /// use backstop::{Backstop, idempotency::KeyFormat};
+    /// use http::HeaderName;
+    ///
+    /// let stack = Backstop::http("payments-api")
+    ///     .idempotency_header(HeaderName::from_static("x-idempotency-key"), KeyFormat::StructuredField)
+    ///     .build()?;
+    /// # Ok::<(), backstop::core::InvalidConfig>(())
+    /// ```
+    #[must_use]
+    pub fn idempotency_header(
+        mut self,
+        name: http::HeaderName,
+        format: backstop_idempotency::KeyFormat,
+    ) -> Self {
+        self.classifier = self.classifier.idempotency_header(name.clone());
+        self.keys = self.keys.header(name).format(format);
+        self
+    }
+}
+
 impl<C> Backstop<C, CloneRequest, ToolKeys> {
     /// The stack for non-HTTP tool calls to `dependency`: requests are copied by `Clone`,
     /// carry their key through `KeyedRequest`, and `classifier` judges their results. In the
@@ -364,7 +390,7 @@ impl<C, P, I> Backstop<C, P, I> {
     where
         C: Clone,
         P: Clone,
-        I: Default,
+        I: Clone,
     {
         let timeout = self.effective_attempt_timeout()?;
         if timeout.is_zero() {
@@ -443,6 +469,7 @@ impl<C, P, I> Backstop<C, P, I> {
             Some(Some(b)) => retry = retry.budget(Arc::new(b.bind(&self.dependency))),
             None => retry = retry.budget(Arc::new(Budget::process_wide().bind(&self.dependency))),
         }
+        let inject = self.keys.injector().clone();
         let keys =
             (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
                 // Requiring keys is declaring that the dependency honours them.
@@ -460,7 +487,7 @@ impl<C, P, I> Backstop<C, P, I> {
         // future: one future per call instead of two.
         let retry = retry.hook(StackHook::new(Shared {
             dependency: self.dependency.clone(),
-            inject: I::default(),
+            inject,
             keys,
             read_only: self.preset == Preset::ReadOnly,
             sink: self.sink,
