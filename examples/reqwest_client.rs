@@ -1,48 +1,18 @@
-//! The whole stack on reqwest, through reqwest's own tower support.
+//! The whole stack on reqwest, in one call: `BackstopLayer::reqwest(client)`.
 //!
-//! `reqwest::Client` is a `tower::Service<reqwest::Request>`; Backstop's HTTP stack speaks
-//! `http::Request`. The adapter below converts one to the other (reqwest supports both
-//! conversions), and then everything else is the same as on hyper-util: the classifier finds
-//! hyper's and hyper-util's errors inside reqwest's, so a refused connection is still *not sent*
-//! and a cut-off reply still *unknown*.
+//! `reqwest::Request` keeps its extensions private, so the stack speaks `http::Request` and
+//! `backstop::reqwest::ReqwestService` converts each attempt (reqwest supports both
+//! conversions). Everything else is the same as on hyper-util: the classifier finds hyper's and
+//! reqwest's errors in the chain, so a refused connection is still *not sent* and a cut-off reply
+//! still *unknown*, and every error is a typed `backstop::Error`.
 //!
 //! Run it with `cargo run --example reqwest_client`.
 
 use backstop::{Backstop, BoxError, Outcome, retry::RetryHistory};
 use backstop_testkit::{Action, Seen, TestServer, refused_addr};
-use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use std::{
-    future::Future,
-    pin::Pin,
-    task::{Context, Poll},
-    time::Duration,
-};
-use tower::{Layer, Service, ServiceExt};
-
-/// `reqwest::Client` as a `Service<http::Request<Full<Bytes>>>`.
-#[derive(Clone, Debug)]
-struct Reqwest(reqwest::Client);
-
-impl Service<http::Request<Full<Bytes>>> for Reqwest {
-    type Response = http::Response<reqwest::Body>;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: http::Request<Full<Bytes>>) -> Self::Future {
-        let client = self.0.clone();
-        Box::pin(async move {
-            let (parts, body) = req.into_parts();
-            let body = body.collect().await?.to_bytes();
-            let req = reqwest::Request::try_from(http::Request::from_parts(parts, body))?;
-            Ok(http::Response::from(client.execute(req).await?))
-        })
-    }
-}
+use std::time::Duration;
+use tower::ServiceExt;
 
 #[tokio::main(flavor = "current_thread")]
 pub(crate) async fn main() -> Result<(), BoxError> {
@@ -50,7 +20,7 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         .p99(Duration::from_millis(200))
         .deadline(Duration::from_secs(5))
         .build()?
-        .layer(Reqwest(reqwest::Client::new()));
+        .reqwest(reqwest::Client::new());
 
     // A flaky read: two 503s, then an answer.
     let rates = TestServer::start(|s: &Seen| {

@@ -605,3 +605,52 @@ async fn a_callers_key_under_the_named_header_makes_a_post_replay_safe_without_t
         "the classifier reads the named header"
     );
 }
+
+/// reqwest in one call: the key derived from the action reaches the server, the deadline ends a
+/// call to a server that never answers, and the error is a typed `backstop::Error`.
+#[tokio::test]
+async fn reqwest_under_the_stack_keeps_the_keys_the_deadline_and_the_typed_error() {
+    let server = TestServer::start(|s: &Seen| match s.path.as_str() {
+        "/labels" => Action::respond(201, &[], "{}"),
+        _ => Action::Hang,
+    })
+    .await;
+    let svc = Backstop::http("labels-api")
+        .deadline(Duration::from_millis(600))
+        .p99(Duration::from_millis(100))
+        .build()
+        .unwrap()
+        .reqwest(reqwest::Client::new());
+    let mut req = Request::post(server.url("/labels"))
+        .body(Full::from("{}"))
+        .unwrap();
+    let action = ActionContext::tool_call("run-9", "label", "c1");
+    req.extensions_mut().insert(action.clone());
+    assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 201);
+    assert_eq!(
+        server.seen()[0].header("idempotency-key"),
+        Some(action.key().as_str())
+    );
+
+    let started = tokio::time::Instant::now();
+    let err = svc
+        .oneshot(
+            Request::get(server.url("/hang"))
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(
+            err.kind(),
+            backstop::ErrorKind::DeadlineExceeded | backstop::ErrorKind::TimedOut
+        ),
+        "{err}"
+    );
+}

@@ -111,6 +111,8 @@ mod error;
 mod finish;
 #[cfg(feature = "journal")]
 mod journaled;
+#[cfg(feature = "reqwest")]
+mod reqwest_client;
 
 pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
@@ -229,6 +231,13 @@ pub mod journal {
     pub use crate::journaled::HttpJudge;
     #[doc(inline)]
     pub use backstop_journal::*;
+}
+
+/// `reqwest::Client` under the stack: [`ReqwestService`](reqwest::ReqwestService), or
+/// [`BackstopLayer::reqwest`] in one call. Feature `reqwest`.
+#[cfg(feature = "reqwest")]
+pub mod reqwest {
+    pub use crate::reqwest_client::ReqwestService;
 }
 
 /// The rest of the vocabulary every layer shares (the most used of it is at the crate root).
