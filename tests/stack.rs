@@ -654,3 +654,54 @@ async fn reqwest_under_the_stack_keeps_the_keys_the_deadline_and_the_typed_error
         "{err}"
     );
 }
+
+/// Opt-in: each attempt carries its number, so the server can tell a retry from a first try;
+/// a stack nested inside another sends the outer layer's numbers.
+#[tokio::test]
+async fn the_attempt_number_goes_onward_under_the_named_header() {
+    let server = TestServer::start(|s: &Seen| {
+        if s.index % 3 < 2 {
+            Action::status(503)
+        } else {
+            Action::respond(200, &[], "{}")
+        }
+    })
+    .await;
+    let seen = |server: &TestServer| -> Vec<Option<String>> {
+        server
+            .seen()
+            .iter()
+            .map(|s| s.header("x-attempt-count").map(str::to_owned))
+            .collect()
+    };
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let counted = |name: &str| {
+        Backstop::http(name)
+            .attempt_header(http::HeaderName::from_static("x-attempt-count"))
+            .rng(RngSource::seeded(1))
+            .backoff(Backoff::full_jitter(Duration::from_millis(1), Duration::from_millis(5)).unwrap())
+            .build()
+            .unwrap()
+    };
+    let svc = counted("rates-api").layer(client.clone());
+    let get = || Request::get(server.url("/rates")).body(Full::default()).unwrap();
+    assert_eq!(svc.clone().oneshot(get()).await.unwrap().status(), 200);
+    let one = |n: &str| Some(n.to_owned());
+    assert_eq!(seen(&server), [one("1"), one("2"), one("3")]);
+
+    // Nested through a lazy future: the inner layer makes one attempt per outer attempt and
+    // leaves the outer layer's number in place.
+    let inner = counted("rates-inner").layer(client.clone());
+    let lazy = tower::service_fn(move |req: Request<Full<Bytes>>| {
+        let inner = inner.clone();
+        async move { inner.oneshot(req).await }
+    });
+    let outer = counted("rates-api").layer(lazy);
+    assert_eq!(outer.oneshot(get()).await.unwrap().status(), 200);
+    assert_eq!(seen(&server)[3..], [one("1"), one("2"), one("3")]);
+
+    // Off by default.
+    let plain = Backstop::http("rates-api").build().unwrap().layer(client);
+    let _ = plain.oneshot(get()).await.unwrap();
+    assert_eq!(seen(&server)[6], None);
+}

@@ -34,6 +34,8 @@ pub struct CallContext {
     pub(crate) deadline: Option<Deadline>,
     pub(crate) dependency: Option<Dependency>,
     pub(crate) retry_scope: bool,
+    /// The outermost retry layer's attempt number (1 for the first), 0 before any.
+    pub(crate) attempt: u32,
 }
 
 impl CallContext {
@@ -43,6 +45,7 @@ impl CallContext {
             deadline,
             dependency: Some(dependency),
             retry_scope: true,
+            attempt: 0,
         }
     }
 
@@ -69,11 +72,24 @@ impl CallContext {
         req: &mut R,
         dependency: Dependency,
         deadline: Option<Deadline>,
+        attempt: Option<u32>,
     ) {
         let ctx = CallContext::of_mut(req);
         ctx.retry_scope = true;
         ctx.dependency = Some(dependency);
         ctx.deadline = deadline;
+        if let Some(attempt) = attempt {
+            ctx.attempt = attempt;
+        }
+    }
+
+    /// The attempt number of the retry layer that owns the call (1 for the first attempt), if
+    /// a retry layer put this request on its way.
+    pub fn attempt_of<R: HasExtensions + ?Sized>(req: &R) -> Option<u32> {
+        req.extensions()
+            .get::<CallContext>()
+            .map(|c| c.attempt)
+            .filter(|n| *n > 0)
     }
 
     /// The deadline recorded here.
@@ -100,7 +116,7 @@ mod tests {
     #[test]
     fn claim_marks_the_request_and_nothing_else() {
         let mut req = http::Request::new(());
-        CallContext::claim(&mut req, Dependency::new("outer"), None);
+        CallContext::claim(&mut req, Dependency::new("outer"), None, Some(1));
         assert!(RetryScope::is_marked(&req));
         assert_eq!(Dependency::of(&req).unwrap().as_str(), "outer");
         // Another request made meanwhile carries nothing.

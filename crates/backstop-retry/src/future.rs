@@ -241,10 +241,13 @@ where
         // on the copy it sends (the template stays as the caller gave it, and a request that
         // carries no other extension pays for the map once per attempt, not twice).
         let mut req = req(&mut self.template);
+        // A nested layer leaves the outer layer's attempt number in place.
+        let attempt = (!self.nested).then_some(self.attempt);
         backstop_core::plumbing::CallContext::claim(
             &mut req,
             self.dependency.clone(),
             self.deadline,
+            attempt,
         );
         self.sent = true;
         // A span the service makes in its own `call` (tower-http's `TraceLayer`) is the

@@ -1,6 +1,7 @@
 use crate::BoxErrors;
 use crate::{
     DeadLetterSink,
+    attempt_header::AttemptCount,
     finish::{Reconcile, Shared, StackHook},
 };
 use backstop_backoff::{Backoff, RngSource};
@@ -114,6 +115,7 @@ pub struct Backstop<C, P, I> {
     breaker: Option<Option<Breaker>>,
     idempotency: bool,
     honours_keys: bool,
+    attempt_header: Option<http::HeaderName>,
     sink: Option<Arc<dyn DeadLetterSink>>,
     reconcile: Option<Reconcile>,
 }
@@ -169,6 +171,15 @@ impl<P> Backstop<HttpClassifier, P, HttpKeys> {
         self.keys = self.keys.header(name).format(format);
         self
     }
+
+    /// Sends each attempt's number (1 on the first) under `name`, so the server can tell a
+    /// retry from a first try (as Envoy's `x-envoy-attempt-count`). Off by default. Nested
+    /// stacks send the outermost layer's number.
+    #[must_use]
+    pub fn attempt_header(mut self, name: http::HeaderName) -> Self {
+        self.attempt_header = Some(name);
+        self
+    }
 }
 
 impl<C> Backstop<C, CloneRequest, ToolKeys> {
@@ -209,6 +220,7 @@ impl<C, P, I> Backstop<C, P, I> {
             breaker: None,
             idempotency: true,
             honours_keys: false,
+            attempt_header: None,
             sink: None,
             reconcile: None,
         }
@@ -363,6 +375,7 @@ impl<C, P, I> Backstop<C, P, I> {
             breaker: self.breaker,
             idempotency: self.idempotency,
             honours_keys: self.honours_keys,
+            attempt_header: self.attempt_header,
             sink: self.sink,
             reconcile: self.reconcile,
         }
@@ -497,6 +510,7 @@ impl<C, P, I> Backstop<C, P, I> {
             dependency: self.dependency.clone(),
             retry,
             transport,
+            attempt_header: self.attempt_header,
             breaker,
         })
     }
@@ -509,20 +523,34 @@ impl<C, P, I> Backstop<C, P, I> {
 pub trait Transport<S> {
     /// The wrapped client.
     type Client;
-    /// Wraps `client`; `attempt_timeout` is the stack's.
-    fn wrap(&self, client: S, attempt_timeout: Option<Duration>) -> Self::Client;
+    /// Wraps `client` as `settings` say.
+    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
+}
+
+/// What [`Transport::wrap`] is told.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct TransportSettings {
+    /// The stack's attempt timeout.
+    pub attempt_timeout: Option<Duration>,
+    /// The header the attempt number goes under (HTTP), if any.
+    pub attempt_header: Option<http::HeaderName>,
 }
 
 impl<S> Transport<S> for HttpResend {
-    type Client = BoxErrors<BodyTimeout<S>>;
-    fn wrap(&self, client: S, attempt_timeout: Option<Duration>) -> Self::Client {
-        BoxErrors(BodyTimeoutLayer::new(attempt_timeout).layer(client))
+    type Client = BoxErrors<BodyTimeout<AttemptCount<S>>>;
+    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
+        let client = AttemptCount {
+            inner: client,
+            header: settings.attempt_header.clone(),
+        };
+        BoxErrors(BodyTimeoutLayer::new(settings.attempt_timeout).layer(client))
     }
 }
 
 impl<S> Transport<S> for CloneRequest {
     type Client = BoxErrors<S>;
-    fn wrap(&self, client: S, _attempt_timeout: Option<Duration>) -> Self::Client {
+    fn wrap(&self, client: S, _settings: &TransportSettings) -> Self::Client {
         BoxErrors(client)
     }
 }
@@ -544,6 +572,7 @@ pub struct BackstopLayer<C, P, I> {
     dependency: Dependency,
     retry: RetryLayer<C, P, Dependency, StackHook<I>>,
     transport: P,
+    attempt_header: Option<http::HeaderName>,
     breaker: Option<Breaker>,
 }
 
@@ -587,9 +616,11 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<
     type Service = BackstopService<S, C, P, I>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let client = self
-            .transport
-            .wrap(inner, self.retry.limits().attempt_timeout);
+        let settings = TransportSettings {
+            attempt_timeout: self.retry.limits().attempt_timeout,
+            attempt_header: self.attempt_header.clone(),
+        };
+        let client = self.transport.wrap(inner, &settings);
         self.retry.layer(client)
     }
 }

@@ -104,6 +104,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod attempt_header;
 mod box_errors;
 mod builder;
 mod dead_letter;
@@ -117,7 +118,7 @@ mod reqwest_client;
 pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
     Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset,
-    Transport,
+    Transport, TransportSettings,
 };
 #[cfg(feature = "json")]
 pub use dead_letter::JsonLinesSink;
@@ -253,6 +254,7 @@ pub mod core {
 /// [`BackstopService`] names them. Anything here may change in any release.
 #[doc(hidden)]
 pub mod plumbing {
+    pub use crate::attempt_header::AttemptCount;
     pub use crate::builder::KeyGenerator;
     pub use crate::finish::{StackCall, StackHook};
 }
