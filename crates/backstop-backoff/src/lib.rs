@@ -29,6 +29,8 @@
 //! assert!(Backoff::full_jitter(Duration::from_secs(1), Duration::from_millis(10)).is_err());
 //! ```
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod rng;

@@ -159,6 +159,35 @@ pub(crate) struct Inner {
 
 /// Per-dependency circuits. `Clone`: clones share every circuit, so one `Breaker` given to
 /// several stacks governs them together.
+///
+/// ```
+/// use backstop_breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitOpen};
+/// use backstop_core::{BoxError, CircuitState, Dependency};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), BoxError> {
+/// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2))?;
+/// let down = service_fn(|_req: http::Request<()>| async {
+///     Ok::<_, BoxError>(http::Response::builder().status(503).body(())?)
+/// });
+/// let svc = BreakerLayer::http(breaker.clone()).dependency("carrier-api").layer(down);
+/// for _ in 0..2 {
+///     svc.clone().oneshot(http::Request::new(())).await?; // two 503s in a row
+/// }
+/// let carrier = Dependency::new("carrier-api");
+/// assert_eq!(breaker.state(&carrier), CircuitState::Open);
+/// let refused = svc.oneshot(http::Request::new(())).await.unwrap_err();
+/// assert!(refused.downcast_ref::<CircuitOpen>().is_some()); // not sent: it fails fast
+///
+/// // An operator can isolate a dependency, and reset it.
+/// breaker.isolate(&carrier);
+/// assert_eq!(breaker.state(&carrier), CircuitState::Isolated);
+/// breaker.reset(&carrier);
+/// assert_eq!(breaker.state(&carrier), CircuitState::Closed);
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct Breaker {
     pub(crate) inner: Arc<Inner>,

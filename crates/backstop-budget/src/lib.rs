@@ -51,6 +51,8 @@
 //! # }
 //! ```
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 use backstop_core::Dependency;
@@ -147,6 +149,27 @@ struct Inner {
 
 /// A retry budget per dependency. `Clone`: clones share every account, so one `Budget` given
 /// to several stacks governs them together.
+///
+/// Retries may be at most 10 % of requests over the window, or the floor (1 per second over
+/// 10 s) when that is more:
+///
+/// ```
+/// use backstop_budget::{Budget, BudgetConfig};
+/// use backstop_core::{Dependency, RetryBudget};
+/// use tokio::time::Instant;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let budget = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
+/// let carrier = Dependency::new("carrier-api");
+/// let account = budget.bind(&carrier);
+/// for _ in 0..200 {
+///     account.deposit(&carrier, Instant::now()); // every logical call deposits
+/// }
+/// let allowed = (0..100).filter(|_| account.withdraw(&carrier)).count();
+/// assert_eq!(allowed, 20); // 10 % of 200
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct Budget {
     inner: Arc<Inner>,

@@ -36,6 +36,8 @@
 //! assert!(!Classify::<_, Response<()>, BoxError>::is_replay_safe(&classifier, &post));
 //! ```
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod error;

@@ -14,6 +14,8 @@
 //! 2 the command line is wrong; 3 no such journal, run or step; 4 the repair was refused (the
 //! step is over, or another worker moved it); 5 `stuck --fail-if-any` found steps.
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 use backstop_journal::{Journal, JournalError, Resolution, RunSummary, Step, StepId, Transition};

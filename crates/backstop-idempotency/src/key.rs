@@ -8,6 +8,21 @@ pub const MAX_KEY_LEN: usize = 255;
 ///
 /// Cheap to clone. Its `Debug` shows the key; treat keys derived from guessable inputs as
 /// guessable (the server scopes them per principal).
+///
+/// ```
+/// use backstop_idempotency::{IdempotencyKey, KeyFormat};
+///
+/// let chosen = IdempotencyKey::new("refund-ORD-4812")?;
+/// assert_eq!(chosen.as_str(), "refund-ORD-4812");
+/// assert!(IdempotencyKey::new("has \"quotes\"").is_err()); // rejected with a reason
+///
+/// // Derived from what identifies the action: a resumed run derives the same key.
+/// let a = IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07");
+/// assert_eq!(a, IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07"));
+/// assert_ne!(a, IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-08"));
+/// assert_eq!(a.header_value(KeyFormat::StructuredField).to_str().unwrap(), format!("\"{a}\""));
+/// # Ok::<(), backstop_idempotency::InvalidKey>(())
+/// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdempotencyKey(Arc<str>);
 
@@ -197,6 +212,18 @@ impl Borrow<str> for IdempotencyKey {
 /// What an agent runtime knows about the action a request performs, put in the request's
 /// extensions so the [`IdempotencyLayer`](crate::IdempotencyLayer) can derive its key (and logs,
 /// traces and dead letters can name the run and the call). Cheap to clone.
+///
+/// ```
+/// use backstop_idempotency::{ActionContext, IdempotencyKey};
+///
+/// let action = ActionContext::tool_call("run-91f2", "step-3", "call-07");
+/// assert_eq!(action.key(), IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07"));
+/// assert_eq!((action.run_id(), action.call_id()), ("run-91f2", Some("call-07")));
+///
+/// // The runtime puts it on the request; the idempotency layer derives the key from it.
+/// let mut req = http::Request::post("http://carrier.local/labels").body(()).unwrap();
+/// req.extensions_mut().insert(action);
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ActionContext {
     /// A tool call identified by its run, step and call ids.

@@ -47,6 +47,8 @@
 //! assert_ne!(key, IdempotencyKey::for_tool_call("run-91f2", "step-4", "call-08"));
 //! ```
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod key;

@@ -73,6 +73,36 @@ impl Config {
 const SINGLE_TENANT: &str = "(single tenant)";
 
 /// Makes non-idempotent endpoints safe to call twice; see the crate docs.
+///
+/// ```
+/// use backstop_core::BoxError;
+/// use backstop_replay::{MemoryStore, ReplayLayer, ReplayRequestBody};
+/// use http_body_util::Full;
+/// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), BoxError> {
+/// let refunds = Arc::new(AtomicU32::new(0));
+/// let booked = refunds.clone();
+/// let handler = service_fn(move |_req: http::Request<ReplayRequestBody>| {
+///     booked.fetch_add(1, Ordering::SeqCst);
+///     async { Ok::<_, BoxError>(http::Response::builder().status(201).body(Full::<bytes::Bytes>::from("{\"refund\":\"rf_1\"}"))?) }
+/// });
+/// let svc = ReplayLayer::new(MemoryStore::default()).single_tenant().layer(handler);
+/// let refund = || {
+///     http::Request::post("http://payments.local/refunds")
+///         .header("idempotency-key", "refund-ORD-4812")
+///         .body(Full::<bytes::Bytes>::from("{\"eur\":40}"))
+///         .unwrap()
+/// };
+/// let first = svc.clone().oneshot(refund()).await?;
+/// let repeat = svc.oneshot(refund()).await?; // the client lost the first reply and asks again
+/// assert_eq!((first.status().as_u16(), repeat.status().as_u16()), (201, 201));
+/// assert_eq!(refunds.load(Ordering::SeqCst), 1, "refunded once; the repeat got the stored result");
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct ReplayLayer {
     cfg: Arc<Config>,

@@ -125,6 +125,14 @@ impl State {
 /// in-flight claims never are: when no room can be made the claim fails, so the layer answers
 /// 503 rather than run a request it could not protect. The total is shared: size it for the
 /// principals you serve times their share.
+///
+/// ```
+/// use backstop_replay::MemoryStore;
+///
+/// // At most 10,000 records in all, and at most 500 of them for any one principal.
+/// let store = MemoryStore::new(10_000).max_per_principal(500);
+/// assert!(store.is_empty());
+/// ```
 pub struct MemoryStore {
     state: Mutex<State>,
     max_entries: usize,

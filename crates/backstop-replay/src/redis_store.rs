@@ -39,6 +39,16 @@ fn owned_script(body: &str) -> Script {
 /// While Redis is unreachable every operation fails (after at most the connection and response
 /// timeouts, 1 s each by default), and the replay layer answers 503 instead of running a request
 /// it cannot protect.
+///
+/// ```no_run
+/// use backstop_replay::{OnVolatile, RedisStore, ReplayLayer};
+///
+/// # async fn run() -> Result<(), backstop_replay::StoreError> {
+/// // Refuses a Redis that keeps nothing on disk: a restart would forget which keys ran.
+/// let store = RedisStore::connect("redis://127.0.0.1:6379/", OnVolatile::Refuse).await?;
+/// let layer = ReplayLayer::new(store).single_tenant();
+/// # let _ = layer; Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RedisStore {
     conn: ConnectionManager,

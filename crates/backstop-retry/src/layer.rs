@@ -43,6 +43,30 @@ pub(crate) struct Settings {
 
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
 /// shares the RNG source, the budget and the gate.
+///
+/// ```
+/// use backstop_core::BoxError;
+/// use backstop_retry::{RetryHistory, RetryLayer};
+/// use http_body_util::Full;
+/// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), BoxError> {
+/// let calls = Arc::new(AtomicU32::new(0));
+/// let seen = calls.clone();
+/// // Busy once (503), then it answers.
+/// let search = service_fn(move |_req: http::Request<Full<bytes::Bytes>>| {
+///     let status = if seen.fetch_add(1, Ordering::SeqCst) == 0 { 503 } else { 200 };
+///     async move { Ok::<_, BoxError>(http::Response::builder().status(status).body(())?) }
+/// });
+/// let svc = RetryLayer::http().dependency("search-api").max_attempts(2)?.layer(search);
+/// let res = svc.oneshot(http::Request::get("http://search.local/q").body(Full::default())?).await?;
+/// assert_eq!(res.status(), 200);
+/// assert_eq!(RetryHistory::of(&res).map(RetryHistory::sent), Some(2));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct RetryLayer<C, P = CloneRequest, K = Dependency, H = NoHook> {
     classifier: C,

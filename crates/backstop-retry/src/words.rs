@@ -8,6 +8,23 @@ use backstop_core::{
 use std::{error::Error, fmt, time::Duration};
 
 /// What kind of failure a call ended in.
+///
+/// Code branches on the kind; the model reads the error's text, which says the same:
+///
+/// ```
+/// use backstop_retry::ErrorKind;
+///
+/// fn next_step(kind: ErrorKind) -> &'static str {
+///     match kind {
+///         ErrorKind::Unavailable | ErrorKind::BudgetExhausted => "stop calling it for now; tell the user",
+///         ErrorKind::TimedOut | ErrorKind::DeadlineExceeded => "check whether it happened before repeating it",
+///         ErrorKind::NotRetried | ErrorKind::Failed => "read the answer; fix the request or give up",
+///         ErrorKind::Misconfigured => "fix the stack's configuration",
+///         _ => "see the error's text",
+///     }
+/// }
+/// assert_eq!(next_step(ErrorKind::Unavailable), "stop calling it for now; tell the user");
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ErrorKind {

@@ -34,6 +34,8 @@
 //! assert_eq!(held.sum(now), 0, "never shared with the third host");
 //! ```
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod registry;

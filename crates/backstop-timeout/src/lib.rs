@@ -49,6 +49,8 @@
 //! # }
 //! ```
 #![forbid(unsafe_code)]
+// docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod attempt;

@@ -8,6 +8,34 @@ use std::{error::Error as StdError, fmt, time::Duration};
 /// Its `Display` is written for an agent's model to act on: what happened, to which dependency,
 /// what is known about the side effect, and what to do next ("do not retry now; tell the user",
 /// "check its status before repeating it"). The structured accessors say the same to code.
+///
+/// ```
+/// use backstop::{Backstop, ErrorKind, Outcome, backoff::Backoff};
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use std::time::Duration;
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// // Nobody listens: every attempt is refused before anything is sent.
+/// let refused = service_fn(|_req: http::Request<Full<Bytes>>| async {
+///     Err::<http::Response<Full<Bytes>>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+/// });
+/// let rates = Backstop::http("error-example-api")
+///     .backoff(Backoff::full_jitter(Duration::from_millis(1), Duration::from_millis(2)).unwrap())
+///     .no_breaker()
+///     .build()
+///     .unwrap()
+///     .layer(refused);
+/// let req = http::Request::get("http://rates.local/q").body(Full::default()).unwrap();
+/// let err = rates.oneshot(req).await.unwrap_err();
+/// assert_eq!(err.outcome(), Outcome::NotSent); // it did not happen: safe to try again later
+/// assert_eq!(err.attempts(), 3);
+/// assert_eq!(err.kind(), ErrorKind::Failed);
+/// assert!(err.to_string().starts_with("the call to error-example-api failed (3 attempts"), "{err}");
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
