@@ -1,11 +1,12 @@
 //! The whole stack on hyper-util's client, against a real server on 127.0.0.1.
 //!
 //! A rates endpoint that fails twice with 503 and then answers, and a labels endpoint behind
-//! Backstop's replay layer whose first reply is lost. Run it with
+//! Backstop's replay layer whose first reply is lost, called exactly as the README's "one
+//! screen" shows (the create preset, `p99`, a 30 s deadline, an `ActionContext`). Run it with
 //! `cargo run --example hyper_client`.
 
 use backstop::{
-    Backstop, BoxError,
+    Backstop, BoxError, Preset,
     idempotency::ActionContext,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
     retry::RetryHistory,
@@ -86,6 +87,15 @@ pub(crate) async fn main() -> Result<(), BoxError> {
             }
         });
     let api = TestServer::serve(server).await;
+    // The README's one screen, as written there: the create preset requires the key (derived
+    // from the action) and declares that the carrier honours it.
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let carrier = Backstop::http("carrier-api")
+        .preset(Preset::Create)
+        .p99(Duration::from_millis(1200))
+        .deadline(Duration::from_secs(30))
+        .build()?
+        .layer(client);
     let mut req =
         Request::post(api.url("/labels")).body(Full::from(r#"{"order_id":"ORD-4812"}"#))?;
     req.extensions_mut()

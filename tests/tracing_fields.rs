@@ -105,6 +105,13 @@ async fn spans_and_events_carry_the_fields_operators_need() {
         .map(|(_, f)| f["attempt"].clone())
         .collect();
     assert_eq!(attempts, ["1", "2"]);
+    // OpenTelemetry's resend count, on resends only.
+    let resends: Vec<_> = spans
+        .iter()
+        .filter(|(name, _)| name == "attempt")
+        .map(|(_, f)| f.get("http.request.resend_count").cloned())
+        .collect();
+    assert_eq!(resends, [None, Some("1".to_owned())]);
     // Both attempts, the first begun in `call` and the retry begun in `poll`, sit inside the
     // call's span.
     let call_id = call_at as u64 + 1;

@@ -941,21 +941,29 @@ fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// The attempt's span: inside the call's span when the hook keeps one, else inside whatever
-/// span is current.
+/// span is current. A resend carries OpenTelemetry's `http.request.resend_count` (1 on the
+/// second attempt), as the HTTP semantic conventions (1.23 and later) ask; the first attempt
+/// has none.
 fn attempt_span(parent: Option<&Span>, dependency: &Dependency, attempt: u32) -> Span {
-    match parent {
+    let span = match parent {
         Some(call) if !call.is_disabled() => tracing::debug_span!(
             target: "backstop::retry",
             parent: call,
             "attempt",
             dependency = %dependency,
-            attempt
+            attempt,
+            http.request.resend_count = tracing::field::Empty,
         ),
         _ => tracing::debug_span!(
             target: "backstop::retry",
             "attempt",
             dependency = %dependency,
-            attempt
+            attempt,
+            http.request.resend_count = tracing::field::Empty,
         ),
+    };
+    if attempt > 1 && !span.is_disabled() {
+        span.record("http.request.resend_count", attempt - 1);
     }
+    span
 }
