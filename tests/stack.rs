@@ -679,12 +679,18 @@ async fn the_attempt_number_goes_onward_under_the_named_header() {
         Backstop::http(name)
             .attempt_header(http::HeaderName::from_static("x-attempt-count"))
             .rng(RngSource::seeded(1))
-            .backoff(Backoff::full_jitter(Duration::from_millis(1), Duration::from_millis(5)).unwrap())
+            .backoff(
+                Backoff::full_jitter(Duration::from_millis(1), Duration::from_millis(5)).unwrap(),
+            )
             .build()
             .unwrap()
     };
     let svc = counted("rates-api").layer(client.clone());
-    let get = || Request::get(server.url("/rates")).body(Full::default()).unwrap();
+    let get = || {
+        Request::get(server.url("/rates"))
+            .body(Full::default())
+            .unwrap()
+    };
     assert_eq!(svc.clone().oneshot(get()).await.unwrap().status(), 200);
     let one = |n: &str| Some(n.to_owned());
     assert_eq!(seen(&server), [one("1"), one("2"), one("3")]);
