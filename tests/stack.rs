@@ -711,3 +711,56 @@ async fn the_attempt_number_goes_onward_under_the_named_header() {
     let _ = plain.oneshot(get()).await.unwrap();
     assert_eq!(seen(&server)[6], None);
 }
+
+/// The stack as a reqwest-middleware `Middleware`: retries down the chain, the action's key from
+/// the middleware's extensions, and the typed error inside reqwest-middleware's.
+#[tokio::test]
+async fn as_a_reqwest_middleware_the_stack_keeps_keys_retries_and_the_typed_error() {
+    let server = TestServer::start(|s: &Seen| match (s.path.as_str(), s.index) {
+        ("/rates", 0 | 1) => Action::status(503),
+        ("/rates", _) => Action::respond(200, &[], "{\"ground\":8.40}"),
+        _ => Action::respond(201, &[], "{}"),
+    })
+    .await;
+    let stack = Backstop::http("rates-mw-api")
+        .rng(RngSource::seeded(2))
+        .backoff(Backoff::full_jitter(Duration::from_millis(1), Duration::from_millis(5)).unwrap())
+        .build()
+        .unwrap();
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(backstop::reqwest::BackstopMiddleware::new(stack))
+        .build();
+    let res = client.get(server.url("/rates")).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.text().await.unwrap(), "{\"ground\":8.40}");
+    assert_eq!(server.requests(), 3, "two 503s retried down the chain");
+
+    let action = ActionContext::tool_call("run-mw", "label", "c1");
+    let res = client
+        .post(server.url("/labels"))
+        .with_extension(action.clone())
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(
+        server.seen()[3].header("idempotency-key"),
+        Some(action.key().as_str())
+    );
+
+    let nowhere = backstop_testkit::refused_addr().await;
+    let err = client
+        .get(format!("http://{nowhere}/rates"))
+        .send()
+        .await
+        .unwrap_err();
+    let reqwest_middleware::Error::Middleware(inner) = err else {
+        panic!("not the middleware's error: {err}");
+    };
+    let typed = inner
+        .downcast_ref::<backstop::Error>()
+        .expect("the typed error");
+    assert_eq!(typed.outcome(), backstop::Outcome::NotSent);
+    assert_eq!(typed.attempts(), 3);
+}

@@ -240,6 +240,8 @@ pub mod journal {
 /// [`BackstopLayer::reqwest`] in one call. Feature `reqwest`.
 #[cfg(feature = "reqwest")]
 pub mod reqwest {
+    #[cfg(feature = "reqwest-middleware")]
+    pub use crate::reqwest_client::BackstopMiddleware;
     pub use crate::reqwest_client::ReqwestService;
 }
 
