@@ -77,9 +77,12 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .await;
     let e = again.unwrap_err();
     assert!(
-        e.downcast_ref::<JournalError>()
-            .is_some_and(|e| matches!(e, JournalError::AlreadyDone(_))),
+        matches!(e.journal(), Some(JournalError::AlreadyDone(_))),
         "{e}"
+    );
+    assert_eq!(
+        backstop::core::ReportsOutcome::outcome(&e),
+        backstop::Outcome::Completed
     );
     assert_eq!(server.requests(), 1);
 
@@ -104,7 +107,12 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .clone()
         .oneshot(post(server.url("/hang"), "r3", "invoice"))
         .await;
-    assert!(lost.is_err());
+    // The stack's own typed error, kept.
+    let typed = lost.unwrap_err();
+    assert_eq!(
+        typed.call().map(backstop::Error::outcome),
+        Some(backstop::Outcome::Unknown)
+    );
     let unknown = journal
         .step(&StepId::new("r3", "invoice", "c1"))
         .await

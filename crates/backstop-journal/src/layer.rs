@@ -6,7 +6,7 @@ use crate::{
     model::{NewStep, StepState},
     runner::{CallResult, Next},
 };
-use backstop_core::{BoxError, Dependency, HasExtensions, ReportsOutcome};
+use backstop_core::{Dependency, HasExtensions, Outcome, ReportsOutcome};
 use backstop_idempotency::ActionContext;
 use std::{
     fmt,
@@ -41,6 +41,73 @@ where
 {
     fn judge(&self, result: &Result<T, E>) -> CallResult {
         self(result)
+    }
+}
+
+/// How a journaled call failed: the journal refused it (or could not write), or the call did.
+#[derive(Debug)]
+pub enum JournaledError<E> {
+    /// The journal refused the call or could not record it: nothing was sent (a step already
+    /// done, parked, or unknown and not yet reconciled; or the database failed before `sent`
+    /// was written).
+    Journal(JournalError),
+    /// The call itself failed, with the stack's own error (a `backstop::Error`).
+    Call(E),
+}
+
+impl<E> JournaledError<E> {
+    /// The journal's refusal, if it was one.
+    pub fn journal(&self) -> Option<&JournalError> {
+        match self {
+            JournaledError::Journal(e) => Some(e),
+            JournaledError::Call(_) => None,
+        }
+    }
+
+    /// The call's own error, if it was one.
+    pub fn call(&self) -> Option<&E> {
+        match self {
+            JournaledError::Call(e) => Some(e),
+            JournaledError::Journal(_) => None,
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for JournaledError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            JournaledError::Journal(e) => e.fmt(f),
+            JournaledError::Call(e) => e.fmt(f),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for JournaledError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            JournaledError::Journal(e) => Some(e),
+            JournaledError::Call(e) => Some(e),
+        }
+    }
+}
+
+impl<E: ReportsOutcome> ReportsOutcome for JournaledError<E> {
+    fn outcome(&self) -> Outcome {
+        match self {
+            // Done before: it happened, and it was not sent again.
+            JournaledError::Journal(JournalError::AlreadyDone(_)) => Outcome::Completed,
+            JournaledError::Journal(JournalError::NeedsReconciliation(_)) => Outcome::Unknown,
+            // Refused before anything was sent.
+            JournaledError::Journal(_) => Outcome::NotSent,
+            JournaledError::Call(e) => e.outcome(),
+        }
+    }
+
+    fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            JournaledError::Call(e) => e.retry_after(),
+            JournaledError::Journal(_) => None,
+        }
     }
 }
 
@@ -136,16 +203,17 @@ where
     S: Service<Req> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Response: Send + 'static,
-    S::Error: Into<BoxError> + Send + 'static,
+    S::Error: Send + 'static,
     Req: HasExtensions + Send + 'static,
     J: Judge<S::Response, S::Error> + Clone + Send + Sync + 'static,
 {
     type Response = S::Response;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxError>> + Send>>;
+    type Error = JournaledError<S::Error>;
+    type Future =
+        Pin<Box<dyn Future<Output = Result<S::Response, JournaledError<S::Error>>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(JournaledError::Call)
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
@@ -160,7 +228,7 @@ where
         }) = context
         else {
             let fut = inner.call(req);
-            return Box::pin(async move { fut.await.map_err(Into::into) });
+            return Box::pin(async move { fut.await.map_err(JournaledError::Call) });
         };
         let tool = match (&self.tool, Dependency::of(&req)) {
             (Some(tool), _) => tool.to_string(),
@@ -172,16 +240,17 @@ where
         Box::pin(async move {
             // The arguments are the request's business: the ids name the step.
             let new = NewStep::tool_call(&run_id, &step_id, &call_id, &tool, b"");
-            let step = journal.begin(&new).await?;
+            let refused = JournaledError::Journal;
+            let step = journal.begin(&new).await.map_err(refused)?;
             match Next::for_step(&step, journal.now_ms()) {
                 Next::Resend => {}
                 Next::Done => {
                     crate::obs::duplicate_prevented(&step);
-                    return Err(JournalError::AlreadyDone(Box::new(step)).into());
+                    return Err(refused(JournalError::AlreadyDone(Box::new(step))));
                 }
-                Next::Wake { .. } => return Err(JournalError::Parked(Box::new(step)).into()),
+                Next::Wake { .. } => return Err(refused(JournalError::Parked(Box::new(step)))),
                 Next::Reconcile | Next::Human { .. } => {
-                    return Err(JournalError::NeedsReconciliation(Box::new(step)).into());
+                    return Err(refused(JournalError::NeedsReconciliation(Box::new(step))));
                 }
             }
             let sent = Change {
@@ -190,7 +259,8 @@ where
             };
             journal
                 .transition(&step.id, &[step.state], StepState::Sent, sent)
-                .await?;
+                .await
+                .map_err(refused)?;
             let result = inner.call(req).await;
             if let Err(e) = journal.record(&step.id, judge.judge(&result)).await {
                 // The call's result is real and goes back; the step stays `sent`, which a
@@ -202,7 +272,7 @@ where
                     "the call's end could not be journaled"
                 );
             }
-            result.map_err(Into::into)
+            result.map_err(JournaledError::Call)
         })
     }
 }

@@ -55,7 +55,7 @@ mod obs;
 mod runner;
 
 pub use journal::{Change, Clock, Journal, JournalError};
-pub use layer::{ByOutcome, JournalLayer, Journaled, Judge};
+pub use layer::{ByOutcome, JournalLayer, Journaled, JournaledError, Judge};
 pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, Transition, UnknownState,
     digest,

@@ -56,8 +56,9 @@ impl<P, I> BackstopLayer<HttpClassifier, P, I> {
     /// `ActionContext` (run, step and call ids) is one journaled step (`pending`, then `sent`
     /// before it goes, then its end, judged by [`HttpJudge`]), without the caller writing
     /// journal code. The step's key is the one the stack sends, so a resumed run sends the same.
-    /// Errors are boxed: the stack's [`Error`](crate::Error) inside, or the journal's refusal (a step already
-    /// done, parked, or unknown and not yet reconciled).
+    /// Errors are a [`JournaledError`](backstop_journal::JournaledError): the stack's own
+    /// typed [`Error`](crate::Error), or the journal's refusal (a step already done, parked,
+    /// or unknown and not yet reconciled).
     pub fn journaled(self, journal: Journal) -> Stack<Self, JournalLayer<HttpJudge>> {
         let journal = JournalLayer::new(journal)
             .tool(self.dependency().as_str())
