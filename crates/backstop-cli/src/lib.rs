@@ -254,7 +254,10 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
                 for (s, h) in &rows {
                     let times = time_in_states(h, now)
                         .into_iter()
-                        .map(|(st, ms)| format!("{st} {}", human(ms)))
+                        .map(|(st, ms)| match ms {
+                            Some(ms) => format!("{st} {}", human(ms)),
+                            None => st.to_owned(),
+                        })
                         .collect::<Vec<_>>()
                         .join(", ");
                     let state = match (&s.attention, s.park_until) {
@@ -389,13 +392,17 @@ fn transition_json(t: &Transition) -> Value {
 }
 
 /// How long the step spent in each state it passed through, summed, in order of first visit.
-fn time_in_states(history: &[Transition], now: i64) -> Vec<(&'static str, i64)> {
-    let mut out: Vec<(&'static str, i64)> = Vec::new();
+/// The state it is in now counts until now, unless it is final (a step over is not "waiting").
+fn time_in_states(history: &[Transition], now: i64) -> Vec<(&'static str, Option<i64>)> {
+    let mut out: Vec<(&'static str, Option<i64>)> = Vec::new();
     for (i, t) in history.iter().enumerate() {
-        let end = history.get(i + 1).map_or(now, |n| n.at_ms);
-        let spent = (end - t.at_ms).max(0);
+        let spent = match history.get(i + 1) {
+            Some(next) => Some((next.at_ms - t.at_ms).max(0)),
+            None if t.to.is_final() => None,
+            None => Some((now - t.at_ms).max(0)),
+        };
         match out.iter_mut().find(|(s, _)| *s == t.to.as_str()) {
-            Some((_, ms)) => *ms += spent,
+            Some((_, ms)) => *ms = Some(ms.unwrap_or(0) + spent.unwrap_or(0)),
             None => out.push((t.to.as_str(), spent)),
         }
     }
