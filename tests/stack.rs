@@ -764,3 +764,74 @@ async fn as_a_reqwest_middleware_the_stack_keeps_keys_retries_and_the_typed_erro
     assert_eq!(typed.outcome(), backstop::Outcome::NotSent);
     assert_eq!(typed.attempts(), 3);
 }
+
+/// A foreign request and result type under the stack, with no newtype: `WithExtensions`.
+#[tokio::test(start_paused = true)]
+async fn a_foreign_tool_call_type_goes_under_the_stack_in_with_extensions() {
+    use backstop::{
+        Preset, WithExtensions,
+        classify::{AsError, Classify, Verdict},
+        idempotency::{IdempotencyKey, KeyedRequest},
+    };
+    /// A type from another crate (an MCP SDK's, say): Clone, no extensions of its own.
+    #[derive(Clone, Debug)]
+    struct CallTool {
+        name: String,
+    }
+    #[derive(Clone, Copy, Debug)]
+    struct Rules;
+    impl<E: AsError> Classify<WithExtensions<CallTool>, WithExtensions<String>, E> for Rules {
+        fn classify(&self, result: Result<&WithExtensions<String>, &E>) -> Verdict {
+            match result {
+                Ok(_) => Verdict::Success,
+                Err(_) => Verdict::Retryable {
+                    outcome: backstop::Outcome::Unknown,
+                    after: None,
+                },
+            }
+        }
+        fn is_replay_safe(&self, _req: &WithExtensions<CallTool>) -> bool {
+            false
+        }
+    }
+    let keys: Arc<Mutex<Vec<IdempotencyKey>>> = Arc::default();
+    let seen = keys.clone();
+    let tool = tower::service_fn(move |call: WithExtensions<CallTool>| {
+        let seen = seen.clone();
+        async move {
+            assert_eq!(call.get().name, "issue_refund");
+            let mut seen = seen.lock().unwrap();
+            seen.push(
+                call.idempotency_key()
+                    .cloned()
+                    .expect("the key travels in the extensions"),
+            );
+            if seen.len() == 1 {
+                // The refund was booked and the reply lost.
+                return Err::<WithExtensions<String>, BoxError>("connection reset".into());
+            }
+            Ok(WithExtensions::new("{\"refund\":\"rf_1\"}".to_owned()))
+        }
+    });
+    let svc = Backstop::tools("refund-tool", Rules)
+        .preset(Preset::Create)
+        .build()
+        .unwrap()
+        .layer(tool);
+    let mut call = WithExtensions::new(CallTool {
+        name: "issue_refund".into(),
+    });
+    let action = ActionContext::tool_call("run-7", "step-2", "call-1");
+    call.extensions_mut().insert(action.clone());
+    let res = svc.oneshot(call).await.unwrap();
+    assert_eq!(res.get(), "{\"refund\":\"rf_1\"}");
+    assert!(
+        RetryHistory::of(&res).is_some(),
+        "the result carries the history"
+    );
+    assert_eq!(
+        *keys.lock().unwrap(),
+        [action.key(), action.key()],
+        "one key, on both attempts"
+    );
+}

@@ -55,6 +55,91 @@ impl HasExtensions for http::Extensions {
     }
 }
 
+/// Any value with [`http::Extensions`] beside it, so a foreign request or result type (an MCP
+/// SDK's tool-call parameters, a gRPC message, a plain struct) goes under the stack without a
+/// newtype of your own. `Clone` when the value is (the retry layer sends a copy per attempt);
+/// with the idempotency crate it is also a `KeyedRequest` (the key lives in its extensions).
+///
+/// ```
+/// use backstop_core::{Deadline, HasExtensions, WithExtensions};
+/// use std::time::Duration;
+///
+/// #[derive(Clone, Debug, PartialEq)]
+/// struct CallTool { name: String, arguments: String } // a type from another crate
+///
+/// let mut call = WithExtensions::new(CallTool { name: "issue_refund".into(), arguments: "{}".into() });
+/// call.extensions_mut().insert(Deadline::after(Duration::from_secs(2)));
+/// assert!(Deadline::of(&call).is_some());
+/// assert_eq!(call.get().name, "issue_refund");
+/// let (inner, _extensions) = call.into_parts();
+/// assert_eq!(inner.arguments, "{}");
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct WithExtensions<T> {
+    value: T,
+    extensions: http::Extensions,
+}
+
+impl<T> WithExtensions<T> {
+    /// `value`, with empty extensions.
+    pub fn new(value: T) -> Self {
+        WithExtensions {
+            value,
+            extensions: http::Extensions::new(),
+        }
+    }
+
+    /// `value` with `extensions`.
+    pub fn from_parts(value: T, extensions: http::Extensions) -> Self {
+        WithExtensions { value, extensions }
+    }
+
+    /// The value.
+    pub fn get(&self) -> &T {
+        &self.value
+    }
+
+    /// The value, mutably.
+    pub fn get_mut(&mut self) -> &mut T {
+        &mut self.value
+    }
+
+    /// The value, without its extensions.
+    pub fn into_inner(self) -> T {
+        self.value
+    }
+
+    /// The value and its extensions.
+    pub fn into_parts(self) -> (T, http::Extensions) {
+        (self.value, self.extensions)
+    }
+
+    /// The extensions (also through [`HasExtensions`], without importing it).
+    pub fn extensions(&self) -> &http::Extensions {
+        &self.extensions
+    }
+
+    /// The extensions, mutably.
+    pub fn extensions_mut(&mut self) -> &mut http::Extensions {
+        &mut self.extensions
+    }
+}
+
+impl<T> From<T> for WithExtensions<T> {
+    fn from(value: T) -> Self {
+        WithExtensions::new(value)
+    }
+}
+
+impl<T> HasExtensions for WithExtensions<T> {
+    fn extensions(&self) -> &http::Extensions {
+        &self.extensions
+    }
+    fn extensions_mut(&mut self) -> &mut http::Extensions {
+        &mut self.extensions
+    }
+}
+
 /// A marker in a request's extensions saying that the request may be sent more than once
 /// without a second side effect.
 ///

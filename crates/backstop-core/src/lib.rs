@@ -48,7 +48,9 @@ pub use error::{
     AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
     DeadlineWords, HumanDuration, InvalidConfig,
 };
-pub use extensions::{HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, is_idempotent_method};
+pub use extensions::{
+    HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, WithExtensions, is_idempotent_method,
+};
 pub use gate::{AttemptGate, Ticket};
 pub use outcome::{Outcome, ReportsOutcome};
 pub use verdict::{Classify, Verdict};

@@ -80,6 +80,20 @@ impl<B> Inject<Request<B>> for HttpKeys {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ToolKeys;
 
+/// A foreign type under the stack carries its key in its extensions. Every call counts as one
+/// that needs a key (a key on a read is harmless) unless it is marked [`ReplaySafe`].
+impl<T> KeyedRequest for backstop_core::WithExtensions<T> {
+    fn needs_key(&self) -> bool {
+        !ReplaySafe::is_marked(self)
+    }
+    fn idempotency_key(&self) -> Option<&IdempotencyKey> {
+        self.extensions().get::<IdempotencyKey>()
+    }
+    fn set_idempotency_key(&mut self, key: IdempotencyKey) {
+        self.extensions_mut().insert(key);
+    }
+}
+
 impl<Req: KeyedRequest> Inject<Req> for ToolKeys {
     fn needs_key(&self, req: &Req) -> bool {
         req.needs_key()

@@ -22,7 +22,8 @@ use crate::{
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{
-    BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome, UnvouchedKey,
+    BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome, ReplaySafe,
+    UnvouchedKey,
 };
 use backstop_timeout::plumbing::AttemptCutoff;
 use pin_project::{pin_project, pinned_drop};
@@ -806,7 +807,11 @@ impl Retries {
             });
         }
         let template = call.template.kept().map_err(StopReason::NotCopyable)?;
-        if outcome == Outcome::Unknown && !policy.classifier.is_replay_safe(template) {
+        // Backstop's own marker counts whatever the classifier says: a key the caller vouched
+        // for, or a preset that requires keys, makes the request safe to repeat.
+        let replay_safe =
+            ReplaySafe::is_marked(template) || policy.classifier.is_replay_safe(template);
+        if outcome == Outcome::Unknown && !replay_safe {
             return Err(if UnvouchedKey::is_marked(template) {
                 StopReason::KeyNotVouched
             } else {

@@ -130,6 +130,7 @@ pub use error::{Error, ErrorKind};
 #[doc(inline)]
 pub use backstop_core::{
     BoxError, CircuitOpen, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,
+    WithExtensions,
 };
 
 // Each type has one path here: the vocabulary every layer shares is at the root or in `core`,
