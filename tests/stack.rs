@@ -835,3 +835,36 @@ async fn a_foreign_tool_call_type_goes_under_the_stack_in_with_extensions() {
         "one key, on both attempts"
     );
 }
+
+/// A lost reply to a POST, as the model receives it: unknown, not safe to repeat, check first.
+#[tokio::test]
+async fn an_unknown_outcome_becomes_a_tool_result_that_says_check_before_repeating() {
+    let reset = tower::service_fn(|_req: Request<Full<Bytes>>| async {
+        Err::<Response<Full<Bytes>>, _>(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+    });
+    let svc = Backstop::http("payments-tool-api")
+        .build()
+        .unwrap()
+        .layer(reset);
+    let err = svc
+        .oneshot(
+            Request::post("http://payments.local/refunds")
+                .body(Full::from("{}"))
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    let result = err.to_tool_result(None);
+    let s = &result["structuredContent"];
+    assert_eq!(s["outcome"], "unknown");
+    assert_eq!(s["safe_to_repeat"], false);
+    assert_eq!(s["idempotency_key"], serde_json::Value::Null);
+    assert!(
+        s["next_action"]
+            .as_str()
+            .unwrap()
+            .contains("check its status"),
+        "{s}"
+    );
+    assert_eq!(result["content"][0]["text"], err.to_string());
+}

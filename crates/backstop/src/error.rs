@@ -101,6 +101,87 @@ impl Error {
         self.outcome == Outcome::NotSent && self.kind != ErrorKind::Misconfigured
     }
 
+    /// What the caller, or an agent's model, should do next, in a sentence.
+    pub fn next_action(&self) -> String {
+        let dependency = self
+            .dependency
+            .as_ref()
+            .map_or_else(|| "the dependency".to_owned(), |d| d.to_string());
+        match (self.kind, self.outcome) {
+            (ErrorKind::Misconfigured, _) => {
+                "the request or the stack is misconfigured: fix it before calling again".to_owned()
+            }
+            (ErrorKind::Unavailable | ErrorKind::BudgetExhausted, _) => match self.retry_after {
+                Some(after) => format!(
+                    "{dependency} is unavailable: do not retry now; try again in {}, or tell the user",
+                    backstop_core::HumanDuration::rounded_up(after)
+                ),
+                None => format!("{dependency} is unavailable: do not retry now; tell the user"),
+            },
+            (_, Outcome::Unknown) => format!(
+                "it may or may not have happened at {dependency}: check its status (by its idempotency key) before repeating it"
+            ),
+            (_, Outcome::NotSent) => {
+                format!("it did not reach {dependency}: it is safe to try again later")
+            }
+            (_, Outcome::Completed) => format!(
+                "{dependency} answered: read its answer; change the request, or tell the user"
+            ),
+        }
+    }
+
+    /// This error as an MCP tool result (a `CallToolResult` with `isError: true`), for an agent
+    /// runtime to hand back to its model: the text is the error's own words, and
+    /// `structuredContent` says the same to code: the outcome (`not_sent`, `unknown`,
+    /// `completed`), whether repeating is safe, when to try again, the idempotency key (the
+    /// caller's, when it has one) and the next action. Feature `json`.
+    ///
+    /// ```
+    /// use backstop::{Backstop, breaker::Breaker};
+    /// use bytes::Bytes;
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let breaker = Breaker::new(Default::default()).unwrap();
+    /// breaker.isolate(&"billing-api".into()); // an operator took billing out
+    /// let billing = Backstop::http("billing-api")
+    ///     .breaker(breaker)
+    ///     .build()
+    ///     .unwrap()
+    ///     .layer(service_fn(|_req: http::Request<Full<Bytes>>| async {
+    ///         Ok::<_, std::io::Error>(http::Response::new(Full::<Bytes>::default()))
+    ///     }));
+    /// let req = http::Request::post("http://billing.local/refunds").body(Full::default()).unwrap();
+    /// let err = billing.oneshot(req).await.unwrap_err();
+    /// let result = err.to_tool_result(Some("refund-ORD-4812"));
+    /// assert_eq!(result["isError"], true);
+    /// assert_eq!(result["content"][0]["text"], err.to_string());
+    /// let s = &result["structuredContent"];
+    /// assert_eq!((s["outcome"].as_str(), s["safe_to_repeat"].as_bool()), (Some("not_sent"), Some(true)));
+    /// assert_eq!(s["idempotency_key"], "refund-ORD-4812");
+    /// assert!(s["next_action"].as_str().unwrap().contains("tell the user"));
+    /// # }
+    /// ```
+    #[cfg(feature = "json")]
+    pub fn to_tool_result(&self, idempotency_key: Option<&str>) -> serde_json::Value {
+        serde_json::json!({
+            "content": [{ "type": "text", "text": self.to_string() }],
+            "isError": true,
+            "structuredContent": {
+                "outcome": self.outcome.as_str(),
+                "kind": self.kind.as_str(),
+                "dependency": self.dependency.as_ref().map(|d| d.as_str()),
+                "safe_to_repeat": self.is_retryable_later(),
+                "retry_after_ms": self.retry_after.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                "attempts": self.attempts,
+                "idempotency_key": idempotency_key,
+                "next_action": self.next_action(),
+            }
+        })
+    }
+
     /// How many attempts were made (0 when the call was refused before the first).
     pub fn attempts(&self) -> u32 {
         self.attempts
