@@ -513,15 +513,7 @@ async fn work(
             Next::Reconcile | Next::Human { .. } => return Ok(4),
         }
         let sent = journal
-            .transition(
-                &s.id,
-                &[s.state],
-                StepState::Sent,
-                Change {
-                    attempt: true,
-                    ..Change::default()
-                },
-            )
+            .transition(&s.id, &[s.state], StepState::Sent, Change::attempt())
             .await?;
         checkpoint(kill_at, step, "sent");
         let (path, field) = match step {

@@ -219,6 +219,16 @@ pub struct Change {
     pub reason: Option<String>,
 }
 
+impl Change {
+    /// One more attempt, nothing else: what a move to `sent` writes.
+    pub fn attempt() -> Self {
+        Change {
+            attempt: true,
+            ..Change::default()
+        }
+    }
+}
+
 macro_rules! step_from_row {
     ($row:expr) => {{
         use sqlx::Row;
@@ -484,7 +494,8 @@ impl Journal {
 
     /// Moves step `id` from one of `from` to `to`, writing `change` and a history row in one
     /// transaction. Refused (nothing written) when the step is elsewhere, or when the journal
-    /// does not allow the move and `change.actor` is not an operator's.
+    /// does not allow the move ([`StepState::can_move_to`]); only an operator's repair
+    /// ([`resolve`](Self::resolve)) goes further.
     pub async fn transition(
         &self,
         id: &StepId,
@@ -492,7 +503,19 @@ impl Journal {
         to: StepState,
         change: Change,
     ) -> Result<Step, JournalError> {
-        let operator = change.actor.is_some();
+        self.move_step(id, from, to, change, false).await
+    }
+
+    /// [`transition`](Self::transition), and with `repair` any move (an operator's repair, or
+    /// the journal handing a step to a person, which keeps its state).
+    pub(crate) async fn move_step(
+        &self,
+        id: &StepId,
+        from: &[StepState],
+        to: StepState,
+        change: Change,
+        repair: bool,
+    ) -> Result<Step, JournalError> {
         let now = self.now_ms();
         let conflict = |found: Option<StepState>| JournalError::Conflict {
             id: id.clone(),
@@ -501,7 +524,7 @@ impl Journal {
             to,
         };
         let current = self.step(id).await?.ok_or_else(|| conflict(None))?;
-        if !from.contains(&current.state) || (!operator && !current.state.can_move_to(to)) {
+        if !from.contains(&current.state) || (!repair && !current.state.can_move_to(to)) {
             return Err(conflict(Some(current.state)));
         }
         let moved = with_pool!(self, |pool, sql| {
@@ -810,7 +833,7 @@ impl Journal {
             reason: Some(why.to_owned()),
             ..Change::default()
         };
-        self.transition(id, &[step.state], to, change).await
+        self.move_step(id, &[step.state], to, change, true).await
     }
 }
 

@@ -253,10 +253,7 @@ where
                     return Err(refused(JournalError::NeedsReconciliation(Box::new(step))));
                 }
             }
-            let sent = Change {
-                attempt: true,
-                ..Change::default()
-            };
+            let sent = Change::attempt();
             journal
                 .transition(&step.id, &[step.state], StepState::Sent, sent)
                 .await

@@ -213,15 +213,7 @@ impl Journal {
             Next::Resend => {}
         }
         let sent = self
-            .transition(
-                &step.id,
-                &[step.state],
-                StepState::Sent,
-                Change {
-                    attempt: true,
-                    ..Change::default()
-                },
-            )
+            .transition(&step.id, &[step.state], StepState::Sent, Change::attempt())
             .await?;
         let result = call(sent).await;
         self.record(&step.id, result).await
@@ -478,11 +470,10 @@ impl Journal {
         let change = Change {
             attention: Some(why.clone()),
             reason: Some(why.clone()),
-            actor: Some("journal".into()),
             ..Change::default()
         };
         let step = self
-            .transition(&step.id, &[step.state], step.state, change)
+            .move_step(&step.id, &[step.state], step.state, change, true)
             .await?;
         crate::obs::human(&step);
         Ok(Next::Human { why })

@@ -157,10 +157,7 @@ async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_ha
         &s.id,
         &[StepState::Pending],
         StepState::Sent,
-        Change {
-            attempt: true,
-            ..Change::default()
-        },
+        Change::attempt(),
     )
     .await
     .unwrap();
@@ -319,6 +316,18 @@ async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
     assert!(
         matches!(skip, Err(JournalError::Conflict { .. })),
         "pending cannot jump to succeeded"
+    );
+    // Naming an actor is no way around the rules: only `resolve` repairs.
+    let named = Change {
+        actor: Some("mallory".into()),
+        ..Change::default()
+    };
+    let named = j
+        .transition(&step.id, &[StepState::Pending], StepState::Succeeded, named)
+        .await;
+    assert!(
+        matches!(named, Err(JournalError::Conflict { .. })),
+        "{named:?}"
     );
     assert_eq!(
         j.history(&step.id).await.unwrap().len(),
@@ -587,10 +596,7 @@ async fn racing_moves_let_exactly_one_through(j: Journal) {
                     &id,
                     &[StepState::Pending],
                     StepState::Sent,
-                    Change {
-                        attempt: true,
-                        ..Change::default()
-                    },
+                    Change::attempt(),
                 )
                 .await
             }));
