@@ -511,6 +511,15 @@ async fn an_open_circuit_fails_fast_without_copying_the_request_or_calling_the_c
     );
 }
 
+/// The first request is acted on and its reply lost; later ones get a 201.
+fn lose_the_first_reply(s: &Seen) -> Action {
+    if s.index == 0 {
+        Action::DropReply
+    } else {
+        Action::respond(201, &[], "{}")
+    }
+}
+
 /// The builder names the key's header and format, and the classifier reads the same header: the
 /// key the stack sends is the one that makes the request replay-safe (they cannot disagree).
 #[tokio::test]
@@ -524,11 +533,7 @@ async fn the_idempotency_header_is_named_once_for_the_key_and_the_classifier() {
             s.header("x-idempotency-key").map(str::to_owned),
             s.header("idempotency-key").map(str::to_owned),
         ));
-        if s.index == 0 {
-            Action::DropReply
-        } else {
-            Action::respond(201, &[], "{}")
-        }
+        lose_the_first_reply(s)
     })
     .await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
@@ -575,14 +580,7 @@ async fn the_idempotency_header_is_named_once_for_the_key_and_the_classifier() {
 
 #[tokio::test]
 async fn a_callers_key_under_the_named_header_makes_a_post_replay_safe_without_the_key_layer() {
-    let server = TestServer::start(|s: &Seen| {
-        if s.index == 0 {
-            Action::DropReply
-        } else {
-            Action::respond(201, &[], "{}")
-        }
-    })
-    .await;
+    let server = TestServer::start(|s: &Seen| lose_the_first_reply(s)).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let svc = Backstop::http("payments-api")
         .idempotency_header(

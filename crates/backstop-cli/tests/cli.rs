@@ -91,6 +91,12 @@ fn operate(db: &str) {
     assert_eq!(steps[1]["state"], "requires_reconciliation");
     // pending, sent, unknown, requires_reconciliation, and the hand-over to a person.
     assert_eq!(steps[1]["history"].as_array().unwrap().len(), 5);
+    // A step that is over is not waiting in its last state: no duration for it.
+    assert_eq!(
+        steps[0]["time_in_state_ms"]["succeeded"],
+        serde_json::Value::Null
+    );
+    assert!(steps[0]["time_in_state_ms"]["sent"].is_u64());
 
     let (code, out, _) = backstop(db, &["stuck", "--fail-if-any"]);
     assert_eq!(code, 5, "stuck steps exit 5 with --fail-if-any");
