@@ -407,7 +407,7 @@ where
                     timer: None,
                     call,
                 },
-                Err((ended, verdict)) => conclude(&policy, call, ended, verdict, parent),
+                Err((ended, verdict)) => Self::conclude(&policy, call, ended, verdict, parent),
             }
         } else {
             let first = if copies {
@@ -433,37 +433,73 @@ where
             hooked,
         }
     }
-}
 
-/// The first attempt ended with `ended` and `verdict`, and did not succeed: the call's next
-/// state, ended (nested: the result as it is; or stopped) or retrying.
-fn conclude<S, Req, C, P, K, H>(
-    policy: &Arc<Policy<C, P, K, H>>,
-    mut call: Call<S, Req>,
-    ended: Ended<S::Response, S::Error>,
-    verdict: Verdict,
-    parent: Option<&Span>,
-) -> State<S, Req, C, P, K, H>
-where
-    S: Service<Req>,
-    S::Error: Into<BoxError>,
-    S::Response: HasExtensions,
-    Req: HasExtensions,
-    C: Classify<Req, S::Response, S::Error>,
-    P: Resend<Req>,
-    H: CallHook<Req, S::Response>,
-{
-    if call.nested {
-        return State::Ended(Some(ended.raw()));
+    /// The first attempt ended with `ended` and `verdict`, and did not succeed: the call's next
+    /// state, ended (nested: the result as it is; or stopped) or retrying.
+    fn conclude(
+        policy: &Arc<Policy<C, P, K, H>>,
+        mut call: Call<S, Req>,
+        ended: Ended<S::Response, S::Error>,
+        verdict: Verdict,
+        parent: Option<&Span>,
+    ) -> State<S, Req, C, P, K, H> {
+        if call.nested {
+            return State::Ended(Some(ended.raw()));
+        }
+        // Decided before anything is boxed: a call that stops after one attempt allocates only
+        // its history and its error.
+        let mut retries = Retries::default();
+        match retries.decide(policy, &mut call, ended, verdict) {
+            Ok(result) => State::Ended(Some(result)),
+            Err(wait) => {
+                let step = Step::Waiting { sleep: sleep(wait) };
+                State::Rest(Retrying::boxed(policy.clone(), call, retries, step, parent))
+            }
+        }
     }
-    // Decided before anything is boxed: a call that stops after one attempt allocates only
-    // its history and its error.
-    let mut retries = Retries::default();
-    match retries.decide(policy, &mut call, ended, verdict) {
-        Ok(result) => State::Ended(Some(result)),
-        Err(wait) => {
-            let step = Step::Waiting { sleep: sleep(wait) };
-            State::Rest(Retrying::boxed(policy.clone(), call, retries, step, parent))
+
+    /// Polls the call, in whichever state it is, to its result.
+    #[inline]
+    fn drive(
+        mut state: Pin<&mut State<S, Req, C, P, K, H>>,
+        policy: &Arc<Policy<C, P, K, H>>,
+        parent: Option<&Span>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<S::Response, BoxError>> {
+        loop {
+            let (ended, verdict) = match state.as_mut().project() {
+                StateProj::First { fut, timer, call } => {
+                    match ready!(poll_attempt(fut, timer, call, policy, cx)) {
+                        Attempted::Succeeded(res) => {
+                            // The common case, kept short: nothing to report.
+                            if !call.nested {
+                                crate::obs::finished(&call.dependency, 1, true, false);
+                            }
+                            state.set(State::Done);
+                            return Poll::Ready(Ok(res));
+                        }
+                        Attempted::Other(ended, verdict) => (ended, verdict),
+                    }
+                }
+                StateProj::Rest(rest) => {
+                    let result = ready!(rest.as_mut().poll(cx));
+                    state.set(State::Done);
+                    return Poll::Ready(result);
+                }
+                StateProj::Ended(result) => {
+                    let result = result.take();
+                    return Poll::Ready(
+                        result.expect("retry ResponseFuture polled after completion"),
+                    );
+                }
+                StateProj::Refused(_) | StateProj::Done => {
+                    panic!("retry ResponseFuture polled after completion")
+                }
+            };
+            let StateOwn::First { call, .. } = state.as_mut().project_replace(State::Done) else {
+                unreachable!("only the first attempt ends here");
+            };
+            state.set(Self::conclude(policy, call, ended, verdict, parent));
         }
     }
 }
@@ -492,67 +528,15 @@ where
             }
             // An outer retry layer owns the call: its raw result goes back, with no call-level
             // work of this layer's (no span, no error mapping, no dead letter).
-            let result = ready!(drive(this.state, this.policy, None, cx));
+            let result = ready!(Self::drive(this.state, this.policy, None, cx));
             return Poll::Ready(result.map_err(|e| policy.hook.pass(e)));
         };
         let result = {
             let parent = policy.hook.span(hooked);
             let _entered = parent.map(Span::enter);
-            ready!(drive(this.state, this.policy, parent, cx))
+            ready!(Self::drive(this.state, this.policy, parent, cx))
         };
         Poll::Ready(policy.hook.end(hooked, result))
-    }
-}
-
-/// Polls the call, in whichever state it is, to its result.
-#[inline]
-fn drive<S, Req, C, P, K, H>(
-    mut state: Pin<&mut State<S, Req, C, P, K, H>>,
-    policy: &Arc<Policy<C, P, K, H>>,
-    parent: Option<&Span>,
-    cx: &mut Context<'_>,
-) -> Poll<Result<S::Response, BoxError>>
-where
-    S: Service<Req>,
-    S::Error: Into<BoxError>,
-    S::Response: HasExtensions,
-    Req: HasExtensions,
-    C: Classify<Req, S::Response, S::Error>,
-    P: Resend<Req>,
-    H: CallHook<Req, S::Response>,
-{
-    loop {
-        let (ended, verdict) = match state.as_mut().project() {
-            StateProj::First { fut, timer, call } => {
-                match ready!(poll_attempt(fut, timer, call, policy, cx)) {
-                    Attempted::Succeeded(res) => {
-                        // The common case, kept short: nothing to report.
-                        if !call.nested {
-                            crate::obs::finished(&call.dependency, 1, true, false);
-                        }
-                        state.set(State::Done);
-                        return Poll::Ready(Ok(res));
-                    }
-                    Attempted::Other(ended, verdict) => (ended, verdict),
-                }
-            }
-            StateProj::Rest(rest) => {
-                let result = ready!(rest.as_mut().poll(cx));
-                state.set(State::Done);
-                return Poll::Ready(result);
-            }
-            StateProj::Ended(result) => {
-                let result = result.take();
-                return Poll::Ready(result.expect("retry ResponseFuture polled after completion"));
-            }
-            StateProj::Refused(_) | StateProj::Done => {
-                panic!("retry ResponseFuture polled after completion")
-            }
-        };
-        let StateOwn::First { call, .. } = state.as_mut().project_replace(State::Done) else {
-            unreachable!("only the first attempt ends here");
-        };
-        state.set(conclude(policy, call, ended, verdict, parent));
     }
 }
 
