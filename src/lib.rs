@@ -3,3 +3,4 @@
 #![deny(missing_docs)]
 
 pub mod invoice;
+pub mod refunds_mcp;

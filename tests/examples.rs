@@ -9,6 +9,8 @@ mod double_refund;
 mod hyper_client;
 #[path = "../examples/invoice_workflow.rs"]
 mod invoice_workflow;
+#[path = "../examples/mcp_agent.rs"]
+mod mcp_agent;
 #[path = "../examples/reqwest_client.rs"]
 mod reqwest_client;
 #[path = "../examples/shipping_label.rs"]
@@ -32,6 +34,11 @@ fn shipping_label_runs() {
 #[test]
 fn hyper_client_runs() {
     hyper_client::main().unwrap();
+}
+
+#[test]
+fn mcp_agent_runs() {
+    mcp_agent::main().unwrap();
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! - [`Outcome`]: what is known about the side effect of an attempt (not sent, unknown, completed).
 //! - [`Dependency`] and [`DependencyKey`]: which downstream service a request goes to. One name
 //!   governs the retry budget, the circuit breaker and every error message.
+//! - [`Run`]: one agent run's deadline and retry budget, shared by all of its tool calls;
+//!   [`AttemptLimit`], a per-request cap on attempts.
 //! - [`Deadline`]: the instant by which a whole logical call must be finished, carried in the
 //!   request's extensions so inner layers can see the time left.
 //! - [`HasExtensions`]: how a layer reaches those extensions. `http::Request` and `http::Response`
@@ -39,6 +41,7 @@ mod error;
 mod extensions;
 mod gate;
 mod outcome;
+mod run;
 mod verdict;
 
 pub use budget::{NoBudget, RetryBudget};
@@ -53,6 +56,7 @@ pub use extensions::{
 };
 pub use gate::{AttemptGate, Ticket};
 pub use outcome::{Outcome, ReportsOutcome};
+pub use run::{AttemptLimit, Run};
 pub use verdict::{Classify, Verdict};
 
 /// Not part of the public API: what the Backstop crates use to reach each other. Anything here

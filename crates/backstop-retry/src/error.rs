@@ -28,6 +28,12 @@ pub enum StopReason {
     NotCopyable(NotCopyable),
     /// The dependency's retry budget refused the retry.
     BudgetExhausted,
+    /// The run's retry budget (a `backstop_core::Run` on the request) refused the retry: the
+    /// run's calls have spent all of it.
+    RunBudgetExhausted {
+        /// The run's budget.
+        retries: u32,
+    },
     /// The wait before the next attempt would end at or after the deadline.
     DeadlineTooClose {
         /// The wait that was needed.
@@ -55,6 +61,10 @@ impl fmt::Display for StopReason {
             ),
             StopReason::NotCopyable(r) => write!(f, "not retried because {r}"),
             StopReason::BudgetExhausted => f.write_str("the retry budget is exhausted"),
+            StopReason::RunBudgetExhausted { retries } => write!(
+                f,
+                "the run's retry budget is exhausted (its calls made all {retries} retries it allows)"
+            ),
             StopReason::DeadlineTooClose { wait, left } => write!(
                 f,
                 "not retried because the next attempt could not start before the deadline \
@@ -205,7 +215,9 @@ impl RetryError {
     /// Backstop's own errors in the cause chain (an open circuit, a timeout, a deadline).
     pub fn kind(&self) -> ErrorKind {
         match self.history.stopped {
-            StopReason::BudgetExhausted => ErrorKind::BudgetExhausted,
+            StopReason::BudgetExhausted | StopReason::RunBudgetExhausted { .. } => {
+                ErrorKind::BudgetExhausted
+            }
             StopReason::DeadlineTooClose { .. } => ErrorKind::DeadlineExceeded,
             StopReason::NotReplaySafe | StopReason::KeyNotVouched => ErrorKind::NotRetried,
             _ => Diagnosis::of(&*self.cause)
@@ -229,6 +241,10 @@ impl RetryError {
             retry_after: diagnosis.retry_in.or(self.retry_after),
             deadline: self.history.deadline.or(diagnosis.deadline),
             unvouched_key: self.history.stopped == StopReason::KeyNotVouched,
+            run_budget: match self.history.stopped {
+                StopReason::RunBudgetExhausted { retries } => Some(retries),
+                _ => None,
+            },
             not_replayable: match &self.history.stopped {
                 StopReason::NotCopyable(why) => Some(why),
                 _ => None,

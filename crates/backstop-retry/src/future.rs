@@ -22,8 +22,8 @@ use crate::{
 use backstop_backoff::Schedule;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{
-    BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome, ReplaySafe,
-    UnvouchedKey,
+    AttemptLimit, BoxError, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
+    ReplaySafe, Run, UnvouchedKey,
 };
 use backstop_timeout::plumbing::AttemptCutoff;
 use pin_project::{pin_project, pinned_drop};
@@ -785,10 +785,13 @@ impl Retries {
             Verdict::Retryable { outcome, after } => (outcome, after),
         };
         let settings = &policy.settings;
-        if call.attempt >= settings.max_attempts {
-            return Err(StopReason::AttemptsExhausted {
-                max_attempts: settings.max_attempts,
-            });
+        // A request may carry a lower cap of its own (a destructive tool: one attempt).
+        let max_attempts = match call.template.kept().ok().and_then(AttemptLimit::of) {
+            Some(limit) => limit.min(settings.max_attempts),
+            None => settings.max_attempts,
+        };
+        if call.attempt >= max_attempts {
+            return Err(StopReason::AttemptsExhausted { max_attempts });
         }
         let template = call.template.kept().map_err(StopReason::NotCopyable)?;
         // Backstop's own marker counts whatever the classifier says: a key the caller vouched
@@ -817,13 +820,31 @@ impl Retries {
                 return Err(StopReason::DeadlineTooClose { wait, left });
             }
         }
+        // The run's budget first (its refusal takes nothing from the dependency's), then the
+        // dependency's; a retry the dependency refuses goes back to the run.
+        let run = Run::of(template);
+        if let Some(run) = run
+            && !run.take_retry(&call.dependency)
+        {
+            crate::obs::run_budget_refused(&call.dependency);
+            return Err(StopReason::RunBudgetExhausted {
+                retries: run.budget().unwrap_or(0),
+            });
+        }
         if !settings.budget.withdraw(&call.dependency) {
+            if let Some(run) = run {
+                run.give_back(&call.dependency);
+            }
             crate::obs::budget_refused(&call.dependency);
             return Err(StopReason::BudgetExhausted);
+        }
+        if run.is_some() {
+            crate::obs::run_retry(&call.dependency);
         }
         tracing::debug!(
             target: "backstop::retry",
             dependency = %call.dependency,
+            run = run.map_or("", Run::id),
             attempt = call.attempt,
             outcome = outcome.as_str(),
             wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),

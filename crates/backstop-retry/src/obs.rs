@@ -2,7 +2,9 @@
 //!
 //! Logical calls and attempts are counted apart (as Finagle and Polly do), per dependency:
 //! `backstop_calls_total`, `backstop_attempts_total`, `backstop_retries_total`,
-//! `backstop_budget_refusals_total`, `backstop_unknown_outcomes_total` (calls that ended with
+//! `backstop_budget_refusals_total`, `backstop_run_retries_total` and
+//! `backstop_run_budget_refusals_total` (retries of calls that belong to a `Run`, per dependency:
+//! which tool spent the run's retries), `backstop_unknown_outcomes_total` (calls that ended with
 //! an unknown side effect) and `backstop_success_after_attempt_total{attempt}`.
 
 use backstop_core::Dependency;
@@ -36,6 +38,20 @@ pub(crate) fn retry(d: &Dependency) {
 pub(crate) fn budget_refused(d: &Dependency) {
     #[cfg(feature = "metrics")]
     metrics::counter!("backstop_budget_refusals_total", "dependency" => label(d)).increment(1);
+    let _ = d;
+}
+
+#[inline]
+pub(crate) fn run_budget_refused(d: &Dependency) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("backstop_run_budget_refusals_total", "dependency" => label(d)).increment(1);
+    let _ = d;
+}
+
+#[inline]
+pub(crate) fn run_retry(d: &Dependency) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("backstop_run_retries_total", "dependency" => label(d)).increment(1);
     let _ = d;
 }
 

@@ -154,6 +154,9 @@ pub struct Told<'a> {
     /// For [`ErrorKind::NotRetried`]: the request had a key the stack attached itself, which
     /// nobody vouched the dependency honours.
     pub unvouched_key: bool,
+    /// For [`ErrorKind::BudgetExhausted`]: the run's budget (of this many retries) refused the
+    /// retry, not the dependency's.
+    pub run_budget: Option<u32>,
     /// For [`ErrorKind::Failed`]: why the request could not be sent again, when that was what
     /// stopped the retries.
     pub not_replayable: Option<&'a crate::NotCopyable>,
@@ -200,6 +203,12 @@ impl fmt::Display for Told<'_> {
                 }
                 f.write_str("; tell the user")
             }
+            ErrorKind::BudgetExhausted if self.run_budget.is_some() => write!(
+                f,
+                "{dep} is failing ({cause}) after {tries}, and this run has spent all {} of its \
+                 retries; do not retry now; {guidance}",
+                self.run_budget.unwrap_or(0)
+            ),
             ErrorKind::BudgetExhausted => write!(
                 f,
                 "{dep} is failing ({cause}) and its retry budget is exhausted after {tries}; \

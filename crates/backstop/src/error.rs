@@ -47,6 +47,8 @@ pub struct Error {
     circuit: Option<CircuitState>,
     /// The deadline's length, when it was the deadline that ended the call.
     deadline: Option<Duration>,
+    /// The run's retry budget, when it was the run's budget that stopped the retries.
+    run_budget: Option<u32>,
     /// A nested stack's raw error, on its way to the stack outside that owns the call.
     passing: bool,
     source: BoxError,
@@ -111,6 +113,10 @@ impl Error {
             (ErrorKind::Misconfigured, _) => {
                 "the request or the stack is misconfigured: fix it before calling again".to_owned()
             }
+            (ErrorKind::BudgetExhausted, _) if self.run_budget.is_some() => format!(
+                "this run has used all of its retries ({dependency} kept failing): do not retry; \
+                 finish without this tool, or tell the user"
+            ),
             (ErrorKind::Unavailable | ErrorKind::BudgetExhausted, _) => match self.retry_after {
                 Some(after) => format!(
                     "{dependency} is unavailable: do not retry now; try again in {}, or tell the user",
@@ -222,6 +228,7 @@ impl Error {
             elapsed: Duration::ZERO,
             circuit: d.circuit,
             deadline: d.deadline,
+            run_budget: None,
             passing: false,
             source: e,
         }
@@ -238,6 +245,7 @@ impl Error {
             elapsed: told.elapsed,
             circuit: told.circuit,
             deadline: told.deadline,
+            run_budget: told.run_budget,
             passing: false,
             source: Box::new(r),
         }
@@ -262,6 +270,7 @@ impl fmt::Display for Error {
             retry_after: self.retry_after,
             deadline: self.deadline,
             unvouched_key: false,
+            run_budget: None,
             not_replayable: None,
         }
         .fmt(f)

@@ -114,6 +114,8 @@ mod error;
 mod finish;
 #[cfg(feature = "journal")]
 mod journaled;
+#[cfg(feature = "mcp")]
+mod mcp_stack;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
 
@@ -130,7 +132,7 @@ pub use error::{Error, ErrorKind};
 #[doc(inline)]
 pub use backstop_core::{
     BoxError, CircuitOpen, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,
-    WithExtensions,
+    Run, WithExtensions,
 };
 
 // Each type has one path here: the vocabulary every layer shares is at the root or in `core`,
@@ -246,12 +248,35 @@ pub mod reqwest {
     pub use crate::reqwest_client::ReqwestService;
 }
 
+/// MCP tool calls both ways: [`Backstop::mcp`] builds the stack for a tool server's calls
+/// ([`McpClassifier`](mcp::McpClassifier), keys in `_meta`, each tool's policy from its
+/// annotations), and [`ToolReplayLayer`](mcp::ToolReplayLayer) runs a keyed call once on the
+/// server. Feature `mcp`; with `rmcp`, the official SDK's client and server handler
+/// ([`mcp::rmcp`]).
+#[cfg(feature = "mcp")]
+pub mod mcp {
+    #[doc(inline)]
+    pub use backstop_mcp::{
+        META_KEY, META_KEY_ALIAS, META_REPLAYED, McpClassifier, RpcError, ToolCall, ToolError,
+        ToolHints, ToolPolicy, ToolReplay, ToolReplayLayer, ToolResult, codes, verdict_of,
+        verdict_of_rpc,
+    };
+
+    /// rmcp's client and server handler under the stack. Feature `rmcp`.
+    #[cfg(feature = "rmcp")]
+    pub mod rmcp {
+        pub use crate::mcp_stack::error_result;
+        #[doc(inline)]
+        pub use backstop_mcp::rmcp::*;
+    }
+}
+
 /// The rest of the vocabulary every layer shares (the most used of it is at the crate root).
 pub mod core {
     #[doc(inline)]
     pub use backstop_core::{
-        AttemptTimedOut, ByAuthority, CauseChain, DeadlineExceeded, DeadlineWords, HumanDuration,
-        InvalidConfig, ReportsOutcome, UnvouchedKey, is_idempotent_method,
+        AttemptLimit, AttemptTimedOut, ByAuthority, CauseChain, DeadlineExceeded, DeadlineWords,
+        HumanDuration, InvalidConfig, ReportsOutcome, UnvouchedKey, is_idempotent_method,
     };
 }
 

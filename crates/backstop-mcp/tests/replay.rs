@@ -1,0 +1,259 @@
+//! The replay contract for tool servers, with the failures in their real form: the tool's
+//! effect committed and then the caller's future dropped, a tool that fails without a result,
+//! concurrent repeats, and a real Redis store.
+
+use backstop_mcp::{META_KEY, ToolCall, ToolError, ToolReplayLayer, ToolResult, codes};
+use backstop_replay::{MemoryStore, Principal, RedisStore};
+use serde_json::{Map, Value, json};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
+
+type Tool = BoxCloneSyncService<ToolCall, ToolResult, ToolError>;
+
+fn meta(key: Option<&str>) -> Map<String, Value> {
+    match key {
+        Some(k) => json!({ META_KEY: k }).as_object().cloned().unwrap(),
+        None => Map::new(),
+    }
+}
+
+fn call(key: Option<&str>, eur: u32) -> ToolCall {
+    ToolCall::received(
+        "issue_refund",
+        json!({"order": "ORD-4812", "eur": eur})
+            .as_object()
+            .cloned(),
+        meta(key),
+    )
+    .unwrap()
+}
+
+/// A refund tool that books a refund (counted) after `delay`, then answers as `answer` says.
+fn refund_tool(
+    booked: Arc<AtomicU32>,
+    delay: Duration,
+    answer: fn(u32) -> Result<ToolResult, ToolError>,
+) -> Tool {
+    BoxCloneSyncService::new(service_fn(move |_call: ToolCall| {
+        let booked = booked.clone();
+        async move {
+            tokio::time::sleep(delay).await;
+            let n = booked.fetch_add(1, Ordering::SeqCst) + 1;
+            answer(n)
+        }
+    }))
+}
+
+fn ok(n: u32) -> Result<ToolResult, ToolError> {
+    Ok(ToolResult::text(format!("refund R{n} booked")))
+}
+
+fn code(e: &ToolError) -> i64 {
+    e.rpc().map_or(0, |r| r.code)
+}
+
+#[tokio::test]
+async fn a_repeat_gets_the_stored_result_and_the_tool_runs_once() {
+    let booked = Arc::new(AtomicU32::new(0));
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::ZERO, ok));
+    let first = server.clone().oneshot(call(Some("k-1"), 40)).await.unwrap();
+    let again = server.clone().oneshot(call(Some("k-1"), 40)).await.unwrap();
+    assert_eq!(first.joined_text(), "refund R1 booked");
+    assert_eq!(again.joined_text(), "refund R1 booked");
+    assert!(again.is_replayed() && !first.is_replayed());
+    assert_eq!(booked.load(Ordering::SeqCst), 1);
+
+    // The same key for other arguments: refused, as HTTP's 422, and nothing runs.
+    let other = server
+        .clone()
+        .oneshot(call(Some("k-1"), 41))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&other), codes::KEY_REUSED, "{other}");
+    // Arguments in another order are the same call.
+    let reordered = ToolCall::received(
+        "issue_refund",
+        json!({"eur": 40, "order": "ORD-4812"}).as_object().cloned(),
+        meta(Some("k-1")),
+    )
+    .unwrap();
+    assert!(
+        server
+            .clone()
+            .oneshot(reordered)
+            .await
+            .unwrap()
+            .is_replayed()
+    );
+    // Another key is another action.
+    server.oneshot(call(Some("k-2"), 40)).await.unwrap();
+    assert_eq!(booked.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_caller_that_gives_up_stops_neither_the_tool_nor_its_record() {
+    let booked = Arc::new(AtomicU32::new(0));
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::from_millis(300), ok));
+    // The client's own timeout drops the call while the tool is running.
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(50),
+        server.clone().oneshot(call(Some("k"), 40)),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    // A repeat meanwhile is told to come back, with when.
+    let meanwhile = server
+        .clone()
+        .oneshot(call(Some("k"), 40))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&meanwhile), codes::KEY_IN_FLIGHT, "{meanwhile}");
+    assert_eq!(
+        meanwhile.rpc().unwrap().retry_after(),
+        Some(Duration::from_secs(1))
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The tool ran to the end once; the repeat gets its result.
+    let again = server.oneshot(call(Some("k"), 40)).await.unwrap();
+    assert_eq!(again.joined_text(), "refund R1 booked");
+    assert!(again.is_replayed());
+    assert_eq!(booked.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_tool_that_ends_without_a_result_is_never_run_twice() {
+    let booked = Arc::new(AtomicU32::new(0));
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::ZERO, |_| {
+            Err(ToolError::Lost(
+                "the bank's connection dropped after the transfer".into(),
+            ))
+        }));
+    let _ = server.clone().oneshot(call(Some("k"), 40)).await;
+    let again = server.oneshot(call(Some("k"), 40)).await.unwrap_err();
+    assert_eq!(code(&again), codes::OUTCOME_UNKNOWN, "{again}");
+    assert_eq!(booked.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn tool_errors_are_replayed_except_an_overload() {
+    let booked = Arc::new(AtomicU32::new(0));
+    let invalid = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::ZERO, |_| {
+            Err(ToolError::Rpc(backstop_mcp::RpcError::new(
+                codes::INVALID_PARAMS,
+                "eur exceeds the order's total",
+            )))
+        }));
+    for _ in 0..2 {
+        let e = invalid
+            .clone()
+            .oneshot(call(Some("k"), 400))
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), codes::INVALID_PARAMS);
+        assert_eq!(e.rpc().unwrap().message, "eur exceeds the order's total");
+    }
+    assert_eq!(booked.load(Ordering::SeqCst), 1, "the refusal was stored");
+
+    let busy = Arc::new(AtomicU32::new(0));
+    let overloaded = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(busy.clone(), Duration::ZERO, |_| {
+            Err(ToolError::Rpc(backstop_mcp::RpcError::new(
+                codes::OVERLOADED,
+                "busy",
+            )))
+        }));
+    for _ in 0..2 {
+        let e = overloaded
+            .clone()
+            .oneshot(call(Some("k"), 40))
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), codes::OVERLOADED, "{e:?}");
+    }
+    assert_eq!(busy.load(Ordering::SeqCst), 2, "an overload frees the key");
+}
+
+#[tokio::test]
+async fn principals_never_share_results_and_keys_can_be_required() {
+    let booked = Arc::new(AtomicU32::new(0));
+    let server = ToolReplayLayer::new(MemoryStore::default()).layer(refund_tool(
+        booked.clone(),
+        Duration::ZERO,
+        ok,
+    ));
+    let as_ = |who: &str| {
+        let mut c = call(Some("same-key"), 40);
+        backstop_core::HasExtensions::extensions_mut(&mut c).insert(Principal(who.into()));
+        c
+    };
+    let alice = server.clone().oneshot(as_("alice")).await.unwrap();
+    let bob = server.clone().oneshot(as_("bob")).await.unwrap();
+    assert!(!bob.is_replayed());
+    assert_ne!(alice.joined_text(), bob.joined_text());
+    // No principal on a multi-tenant server: refused, nothing runs.
+    let nobody = server
+        .clone()
+        .oneshot(call(Some("k"), 40))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&nobody), codes::INTERNAL_ERROR, "{nobody}");
+    assert_eq!(booked.load(Ordering::SeqCst), 2);
+
+    // Without a key a call runs every time, unless keys are required.
+    let open = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::ZERO, ok));
+    open.clone().oneshot(call(None, 40)).await.unwrap();
+    open.oneshot(call(None, 40)).await.unwrap();
+    assert_eq!(booked.load(Ordering::SeqCst), 4);
+    let strict = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .require_key(true)
+        .layer(refund_tool(booked.clone(), Duration::ZERO, ok));
+    let e = strict.oneshot(call(None, 40)).await.unwrap_err();
+    assert_eq!(code(&e), codes::INVALID_PARAMS, "{e}");
+    assert_eq!(booked.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn on_redis_too_and_an_unreachable_store_runs_nothing() {
+    let mut redis = backstop_testkit::RedisServer::start_persistent().await;
+    let store = RedisStore::connect(&redis.url(), backstop_replay::OnVolatile::Refuse)
+        .await
+        .unwrap();
+    let booked = Arc::new(AtomicU32::new(0));
+    let server = ToolReplayLayer::new(store)
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::ZERO, ok));
+    server.clone().oneshot(call(Some("k"), 40)).await.unwrap();
+    assert!(
+        server
+            .clone()
+            .oneshot(call(Some("k"), 40))
+            .await
+            .unwrap()
+            .is_replayed()
+    );
+    assert_eq!(booked.load(Ordering::SeqCst), 1);
+
+    redis.kill();
+    let e = server.oneshot(call(Some("k-2"), 40)).await.unwrap_err();
+    assert_eq!(code(&e), codes::REPLAY_UNAVAILABLE, "{e}");
+    assert!(e.rpc().unwrap().retry_after().is_some());
+    assert_eq!(booked.load(Ordering::SeqCst), 1, "not run unprotected");
+}

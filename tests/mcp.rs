@@ -1,0 +1,424 @@
+//! MCP tool calls through the whole stack: against a real rmcp server on loopback (streamable
+//! HTTP, the real clock, short durations), and run-level deadlines and budgets on tokio's
+//! paused clock.
+
+use backstop::{
+    Backstop, Deadline, Dependency, ErrorKind, HasExtensions, Outcome, Run,
+    backoff::{Backoff, RngSource},
+    mcp::{
+        META_KEY, META_KEY_ALIAS, ToolCall, ToolError, ToolHints, ToolPolicy, ToolResult,
+        rmcp::{ToolCatalog, error_result},
+    },
+    retry::StopReason,
+};
+use backstop_workspace::refunds_mcp::RefundServer;
+use rmcp::{
+    RoleClient, ServiceExt,
+    service::RunningService,
+    transport::{
+        StreamableHttpClientTransport, streamable_http_client::StreamableHttpClientTransportConfig,
+    },
+};
+use serde_json::json;
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+use tower::{Layer, ServiceExt as _, service_fn};
+
+async fn connect(server: &RefundServer) -> RunningService<RoleClient, ()> {
+    let transport = StreamableHttpClientTransport::with_client(
+        reqwest::Client::new(),
+        StreamableHttpClientTransportConfig::with_uri(server.url()),
+    );
+    tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
+        .await
+        .expect("the client connects within 10 s")
+        .expect("the client connects")
+}
+
+fn payments() -> Backstop<
+    backstop::mcp::McpClassifier,
+    backstop::retry::CloneRequest,
+    backstop::idempotency::ToolKeys,
+> {
+    Backstop::mcp("payments-mcp")
+        .no_breaker()
+        .backoff(Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20)).unwrap())
+        .attempt_timeout(Duration::from_secs(3))
+        .deadline(Duration::from_secs(8))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_refund_reply_and_the_model_repeating_itself_books_one_refund() {
+    let server = RefundServer::start(Some("issue_refund")).await;
+    let client = connect(&server).await;
+    let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+    let run = Run::new("run-7f3a");
+    let refund = || {
+        catalog
+            .call("issue_refund", json!({"order": "ORD-4812", "eur": 40}))
+            .unwrap()
+            .in_run(&run)
+    };
+    assert_eq!(refund().policy(), ToolPolicy::NeverRetry);
+
+    let err = tools.clone().oneshot(refund()).await.unwrap_err();
+    assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+    assert_eq!(
+        err.attempts(),
+        1,
+        "a destructive tool is never repeated by the stack: {err}"
+    );
+    assert_eq!(server.lost.load(Ordering::SeqCst), 1);
+    assert!(
+        err.to_string().contains("may or may not have taken effect"),
+        "{err}"
+    );
+    // What the model receives: the error as a tool result, via rmcp's own type.
+    let told = error_result(&err, None);
+    assert_eq!(told.is_error, Some(true));
+    assert_eq!(
+        told.structured_content.as_ref().unwrap()["outcome"],
+        "unknown"
+    );
+
+    // The model repeats the same action: same run, tool and arguments, so the same key.
+    let again: ToolResult = tools.clone().oneshot(refund()).await.unwrap();
+    assert!(again.is_replayed(), "{:?}", again.to_json());
+    assert_eq!(
+        again.joined_text(),
+        "refund R1 of 40.00 EUR booked for ORD-4812"
+    );
+    assert_eq!(server.tools.refunds().len(), 1, "one refund");
+    assert_eq!(server.tools.handled.load(Ordering::SeqCst), 1);
+
+    // The key went in `_meta` under the documented names, never in the arguments.
+    let seen = server.tools.seen.lock().unwrap().clone();
+    let (meta, args) = &seen[0];
+    let key = meta[META_KEY].as_str().expect("the key in _meta");
+    assert_eq!(meta[META_KEY_ALIAS], key);
+    assert!(!args.contains_key(META_KEY) && !args.contains_key(META_KEY_ALIAS));
+
+    // Another amount is another action: a new key, a second refund.
+    let other = catalog
+        .call("issue_refund", json!({"order": "ORD-4812", "eur": 5}))
+        .unwrap()
+        .in_run(&run);
+    assert!(!tools.oneshot(other).await.unwrap().is_replayed());
+    assert_eq!(server.tools.refunds().len(), 2);
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotent_tool_s_lost_reply_is_repeated_with_the_same_key() {
+    let server = RefundServer::start(Some("set_refund_note")).await;
+    let client = connect(&server).await;
+    let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+    let note = catalog
+        .call("set_refund_note", json!({"refund": "R1", "note": "late"}))
+        .unwrap();
+    assert_eq!(note.policy(), ToolPolicy::KeyHonouring);
+    let result = tools.oneshot(note).await.unwrap();
+    assert_eq!(server.lost.load(Ordering::SeqCst), 1);
+    assert!(
+        result.is_replayed(),
+        "the second attempt carried the first one's key"
+    );
+    assert_eq!(server.tools.handled.load(Ordering::SeqCst), 1);
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_go_back_to_the_model_and_are_not_retried() {
+    let server = RefundServer::start(None).await;
+    let client = connect(&server).await;
+    let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+
+    // The tool's own refusal (`isError: true`) is its answer.
+    let negative = catalog
+        .call("issue_refund", json!({"order": "ORD-4812", "eur": -5}))
+        .unwrap();
+    let answer = tools.clone().oneshot(negative).await.unwrap();
+    assert!(answer.is_error);
+    assert!(answer.joined_text().contains("ask the user for the amount"));
+
+    // The server's JSON-RPC refusal (invalid params): final, told in words.
+    let no_order = catalog.call("issue_refund", json!({"eur": 5})).unwrap();
+    let err = tools.clone().oneshot(no_order).await.unwrap_err();
+    assert_eq!(
+        (err.kind(), err.outcome(), err.attempts()),
+        (ErrorKind::Failed, Outcome::Completed, 1)
+    );
+    assert!(err.to_string().contains("needs `order`"), "{err}");
+    assert!(
+        err.next_action().contains("change the request"),
+        "{}",
+        err.next_action()
+    );
+
+    // An unknown tool: method not found, final.
+    let missing = ToolCall::new("refund_everything", json!({})).unwrap();
+    let err = tools.oneshot(missing).await.unwrap_err();
+    assert_eq!(err.attempts(), 1, "{err}");
+    assert_eq!(
+        server.tools.handled.load(Ordering::SeqCst),
+        3,
+        "each ran once"
+    );
+    assert!(server.tools.refunds().is_empty());
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catalog_reads_the_server_s_annotations() {
+    let server = RefundServer::start(None).await;
+    let client = connect(&server).await;
+    let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+    let policy = |tool| catalog.call(tool, json!({})).unwrap().policy();
+    assert_eq!(policy("issue_refund"), ToolPolicy::NeverRetry);
+    assert_eq!(policy("order_status"), ToolPolicy::ReadOnly);
+    assert_eq!(policy("set_refund_note"), ToolPolicy::KeyHonouring);
+    assert_eq!(policy("not_listed"), ToolPolicy::Standard);
+    // The caller's choice wins over the annotations.
+    let chosen = ToolCall::new("issue_refund", json!({}))
+        .unwrap()
+        .with_policy(ToolPolicy::KeyHonouring)
+        .hints(catalog.hints("issue_refund"));
+    assert_eq!(chosen.policy(), ToolPolicy::KeyHonouring);
+    client.cancel().await.unwrap();
+}
+
+/// A transport whose every call fails as `fail` says, counting the calls per tool.
+fn failing(
+    fail: fn() -> ToolError,
+) -> (
+    impl tower::Service<ToolCall, Response = ToolResult, Error = ToolError, Future: Send> + Clone,
+    Arc<Mutex<Vec<(String, Option<String>)>>>,
+) {
+    let calls: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
+    let seen = calls.clone();
+    let svc = service_fn(move |call: ToolCall| {
+        seen.lock().unwrap().push((
+            call.name().to_owned(),
+            call.key().map(|k| k.as_str().to_owned()),
+        ));
+        async move { Err::<ToolResult, _>(fail()) }
+    });
+    (svc, calls)
+}
+
+fn lost() -> ToolError {
+    ToolError::Lost("connection reset by peer".into())
+}
+
+fn refused() -> ToolError {
+    ToolError::NotSent(Box::new(std::io::Error::from(
+        std::io::ErrorKind::ConnectionRefused,
+    )))
+}
+
+fn read_only(name: &str) -> ToolCall {
+    ToolCall::new(name, json!({"q": 1}))
+        .unwrap()
+        .hints(ToolHints {
+            read_only: Some(true),
+            ..ToolHints::default()
+        })
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_policy_s_attempts_after_a_lost_reply() {
+    let (transport, calls) = failing(lost);
+    let tools = payments()
+        .max_attempts(3)
+        .rng(RngSource::seeded(7))
+        .build()
+        .unwrap()
+        .layer(transport);
+    let attempts = |policy| {
+        let tools = tools.clone();
+        let calls = calls.clone();
+        async move {
+            calls.lock().unwrap().clear();
+            let call = ToolCall::new("t", json!({})).unwrap().with_policy(policy);
+            let err = tools.oneshot(call).await.unwrap_err();
+            let seen = calls.lock().unwrap().clone();
+            (err.attempts(), seen)
+        }
+    };
+    let (n, seen) = attempts(ToolPolicy::ReadOnly).await;
+    assert_eq!(n, 3);
+    assert!(seen.iter().all(|(_, k)| k.is_none()), "a read needs no key");
+    let (n, seen) = attempts(ToolPolicy::KeyHonouring).await;
+    assert_eq!(n, 3);
+    let first = seen[0].1.clone().expect("a key");
+    assert!(
+        seen.iter().all(|(_, k)| k.as_ref() == Some(&first)),
+        "one key on every attempt"
+    );
+    let (n, _) = attempts(ToolPolicy::NeverRetry).await;
+    assert_eq!(n, 1);
+    // The standard policy: the stack's own key does not make a lost reply repeatable...
+    let (n, _) = attempts(ToolPolicy::Standard).await;
+    assert_eq!(n, 1);
+    // ...but a call that never left is sent again, whatever the policy but "never".
+    let (transport, calls) = failing(refused);
+    let tools = payments()
+        .rng(RngSource::seeded(7))
+        .build()
+        .unwrap()
+        .layer(transport);
+    let call = ToolCall::new("t", json!({})).unwrap();
+    assert_eq!(tools.clone().oneshot(call).await.unwrap_err().attempts(), 3);
+    calls.lock().unwrap().clear();
+    let once = ToolCall::new("t", json!({}))
+        .unwrap()
+        .with_policy(ToolPolicy::NeverRetry);
+    let err = tools.oneshot(once).await.unwrap_err();
+    assert_eq!((err.attempts(), err.outcome()), (1, Outcome::NotSent));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_gets_what_is_left_of_the_run_s_deadline() {
+    let run = Run::new("run-deadline").deadline(Duration::from_secs(120));
+    tokio::time::advance(Duration::from_secs(100)).await;
+    let left = Arc::new(Mutex::new(None));
+    let seen = left.clone();
+    let slow = service_fn(move |call: ToolCall| {
+        *seen.lock().unwrap() = Deadline::of(&call).map(Deadline::remaining);
+        async {
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            Ok::<_, ToolError>(ToolResult::text("late"))
+        }
+    });
+    // The stack's own deadline is 30 s, the attempt timeout 25 s: the run has 20 s left.
+    let tools = Backstop::mcp("search-mcp")
+        .no_breaker()
+        .attempt_timeout(Duration::from_secs(25))
+        .build()
+        .unwrap()
+        .layer(slow);
+    let started = tokio::time::Instant::now();
+    let err = tools
+        .oneshot(read_only("search").in_run(&run))
+        .await
+        .unwrap_err();
+    assert_eq!(*left.lock().unwrap(), Some(Duration::from_secs(20)));
+    assert_eq!(started.elapsed(), Duration::from_secs(20), "{err}");
+    assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+    // A call whose own deadline is earlier keeps it.
+    let mut call = read_only("search");
+    Deadline::after(Duration::from_secs(5)).tighten(&mut call);
+    let call = call.in_run(&Run::new("r2").deadline(Duration::from_secs(120)));
+    assert_eq!(
+        Deadline::of(&call).unwrap().remaining(),
+        Duration::from_secs(5)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_failing_tool_cannot_spend_more_than_the_run_s_retries() {
+    let (carrier, carrier_calls) = failing(refused);
+    let (search, search_calls) = failing(refused);
+    let stack = |name: &str| {
+        Backstop::mcp(name)
+            .no_breaker()
+            .no_budget()
+            .max_attempts(5)
+            .rng(RngSource::seeded(1))
+            .backoff(
+                Backoff::full_jitter(Duration::from_millis(10), Duration::from_millis(50)).unwrap(),
+            )
+            .build()
+            .unwrap()
+    };
+    let carrier = stack("carrier-mcp").layer(carrier);
+    let search = stack("search-mcp").layer(search);
+    let run = Run::new("run-budget").retry_budget(6);
+
+    // The carrier is down: its calls spend the run's retries, four at a time, until none are left.
+    let e1 = carrier
+        .clone()
+        .oneshot(read_only("quote").in_run(&run))
+        .await
+        .unwrap_err();
+    assert_eq!(e1.attempts(), 5);
+    let e2 = carrier
+        .clone()
+        .oneshot(read_only("quote").in_run(&run))
+        .await
+        .unwrap_err();
+    assert_eq!(e2.attempts(), 3, "two retries were left: {e2}");
+    assert_eq!(e2.kind(), ErrorKind::BudgetExhausted);
+    assert!(
+        e2.to_string()
+            .contains("this run has spent all 6 of its retries"),
+        "{e2}"
+    );
+    assert!(
+        e2.next_action()
+            .contains("this run has used all of its retries"),
+        "{}",
+        e2.next_action()
+    );
+    let retry = std::error::Error::source(&e2)
+        .and_then(|e| e.downcast_ref::<backstop::retry::RetryError>());
+    assert!(matches!(
+        retry.map(|r| &r.history().stopped),
+        Some(StopReason::RunBudgetExhausted { retries: 6 })
+    ));
+    // Another tool of the same run gets its first attempt, and no retry.
+    let e3 = search
+        .clone()
+        .oneshot(read_only("find").in_run(&run))
+        .await
+        .unwrap_err();
+    assert_eq!(e3.attempts(), 1, "{e3}");
+    assert_eq!(search_calls.lock().unwrap().len(), 1);
+    assert_eq!(carrier_calls.lock().unwrap().len(), 8);
+    // The spend is attributed to the tool that made it.
+    assert_eq!(run.spent_by(), vec![(Dependency::new("carrier-mcp"), 6)]);
+    // A call outside the run keeps the stack's own limits.
+    assert_eq!(
+        search
+            .oneshot(read_only("find"))
+            .await
+            .unwrap_err()
+            .attempts(),
+        5
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_the_dependency_s_budget_refuses_goes_back_to_the_run() {
+    let (down, _) = failing(refused);
+    let budget = backstop::budget::Budget::new(
+        backstop::budget::BudgetConfig::default()
+            .ratio(0.0)
+            .min_retries_per_sec(0.0),
+    )
+    .unwrap();
+    let tools = Backstop::mcp("thin-mcp")
+        .no_breaker()
+        .budget(budget)
+        .rng(RngSource::seeded(3))
+        .build()
+        .unwrap()
+        .layer(down);
+    let run = Run::new("run-refund").retry_budget(3);
+    let err = tools
+        .oneshot(read_only("x").in_run(&run))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BudgetExhausted, "{err}");
+    assert_eq!(run.retries_spent(), 0, "nothing was retried, nothing spent");
+    let _ = ToolCall::default().extensions();
+    let _ = AtomicU32::new(0);
+}
