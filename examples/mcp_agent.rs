@@ -24,7 +24,7 @@
 use backstop::{
     Backstop, BoxError, Error, Run,
     breaker::{Breaker, BreakerConfig},
-    mcp::{ToolCall, ToolError, ToolResult, rmcp::ToolCatalog},
+    mcp::{ToolCall, ToolCatalog, ToolError, ToolResult},
 };
 use backstop_workspace::refunds_mcp::RefundServer;
 use rmcp::{

@@ -33,6 +33,8 @@ use std::{
     task::{Context, Poll},
 };
 
+type JsonObject = serde_json::Map<String, Value>;
+
 /// One refund the server booked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refund {
@@ -51,14 +53,7 @@ pub struct RefundTools {
     /// Tool calls that reached the handler (replays do not).
     pub handled: Arc<AtomicU32>,
     /// The `_meta` and the arguments of each call that reached the handler.
-    pub seen: Arc<
-        Mutex<
-            Vec<(
-                serde_json::Map<String, Value>,
-                serde_json::Map<String, Value>,
-            )>,
-        >,
-    >,
+    pub seen: Arc<Mutex<Vec<(JsonObject, JsonObject)>>>,
 }
 
 impl RefundTools {
@@ -194,6 +189,8 @@ pub struct LoseFirstReply<S> {
     armed: Arc<AtomicBool>,
     /// Replies lost so far.
     pub lost: Arc<AtomicU32>,
+    /// The `Idempotency-Key` header of each `tools/call` POST (`None`: no header).
+    pub key_headers: Arc<Mutex<Vec<Option<String>>>>,
 }
 
 type Boxed = UnsyncBoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
@@ -218,9 +215,17 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let (armed, lost, tool) = (self.armed.clone(), self.lost.clone(), self.tool);
+        let key_headers = self.key_headers.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
             let bytes = body.collect().await?.to_bytes();
+            if std::str::from_utf8(&bytes).is_ok_and(|s| s.contains("\"tools/call\"")) {
+                let header = parts.headers.get("idempotency-key");
+                key_headers
+                    .lock()
+                    .expect("headers")
+                    .push(header.and_then(|v| v.to_str().ok()).map(str::to_owned));
+            }
             let targeted = tool.is_some_and(|tool| {
                 std::str::from_utf8(&bytes).is_ok_and(|s| {
                     s.contains("\"tools/call\"") && s.contains(&format!("\"{tool}\""))
@@ -250,6 +255,8 @@ pub struct RefundServer {
     pub tools: RefundTools,
     /// Replies the fault layer lost.
     pub lost: Arc<AtomicU32>,
+    /// The `Idempotency-Key` header of each `tools/call` POST.
+    pub key_headers: Arc<Mutex<Vec<Option<String>>>>,
     server: TestServer,
 }
 
@@ -267,7 +274,9 @@ impl RefundServer {
             config,
         );
         let lost = Arc::new(AtomicU32::new(0));
+        let key_headers: Arc<Mutex<Vec<Option<String>>>> = Arc::default();
         let svc = LoseFirstReply {
+            key_headers: key_headers.clone(),
             inner: mcp,
             tool: lose_first_reply_of,
             armed: Arc::new(AtomicBool::new(true)),
@@ -277,6 +286,7 @@ impl RefundServer {
         RefundServer {
             tools,
             lost,
+            key_headers,
             server,
         }
     }

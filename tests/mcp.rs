@@ -6,8 +6,8 @@ use backstop::{
     Backstop, Deadline, Dependency, ErrorKind, HasExtensions, Outcome, Run,
     backoff::{Backoff, RngSource},
     mcp::{
-        META_KEY, META_KEY_ALIAS, ToolCall, ToolError, ToolHints, ToolPolicy, ToolResult,
-        rmcp::{ToolCatalog, error_result},
+        META_KEY, META_KEY_ALIAS, ToolCall, ToolCatalog, ToolError, ToolHints, ToolPolicy,
+        ToolResult, rmcp::error_result,
     },
     retry::StopReason,
 };
@@ -115,6 +115,38 @@ async fn a_lost_refund_reply_and_the_model_repeating_itself_books_one_refund() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_http_the_key_can_travel_as_an_idempotency_key_header_too() {
+    let server = RefundServer::start(None).await;
+    let transport = StreamableHttpClientTransport::with_client(
+        backstop::mcp::rmcp::KeyHeader::new(reqwest::Client::new()),
+        StreamableHttpClientTransportConfig::with_uri(server.url()),
+    );
+    let client = ().serve(transport).await.unwrap();
+    let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+    let run = Run::new("run-header");
+    let call = catalog
+        .call("issue_refund", json!({"order": "ORD-9", "eur": 3}))
+        .unwrap()
+        .in_run(&run);
+    tools.clone().oneshot(call).await.unwrap();
+    let read_only = catalog
+        .call("order_status", json!({"order": "ORD-9"}))
+        .unwrap();
+    tools.oneshot(read_only).await.unwrap();
+    let headers = server.key_headers.lock().unwrap().clone();
+    let seen = server.tools.seen.lock().unwrap().clone();
+    assert_eq!(headers.len(), 2);
+    assert_eq!(
+        headers[0].as_deref(),
+        seen[0].0[META_KEY].as_str(),
+        "the header is the _meta key"
+    );
+    assert_eq!(headers[1], None, "a read carries no key");
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotent_tool_s_lost_reply_is_repeated_with_the_same_key() {
     let server = RefundServer::start(Some("set_refund_note")).await;
     let client = connect(&server).await;
@@ -195,14 +227,17 @@ async fn the_catalog_reads_the_server_s_annotations() {
     client.cancel().await.unwrap();
 }
 
+/// Each call a transport saw: the tool and the key it carried.
+type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+
 /// A transport whose every call fails as `fail` says, counting the calls per tool.
 fn failing(
     fail: fn() -> ToolError,
 ) -> (
     impl tower::Service<ToolCall, Response = ToolResult, Error = ToolError, Future: Send> + Clone,
-    Arc<Mutex<Vec<(String, Option<String>)>>>,
+    Seen,
 ) {
-    let calls: Arc<Mutex<Vec<(String, Option<String>)>>> = Arc::default();
+    let calls: Seen = Arc::default();
     let seen = calls.clone();
     let svc = service_fn(move |call: ToolCall| {
         seen.lock().unwrap().push((
@@ -421,4 +456,178 @@ async fn a_retry_the_dependency_s_budget_refuses_goes_back_to_the_run() {
     assert_eq!(run.retries_spent(), 0, "nothing was retried, nothing spent");
     let _ = ToolCall::default().extensions();
     let _ = AtomicU32::new(0);
+}
+
+/// tower-mcp: a payments router in process, its refund tool behind the per-tool replay layer.
+mod tower_mcp_router {
+    use super::*;
+    use backstop::mcp::{
+        META_ERROR, ToolReplayLayer, codes,
+        tower_mcp::{ReplayToolLayer, RouterClient},
+    };
+    use backstop::replay::MemoryStore;
+    use tower_mcp::{CallToolResult, McpRouter, ToolBuilder};
+
+    fn router(booked: Arc<AtomicU32>, delay: Duration) -> McpRouter {
+        let replay = ToolReplayLayer::new(MemoryStore::default()).single_tenant();
+        let refund = ToolBuilder::new("issue_refund")
+            .description("Refund part of an order")
+            .destructive()
+            .handler(move |args: serde_json::Value| {
+                let booked = booked.clone();
+                async move {
+                    tokio::time::sleep(delay).await;
+                    let n = booked.fetch_add(1, Ordering::SeqCst) + 1;
+                    Ok(CallToolResult::text(format!(
+                        "refund R{n} booked for {}",
+                        args["order"]
+                    )))
+                }
+            })
+            .layer(ReplayToolLayer::new("issue_refund", replay))
+            .build();
+        let status = ToolBuilder::new("order_status")
+            .description("An order's status")
+            .read_only()
+            .handler(|_args: serde_json::Value| async { Ok(CallToolResult::text("delivered")) })
+            .build();
+        McpRouter::new()
+            .server_info("payments", "1.0")
+            .tool(refund)
+            .tool(status)
+    }
+
+    /// The router's first reply is lost after the tool ran.
+    #[derive(Clone)]
+    struct LoseFirst<S> {
+        inner: S,
+        lost: Arc<AtomicU32>,
+    }
+
+    impl<S> tower::Service<ToolCall> for LoseFirst<S>
+    where
+        S: tower::Service<ToolCall, Response = ToolResult, Error = ToolError>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send,
+    {
+        type Response = ToolResult;
+        type Error = ToolError;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<ToolResult, ToolError>> + Send>,
+        >;
+        fn poll_ready(
+            &mut self,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), ToolError>> {
+            self.inner.poll_ready(cx)
+        }
+        fn call(&mut self, call: ToolCall) -> Self::Future {
+            let fut = self.inner.call(call);
+            let lost = self.lost.clone();
+            Box::pin(async move {
+                let result = fut.await?;
+                if lost.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return Err(ToolError::Lost("the reply was lost on the way back".into()));
+                }
+                Ok(result)
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_stack_on_an_mcp_router_with_a_replayed_tool() {
+        let booked = Arc::new(AtomicU32::new(0));
+        let client = RouterClient::connect(router(booked.clone(), Duration::ZERO))
+            .await
+            .unwrap();
+        let catalog = client.catalog().await.unwrap();
+        assert_eq!(
+            catalog.call("issue_refund", json!({})).unwrap().policy(),
+            ToolPolicy::NeverRetry
+        );
+        assert_eq!(
+            catalog.call("order_status", json!({})).unwrap().policy(),
+            ToolPolicy::ReadOnly
+        );
+        let lost = Arc::new(AtomicU32::new(0));
+        let tools = payments().build().unwrap().layer(LoseFirst {
+            inner: client,
+            lost: lost.clone(),
+        });
+        let run = Run::new("run-tower");
+        let refund = || {
+            catalog
+                .call("issue_refund", json!({"order": "ORD-4812", "eur": 40}))
+                .unwrap()
+                .in_run(&run)
+        };
+        let err = tools.clone().oneshot(refund()).await.unwrap_err();
+        assert_eq!(
+            (err.outcome(), err.attempts()),
+            (Outcome::Unknown, 1),
+            "{err}"
+        );
+        // The model repeats the action: the same key, the stored result.
+        let again = tools.clone().oneshot(refund()).await.unwrap();
+        assert!(again.is_replayed(), "{:?}", again.to_json());
+        assert_eq!(again.joined_text(), "refund R1 booked for \"ORD-4812\"");
+        assert_eq!(booked.load(Ordering::SeqCst), 1, "one refund");
+        // A call without a key runs as it would without the layer.
+        let unkeyed = ToolCall::new("issue_refund", json!({"order": "ORD-1"}))
+            .unwrap()
+            .with_policy(ToolPolicy::ReadOnly);
+        assert!(!tools.oneshot(unkeyed).await.unwrap().is_replayed());
+        assert_eq!(booked.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repeat_while_the_first_runs_is_told_to_wait_and_then_gets_the_result() {
+        let booked = Arc::new(AtomicU32::new(0));
+        let client = RouterClient::connect(router(booked.clone(), Duration::from_millis(1500)))
+            .await
+            .unwrap();
+        // Straight to the router: the refusal is a result carrying the JSON-RPC error.
+        let key = backstop::idempotency::IdempotencyKey::new("refund-ORD-4812").unwrap();
+        let call = || {
+            ToolCall::new("issue_refund", json!({"order": "ORD-4812"}))
+                .unwrap()
+                .with_key(key.clone())
+        };
+        let first = tokio::spawn(client.clone().oneshot(call()));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let meanwhile = client.clone().oneshot(call()).await.unwrap();
+        assert!(meanwhile.is_error);
+        let carried = meanwhile.carried_error().expect("the refusal's code");
+        assert_eq!(
+            carried.code,
+            codes::KEY_IN_FLIGHT,
+            "{:?}",
+            meanwhile.meta[META_ERROR]
+        );
+        // Through the stack: the refusal is retried after the server's pushback (1 s), and the
+        // repeat gets the first call's result.
+        let tools = Backstop::mcp("payments-mcp")
+            .no_breaker()
+            .build()
+            .unwrap()
+            .layer(client.clone());
+        let started = tokio::time::Instant::now();
+        let repeat = tools
+            .oneshot(call().with_policy(ToolPolicy::NeverRetry))
+            .await;
+        // A destructive call is not retried even on a refusal: it comes back as the refusal.
+        assert!(repeat.unwrap().carried_error().is_some());
+        let tools = Backstop::mcp("payments-mcp")
+            .no_breaker()
+            .build()
+            .unwrap()
+            .layer(client);
+        let repeat = tools.oneshot(call()).await.unwrap();
+        assert!(repeat.is_replayed(), "{:?}", repeat.to_json());
+        assert!(started.elapsed() >= Duration::from_secs(1));
+        first.await.unwrap().unwrap();
+        assert_eq!(booked.load(Ordering::SeqCst), 1);
+    }
 }

@@ -188,3 +188,42 @@ async fn the_journal_counts_unknown_outcomes_duplicates_prevented_people_and_suc
         1
     );
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_run_s_retries_are_counted_per_tool_that_spent_them() {
+    use backstop::{
+        Run,
+        mcp::{ToolCall, ToolError, ToolPolicy, ToolResult},
+    };
+    let counters = Counters::default();
+    let _metrics = metrics::set_default_local_recorder(&counters);
+    let down = service_fn(|_call: ToolCall| async {
+        Err::<ToolResult, _>(ToolError::NotSent(Box::new(io::Error::from(
+            io::ErrorKind::ConnectionRefused,
+        ))))
+    });
+    let carrier = Backstop::mcp("carrier-mcp")
+        .no_breaker()
+        .no_budget()
+        .rng(RngSource::seeded(5))
+        .build()
+        .unwrap()
+        .layer(down);
+    let run = Run::new("run-metrics").retry_budget(3);
+    let call = || {
+        ToolCall::new("quote", serde_json::json!({}))
+            .unwrap()
+            .with_policy(ToolPolicy::ReadOnly)
+            .in_run(&run)
+    };
+    carrier.clone().oneshot(call()).await.unwrap_err(); // 2 retries
+    carrier.oneshot(call()).await.unwrap_err(); // 1 retry, then refused
+    assert_eq!(
+        counters.get("backstop_run_retries_total{dependency=carrier-mcp}"),
+        3
+    );
+    assert_eq!(
+        counters.get("backstop_run_budget_refusals_total{dependency=carrier-mcp}"),
+        1
+    );
+}

@@ -121,6 +121,54 @@ fn tools_stack() -> Result<(), BoxError> {
     Ok(())
 }
 
+#[rustfmt::skip]
+async fn mcp_rmcp(
+    client: rmcp::service::RunningService<rmcp::RoleClient, ()>,
+    payments_tools: backstop_workspace::refunds_mcp::RefundTools,
+) -> Result<(), BoxError> {
+    use backstop::{Run, mcp::{ToolCatalog, ToolReplayLayer, rmcp::ReplayHandler}, replay::MemoryStore};
+    use serde_json::json;
+    use std::time::Duration;
+    use tower::ServiceExt;
+    // README block 5
+    let run = Run::new("run-7f3a").deadline(Duration::from_secs(120)).retry_budget(10); // shared by the run's calls
+    let catalog = ToolCatalog::discover(client.peer()).await?;     // the tools' annotations choose each call's policy
+    let payments = Backstop::mcp("payments-mcp").build()?.rmcp(client.peer().clone());
+    let call = catalog.call("issue_refund", json!({"order": "ORD-4812", "eur": 40}))?.in_run(&run);
+    match payments.oneshot(call).await {
+        Ok(result) => { /* the tool's answer; `isError: true` is an answer too, for the model */ }
+        Err(e) => { let for_the_model = e.to_tool_result(None); }
+    }
+    // the server side: a keyed tools/call runs once, repeats get the stored result
+    let server = ReplayHandler::new(payments_tools, ToolReplayLayer::new(MemoryStore::default()).single_tenant());
+    // end
+    Ok(())
+}
+
+async fn issue_refund(args: serde_json::Value) -> tower_mcp::Result<tower_mcp::CallToolResult> {
+    Ok(tower_mcp::CallToolResult::text(args.to_string()))
+}
+
+#[rustfmt::skip]
+async fn mcp_tower() -> Result<(), BoxError> {
+    use backstop::{mcp::{ToolReplayLayer, tower_mcp::{ReplayToolLayer, RouterClient}}, replay::MemoryStore};
+    use tower_mcp::{McpRouter, ToolBuilder};
+    // README block 6
+    let refund = ToolBuilder::new("issue_refund").description("Refund part of an order").destructive()
+        .handler(issue_refund)
+        .layer(ReplayToolLayer::new("issue_refund", ToolReplayLayer::new(MemoryStore::default()).single_tenant()))
+        .build();
+    let router = McpRouter::new().server_info("payments", "1.0").tool(refund);
+    let payments = Backstop::mcp("payments-mcp").build()?.layer(RouterClient::connect(router).await?);
+    // end
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_tower_mcp_block_runs() {
+    mcp_tower().await.unwrap();
+}
+
 /// The Rust blocks of the README, in order.
 fn readme_blocks() -> Vec<String> {
     let readme = include_str!("../README.md");

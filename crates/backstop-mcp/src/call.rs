@@ -24,6 +24,12 @@ pub const META_KEY_ALIAS: &str = "idempotencyKey";
 /// stored result of an earlier call instead of running the tool again.
 pub const META_REPLAYED: &str = "dev.backstop/replayed";
 
+/// Where a tool result with `isError: true` carries a JSON-RPC error of Backstop's (code,
+/// message, data), for transports that can only answer a tool call with a result (tower-mcp's
+/// tool layers): `_meta["dev.backstop/error"]`. [`McpClassifier`](crate::McpClassifier)
+/// classifies such a result as that error.
+pub const META_ERROR: &str = "dev.backstop/error";
+
 /// JSON-RPC error codes: the standard ones MCP uses, and Backstop's own for the replay layer
 /// (in the range JSON-RPC leaves to implementations, -32000 to -32099).
 pub mod codes {
@@ -340,6 +346,14 @@ impl ToolResult {
             .filter_map(|c| c.get("text").and_then(Value::as_str))
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    /// The JSON-RPC error an `isError` result carries under [`META_ERROR`], if any.
+    pub fn carried_error(&self) -> Option<RpcError> {
+        if !self.is_error {
+            return None;
+        }
+        self.meta.get(META_ERROR).and_then(RpcError::from_json)
     }
 
     /// Whether a tool server's replay layer answered with a stored result ([`META_REPLAYED`]).

@@ -12,6 +12,7 @@ use std::error::Error;
 /// |---|---|---|
 /// | a result (`isError: false`) | success | completed |
 /// | a result with `isError: true` | success: the tool answered, and the text goes back to the model as it is | completed |
+/// | a result with `isError: true` carrying a JSON-RPC error under [`META_ERROR`](crate::META_ERROR) | as that error (below) | |
 /// | [`ToolError::NotSent`] (connection refused, no session) | retryable | not sent |
 /// | [`ToolError::Lost`] (reset, lost reply, timeout) | retryable | unknown |
 /// | JSON-RPC parse error, invalid request, method not found, invalid params; MCP's resource not found (-32002), header mismatch, missing capability, unsupported protocol version (-32020 to -32022); any other code outside -32099 to -32000 | fatal | completed (the server answered; nothing to repeat) |
@@ -121,6 +122,11 @@ fn verdict_of_chain(error: &(dyn Error + 'static)) -> Verdict {
 impl<E: AsError> Classify<ToolCall, ToolResult, E> for McpClassifier {
     fn classify(&self, result: Result<&ToolResult, &E>) -> Verdict {
         match result {
+            // A refusal of Backstop's that a transport could only send as a result.
+            Ok(result) if result.is_error => match result.carried_error() {
+                Some(e) => verdict_of_rpc(&e),
+                None => Verdict::Success,
+            },
             // `isError: true` is the tool's answer: final, and the model reads it.
             Ok(_) => Verdict::Success,
             Err(e) => verdict_of_chain(e.as_error()),

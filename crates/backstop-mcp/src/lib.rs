@@ -15,6 +15,9 @@
 //! **rmcp** (feature `rmcp`): [`rmcp::RmcpClient`] is an rmcp client's `call_tool` as a tower
 //! service, and [`rmcp::ReplayHandler`] puts replay in front of an rmcp `ServerHandler`'s tools.
 //!
+//! **tower-mcp** (feature `tower-mcp`): [`tower_mcp::RouterClient`] calls an `McpRouter`'s
+//! tools as a service of [`ToolCall`]s, and [`tower_mcp::ReplayToolLayer`] is a per-tool layer.
+//!
 //! ```
 //! use backstop_core::{Classify, Outcome, Verdict};
 //! use backstop_mcp::{McpClassifier, ToolCall, ToolError, ToolHints, ToolPolicy, ToolResult};
@@ -38,10 +41,13 @@ mod policy;
 mod replay;
 #[cfg(feature = "rmcp")]
 pub mod rmcp;
+#[cfg(feature = "tower-mcp")]
+pub mod tower_mcp;
 
 pub use call::{
-    META_KEY, META_KEY_ALIAS, META_REPLAYED, RpcError, ToolCall, ToolError, ToolResult, codes,
+    META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, RpcError, ToolCall, ToolError, ToolResult,
+    codes,
 };
 pub use classify::{McpClassifier, verdict_of, verdict_of_rpc};
-pub use policy::{ToolHints, ToolPolicy};
+pub use policy::{ToolCatalog, ToolHints, ToolPolicy};
 pub use replay::{ToolReplay, ToolReplayLayer};

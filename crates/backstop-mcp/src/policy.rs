@@ -1,4 +1,6 @@
+use crate::{ToolCall, ToolError};
 use serde_json::Value;
+use std::{collections::HashMap, sync::Arc};
 
 /// A tool's annotations (MCP `ToolAnnotations`): hints the server gives about what the tool
 /// does. `None` is "not said".
@@ -15,15 +17,22 @@ pub struct ToolHints {
 }
 
 impl ToolHints {
-    /// Reads MCP's JSON for a tool's annotations (`{"readOnlyHint": true, ...}`); missing or
-    /// non-boolean fields are "not said".
+    /// Reads MCP's JSON for a tool's annotations (`{"readOnlyHint": true, ...}`).
+    ///
+    /// No annotations at all (`null`, or not an object) say nothing. Annotations that leave a
+    /// hint out mean MCP's default for it: `destructiveHint` and `openWorldHint` default to
+    /// `true` (which is why SDKs such as tower-mcp do not write `destructiveHint: true`), the
+    /// others to `false`. Non-boolean values count as left out.
     pub fn from_json(annotations: &Value) -> Self {
+        if !annotations.is_object() {
+            return ToolHints::default();
+        }
         let hint = |name: &str| annotations.get(name).and_then(Value::as_bool);
         ToolHints {
-            read_only: hint("readOnlyHint"),
-            destructive: hint("destructiveHint"),
-            idempotent: hint("idempotentHint"),
-            open_world: hint("openWorldHint"),
+            read_only: Some(hint("readOnlyHint").unwrap_or(false)),
+            destructive: Some(hint("destructiveHint").unwrap_or(true)),
+            idempotent: Some(hint("idempotentHint").unwrap_or(false)),
+            open_world: Some(hint("openWorldHint").unwrap_or(true)),
         }
     }
 }
@@ -35,12 +44,12 @@ impl ToolHints {
 /// | `readOnlyHint: true` | [`ReadOnly`](ToolPolicy::ReadOnly) | no key; retried freely (a lost reply too) |
 /// | `idempotentHint: true` | [`KeyHonouring`](ToolPolicy::KeyHonouring) | a key in `_meta`; a lost reply is repeated with it |
 /// | `destructiveHint: true` without `idempotentHint: true` | [`NeverRetry`](ToolPolicy::NeverRetry) | a key in `_meta`; one attempt, never repeated automatically |
-/// | none of these | [`Standard`](ToolPolicy::Standard) | a key in `_meta`; retried when it did not reach the tool, not after a lost reply unless the key is the caller's (or the stack is built with `honours_keys()`) |
+/// | none of these (no annotations; or `destructiveHint: false`) | [`Standard`](ToolPolicy::Standard) | a key in `_meta`; retried when it did not reach the tool, not after a lost reply unless the key is the caller's (or the stack is built with `honours_keys()`) |
 ///
-/// `readOnlyHint` wins over the others (a read-only tool destroys nothing). MCP's own default
-/// for a tool without annotations is "destructive"; the standard policy is already careful
-/// (a lost reply is not repeated on the stack's own key), so no annotations keeps the standard
-/// policy rather than forbidding every retry. A caller's choice
+/// `readOnlyHint` wins over the others (a read-only tool destroys nothing). Annotations that
+/// leave `destructiveHint` out mean MCP's default, destructive ([`ToolHints::from_json`]). A
+/// tool with no annotations at all keeps the standard policy, which is already careful (a lost
+/// reply is not repeated on the stack's own key), rather than forbidding every retry. A caller's choice
 /// ([`ToolCall::with_policy`](crate::ToolCall::with_policy)) overrides the annotations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -81,6 +90,46 @@ impl ToolPolicy {
     }
 }
 
+/// A server's tools and their annotations, read once: [`call`](ToolCatalog::call) makes a
+/// [`ToolCall`] with its tool's policy. With rmcp, `ToolCatalog::discover(&peer)` (feature
+/// `rmcp`); with tower-mcp, `RouterClient::catalog` (feature `tower-mcp`).
+///
+/// ```
+/// use backstop_mcp::{ToolCatalog, ToolHints, ToolPolicy};
+/// use serde_json::json;
+///
+/// let catalog = ToolCatalog::new([(
+///     "issue_refund",
+///     ToolHints::from_json(&json!({"destructiveHint": true})),
+/// )]);
+/// let refund = catalog.call("issue_refund", json!({"order": "ORD-4812"})).unwrap();
+/// assert_eq!(refund.policy(), ToolPolicy::NeverRetry);
+/// assert_eq!(catalog.call("unknown", json!({})).unwrap().policy(), ToolPolicy::Standard);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct ToolCatalog {
+    hints: Arc<HashMap<String, ToolHints>>,
+}
+
+impl ToolCatalog {
+    /// A catalog of tools and their hints.
+    pub fn new<N: Into<String>>(tools: impl IntoIterator<Item = (N, ToolHints)>) -> Self {
+        ToolCatalog {
+            hints: Arc::new(tools.into_iter().map(|(n, h)| (n.into(), h)).collect()),
+        }
+    }
+
+    /// The hints of a tool (none for a tool the server did not list).
+    pub fn hints(&self, tool: &str) -> ToolHints {
+        self.hints.get(tool).copied().unwrap_or_default()
+    }
+
+    /// A call of `tool` with `arguments`, with the tool's policy.
+    pub fn call(&self, tool: &str, arguments: Value) -> Result<ToolCall, ToolError> {
+        Ok(ToolCall::new(tool, arguments)?.hints(self.hints(tool)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,7 +138,11 @@ mod tests {
     #[test]
     fn every_combination_of_annotations() {
         let p = |v: Value| ToolPolicy::from_hints(&ToolHints::from_json(&v));
-        assert_eq!(p(json!({})), ToolPolicy::Standard);
+        // No annotations at all: the standard policy.
+        assert_eq!(p(Value::Null), ToolPolicy::Standard);
+        // Annotations that leave destructiveHint out: MCP's default, destructive.
+        assert_eq!(p(json!({})), ToolPolicy::NeverRetry);
+        assert_eq!(p(json!({"title": "Refund"})), ToolPolicy::NeverRetry);
         assert_eq!(p(json!({"readOnlyHint": true})), ToolPolicy::ReadOnly);
         assert_eq!(
             p(json!({"readOnlyHint": true, "destructiveHint": true})),
@@ -106,8 +159,29 @@ mod tests {
             ToolPolicy::NeverRetry
         );
         assert_eq!(p(json!({"destructiveHint": false})), ToolPolicy::Standard);
-        assert_eq!(p(json!({"readOnlyHint": false})), ToolPolicy::Standard);
-        assert_eq!(p(json!({"readOnlyHint": "yes"})), ToolPolicy::Standard);
-        assert_eq!(p(json!({"openWorldHint": true})), ToolPolicy::Standard);
+        assert_eq!(p(json!({"readOnlyHint": false})), ToolPolicy::NeverRetry);
+        assert_eq!(p(json!({"readOnlyHint": "yes"})), ToolPolicy::NeverRetry);
+        assert_eq!(
+            p(json!({"openWorldHint": false, "destructiveHint": false})),
+            ToolPolicy::Standard
+        );
+        assert_eq!(
+            p(json!({"idempotentHint": false, "destructiveHint": false})),
+            ToolPolicy::Standard
+        );
+        // Explicit hints as Rust values.
+        let h = |read_only, destructive, idempotent| {
+            ToolPolicy::from_hints(&ToolHints {
+                read_only,
+                destructive,
+                idempotent,
+                open_world: None,
+            })
+        };
+        assert_eq!(h(None, None, None), ToolPolicy::Standard);
+        assert_eq!(h(None, Some(true), None), ToolPolicy::NeverRetry);
+        assert_eq!(h(None, Some(true), Some(false)), ToolPolicy::NeverRetry);
+        assert_eq!(h(None, Some(true), Some(true)), ToolPolicy::KeyHonouring);
+        assert_eq!(h(Some(true), Some(true), None), ToolPolicy::ReadOnly);
     }
 }

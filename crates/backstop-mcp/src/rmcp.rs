@@ -4,7 +4,8 @@
 //! [`ToolCall`]s: put the Backstop stack on it (`Backstop::mcp(..).build()?.layer(..)` in the
 //! facade, or `BackstopLayer::rmcp(peer)`). Each attempt sends the call's key in `_meta`;
 //! rmcp's errors become [`ToolError`]s that say whether the call left. [`ToolCatalog`] reads
-//! the server's tool annotations once, so each call gets its tool's policy.
+//! the server's tool annotations once (`ToolCatalog::discover`), so each call gets its tool's
+//! policy.
 //!
 //! **Server.** [`ReplayHandler`] wraps any rmcp `ServerHandler` (one made with the
 //! `#[tool_router]` macros too): a `tools/call` whose `_meta` carries a key goes through
@@ -15,12 +16,21 @@
 //! the server: never from the tool's arguments.
 
 use crate::{
-    META_KEY, ToolCall, ToolError, ToolHints, ToolReplay, ToolReplayLayer, ToolResult,
+    META_KEY, ToolCall, ToolCatalog, ToolError, ToolHints, ToolReplay, ToolReplayLayer, ToolResult,
     call::{RpcError, codes},
 };
 use backstop_classify::classify_error;
 use backstop_core::{HasExtensions, Outcome, Verdict};
+use backstop_idempotency::{IdempotencyKey, KeyFormat};
 use backstop_replay::Principal;
+use http::{HeaderName, HeaderValue};
+use rmcp::transport::{
+    common::client_side_sse::BoxedSseResponse,
+    streamable_http_client::{
+        StreamableHttpClient, StreamableHttpError, StreamableHttpPostResponse,
+        StreamableHttpResponseLimits,
+    },
+};
 use rmcp::{
     ErrorData as McpError, RoleClient, ServerHandler, ServiceError,
     model::*,
@@ -28,7 +38,6 @@ use rmcp::{
         MaybeSendFuture, NotificationContext, Peer, RequestContext, RoleServer, SubscriptionContext,
     },
 };
-use serde_json::Value;
 use std::{
     borrow::Cow,
     collections::HashMap,
@@ -177,61 +186,195 @@ pub fn to_rmcp_result(result: &ToolResult) -> Result<CallToolResult, McpError> {
 /// A tool's annotations as [`ToolHints`].
 pub fn hints_of(tool: &Tool) -> ToolHints {
     match &tool.annotations {
+        // Annotations that leave a hint out mean MCP's default for it (see `ToolHints::from_json`).
         Some(a) => ToolHints {
-            read_only: a.read_only_hint,
-            destructive: a.destructive_hint,
-            idempotent: a.idempotent_hint,
-            open_world: a.open_world_hint,
+            read_only: Some(a.read_only_hint.unwrap_or(false)),
+            destructive: Some(a.destructive_hint.unwrap_or(true)),
+            idempotent: Some(a.idempotent_hint.unwrap_or(false)),
+            open_world: Some(a.open_world_hint.unwrap_or(true)),
         },
         None => ToolHints::default(),
     }
 }
 
-/// The server's tools and their annotations, read once: [`call`](ToolCatalog::call) makes a
-/// [`ToolCall`] with its tool's policy.
-///
-/// ```no_run
-/// # async fn example(peer: rmcp::service::Peer<rmcp::RoleClient>) -> Result<(), backstop_mcp::ToolError> {
-/// use backstop_mcp::{ToolPolicy, rmcp::ToolCatalog};
-///
-/// let catalog = ToolCatalog::discover(&peer).await?;
-/// let refund = catalog.call("issue_refund", serde_json::json!({"order": "ORD-4812"}))?;
-/// // The server annotated it `destructiveHint: true`: one attempt, never repeated by the stack.
-/// assert_eq!(refund.policy(), ToolPolicy::NeverRetry);
-/// # Ok(()) }
-/// ```
-#[derive(Clone, Debug, Default)]
-pub struct ToolCatalog {
-    hints: Arc<HashMap<String, ToolHints>>,
-}
-
 impl ToolCatalog {
-    /// Lists the server's tools (every page).
+    /// Lists an rmcp server's tools (every page) and keeps their annotations.
+    ///
+    /// ```no_run
+    /// # async fn example(peer: rmcp::service::Peer<rmcp::RoleClient>) -> Result<(), backstop_mcp::ToolError> {
+    /// use backstop_mcp::{ToolCatalog, ToolPolicy};
+    ///
+    /// let catalog = ToolCatalog::discover(&peer).await?;
+    /// let refund = catalog.call("issue_refund", serde_json::json!({"order": "ORD-4812"}))?;
+    /// // The server annotated it `destructiveHint: true`: one attempt, never repeated by the stack.
+    /// assert_eq!(refund.policy(), ToolPolicy::NeverRetry);
+    /// # Ok(()) }
+    /// ```
     pub async fn discover(peer: &Peer<RoleClient>) -> Result<Self, ToolError> {
         let tools = peer.list_all_tools().await.map_err(from_service_error)?;
-        Ok(ToolCatalog::from_tools(&tools))
+        Ok(ToolCatalog::new(
+            tools.iter().map(|t| (t.name.to_string(), hints_of(t))),
+        ))
+    }
+}
+
+/// rmcp's streamable HTTP client (`reqwest::Client`, or any other `StreamableHttpClient`) that
+/// also sends a keyed `tools/call`'s key as an `Idempotency-Key` header, for servers and
+/// gateways that read the header rather than `_meta`.
+///
+/// ```no_run
+/// use backstop_mcp::rmcp::KeyHeader;
+/// use rmcp::transport::{StreamableHttpClientTransport, streamable_http_client::{StreamableHttpClient, StreamableHttpClientTransportConfig}};
+///
+/// // `http_client`: rmcp's reqwest client (`reqwest::Client`, rmcp's feature
+/// // `transport-streamable-http-client-reqwest`), or one of your own.
+/// fn transport<C: StreamableHttpClient>(http_client: C) -> StreamableHttpClientTransport<KeyHeader<C>> {
+///     StreamableHttpClientTransport::with_client(
+///         KeyHeader::new(http_client),
+///         StreamableHttpClientTransportConfig::with_uri("http://127.0.0.1:8080/mcp"),
+///     )
+/// }
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct KeyHeader<C> {
+    inner: C,
+}
+
+impl<C> KeyHeader<C> {
+    /// Sends through `inner`.
+    pub fn new(inner: C) -> Self {
+        KeyHeader { inner }
+    }
+}
+
+/// Adds the `Idempotency-Key` header when `message` is a `tools/call` whose `_meta` carries a
+/// key.
+fn key_header(message: &ClientJsonRpcMessage, headers: &mut HashMap<HeaderName, HeaderValue>) {
+    let ClientJsonRpcMessage::Request(_) = message else {
+        return;
+    };
+    let Ok(json) = serde_json::to_value(message) else {
+        return;
+    };
+    if json["method"] != "tools/call" {
+        return;
+    }
+    let meta = &json["params"]["_meta"];
+    let key = meta[META_KEY]
+        .as_str()
+        .or_else(|| meta[crate::META_KEY_ALIAS].as_str());
+    if let Some(key) = key.and_then(|k| IdempotencyKey::new(k).ok()) {
+        headers.insert(
+            HeaderName::from_static("idempotency-key"),
+            key.header_value(KeyFormat::Plain),
+        );
+    }
+}
+
+impl<C: StreamableHttpClient> StreamableHttpClient for KeyHeader<C> {
+    type Error = C::Error;
+
+    fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        mut custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>>
+    + Send
+    + '_ {
+        key_header(&message, &mut custom_headers);
+        self.inner
+            .post_message(uri, message, session_id, auth_header, custom_headers)
     }
 
-    /// A catalog of tools already listed.
-    pub fn from_tools(tools: &[Tool]) -> Self {
-        ToolCatalog {
-            hints: Arc::new(
-                tools
-                    .iter()
-                    .map(|t| (t.name.to_string(), hints_of(t)))
-                    .collect(),
-            ),
-        }
+    fn post_message_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        mut custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>>
+    + Send
+    + '_ {
+        key_header(&message, &mut custom_headers);
+        self.inner.post_message_with_max_sse_event_size(
+            uri,
+            message,
+            session_id,
+            auth_header,
+            custom_headers,
+            max_sse_event_size,
+        )
     }
 
-    /// The hints of a tool (none for a tool the server did not list).
-    pub fn hints(&self, tool: &str) -> ToolHints {
-        self.hints.get(tool).copied().unwrap_or_default()
+    fn post_message_with_response_limits(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        mut custom_headers: HashMap<HeaderName, HeaderValue>,
+        limits: StreamableHttpResponseLimits,
+    ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>>
+    + Send
+    + '_ {
+        key_header(&message, &mut custom_headers);
+        self.inner.post_message_with_response_limits(
+            uri,
+            message,
+            session_id,
+            auth_header,
+            custom_headers,
+            limits,
+        )
     }
 
-    /// A call of `tool` with `arguments`, with the tool's policy.
-    pub fn call(&self, tool: &str, arguments: Value) -> Result<ToolCall, ToolError> {
-        Ok(ToolCall::new(tool, arguments)?.hints(self.hints(tool)))
+    fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> impl Future<Output = Result<(), StreamableHttpError<Self::Error>>> + Send + '_ {
+        self.inner
+            .delete_session(uri, session_id, auth_header, custom_headers)
+    }
+
+    fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> impl Future<Output = Result<BoxedSseResponse, StreamableHttpError<Self::Error>>> + Send + '_
+    {
+        self.inner
+            .get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
+    }
+
+    fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> impl Future<Output = Result<BoxedSseResponse, StreamableHttpError<Self::Error>>> + Send + '_
+    {
+        self.inner.get_stream_with_max_sse_event_size(
+            uri,
+            session_id,
+            last_event_id,
+            auth_header,
+            custom_headers,
+            max_sse_event_size,
+        )
     }
 }
 

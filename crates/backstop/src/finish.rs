@@ -120,6 +120,10 @@ where
             let action = ext.get::<ActionContext>();
             let key = ext.get::<IdempotencyKey>();
             if !span.is_disabled() {
+                // A call of a run: its retries (attempts - 1) are the run's spend by this call.
+                if let Some(run) = backstop_core::Run::of(req) {
+                    span.record("run_id", run.id());
+                }
                 if let Some(a) = action {
                     span.record("run_id", a.run_id());
                     if let Some(c) = a.call_id() {

@@ -257,10 +257,17 @@ pub mod reqwest {
 pub mod mcp {
     #[doc(inline)]
     pub use backstop_mcp::{
-        META_KEY, META_KEY_ALIAS, META_REPLAYED, McpClassifier, RpcError, ToolCall, ToolError,
-        ToolHints, ToolPolicy, ToolReplay, ToolReplayLayer, ToolResult, codes, verdict_of,
-        verdict_of_rpc,
+        META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, McpClassifier, RpcError, ToolCall,
+        ToolCatalog, ToolError, ToolHints, ToolPolicy, ToolReplay, ToolReplayLayer, ToolResult,
+        codes, verdict_of, verdict_of_rpc,
     };
+
+    /// tower-mcp's router under the stack, and its per-tool replay layer. Feature `tower-mcp`.
+    #[cfg(feature = "tower-mcp")]
+    pub mod tower_mcp {
+        #[doc(inline)]
+        pub use backstop_mcp::tower_mcp::*;
+    }
 
     /// rmcp's client and server handler under the stack. Feature `rmcp`.
     #[cfg(feature = "rmcp")]

@@ -1,6 +1,6 @@
 //! The composed stack for MCP tool calls.
 
-use crate::{Backstop, BackstopLayer, Error};
+use crate::{Backstop, Error};
 use backstop_idempotency::ToolKeys;
 use backstop_mcp::{McpClassifier, ToolResult};
 use backstop_retry::CloneRequest;
@@ -47,7 +47,7 @@ impl Backstop<McpClassifier, CloneRequest, ToolKeys> {
 }
 
 #[cfg(feature = "rmcp")]
-impl BackstopLayer<McpClassifier, CloneRequest, ToolKeys> {
+impl crate::BackstopLayer<McpClassifier, CloneRequest, ToolKeys> {
     /// The stack over an rmcp client's `call_tool`: every error a typed [`Error`], keys in
     /// `_meta`, the deadline and the retries as for any other client.
     pub fn rmcp(

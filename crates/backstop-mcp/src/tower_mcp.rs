@@ -1,0 +1,428 @@
+//! tower-mcp, the tower-native MCP implementation, both ways (feature `tower-mcp`).
+//!
+//! **Client.** tower-mcp's `McpRouter` is a tower `Service<RouterRequest>`: [`RouterClient`]
+//! turns it (or the router under layers of your own) into a service of [`ToolCall`]s for the
+//! Backstop stack, for a runtime that hosts its tools in process. The call's key travels in
+//! the `RouterRequest`'s extensions, which tower-mcp hands to the tool's `RequestContext`.
+//!
+//! **Server.** [`ReplayToolLayer`] is a per-tool layer (`ToolBuilder::..layer(..)`): a call
+//! that carries a key runs once and repeats get the stored result, with
+//! [`ToolReplayLayer`]'s guarantees. The layer's own refusals (a call with this key still
+//! running, a key reused for other arguments) come back as tool results with `isError: true`
+//! (tower-mcp turns a tool layer's errors into those) that carry the JSON-RPC error under
+//! `_meta["dev.backstop/error"]`, which [`McpClassifier`](crate::McpClassifier) reads.
+//!
+//! **Where the key is read.** tower-mcp 0.25 parses `_meta` into a closed struct: keys it does
+//! not know (Backstop's included) are dropped before a tool sees them, and its client cannot
+//! set them. So with tower-mcp the key is read from the call's extensions only
+//! (`backstop_idempotency::IdempotencyKey` in the `RequestContext`'s extensions), never from
+//! the arguments; over tower-mcp's own wire transports it does not travel. Use rmcp (or an
+//! `IdempotencyKey` bridged from an HTTP header with tower-mcp's `bridge_extension`) to carry
+//! keys between processes.
+
+use crate::{
+    META_ERROR, ToolCall, ToolCatalog, ToolError, ToolHints, ToolReplay, ToolReplayLayer,
+    ToolResult,
+    call::{RpcError, codes},
+};
+use backstop_core::HasExtensions;
+use backstop_idempotency::IdempotencyKey;
+use backstop_replay::Principal;
+use serde_json::{Map, Value, json};
+use std::{
+    convert::Infallible,
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicI64, Ordering},
+    },
+    task::{Context, Poll},
+};
+use tower::ServiceExt;
+use tower_layer::Layer;
+use tower_mcp::{
+    CallToolResult, McpRouter, RouterRequest, RouterResponse, ToolRequest,
+    protocol::{McpNotification, McpRequest, McpResponse, RequestId},
+};
+use tower_service::Service;
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// A tower-mcp router (or any `Service<RouterRequest>`) as a service of [`ToolCall`]s.
+///
+/// ```
+/// use backstop_mcp::{ToolCall, tower_mcp::RouterClient};
+/// use tower::ServiceExt;
+/// use tower_mcp::{CallToolResult, McpRouter, ToolBuilder};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let echo = ToolBuilder::new("echo")
+///     .description("Says it back")
+///     .handler(|args: serde_json::Value| async move { Ok(CallToolResult::text(args.to_string())) })
+///     .build();
+/// let router = McpRouter::new().server_info("tools", "1.0").tool(echo);
+/// let tools = RouterClient::connect(router).await.unwrap();
+/// let call = ToolCall::new("echo", serde_json::json!({"hi": 1})).unwrap();
+/// assert_eq!(tools.oneshot(call).await.unwrap().joined_text(), r#"{"hi":1}"#);
+/// # }
+/// ```
+pub struct RouterClient<S> {
+    inner: S,
+    ids: Arc<AtomicI64>,
+}
+
+impl<S: Clone> Clone for RouterClient<S> {
+    fn clone(&self) -> Self {
+        RouterClient {
+            inner: self.inner.clone(),
+            ids: self.ids.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for RouterClient<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RouterClient").finish_non_exhaustive()
+    }
+}
+
+impl RouterClient<McpRouter> {
+    /// Opens a session on `router` (`initialize`, then `notifications/initialized`) and calls
+    /// its tools.
+    pub async fn connect(router: McpRouter) -> Result<Self, ToolError> {
+        let client = RouterClient::new(router.clone());
+        let params = serde_json::from_value(json!({
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": { "name": "backstop", "version": env!("CARGO_PKG_VERSION") }
+        }))
+        .map_err(|e| ToolError::NotSent(Box::new(e)))?;
+        let res = router
+            .clone()
+            .oneshot(RouterRequest::new(
+                client.next_id(),
+                McpRequest::Initialize(params),
+            ))
+            .await
+            .unwrap_or_else(|never| match never {});
+        if let Err(e) = res.inner {
+            return Err(ToolError::Rpc(from_jsonrpc(&e)));
+        }
+        router.handle_notification(McpNotification::Initialized);
+        Ok(client)
+    }
+}
+
+impl<S> RouterClient<S> {
+    /// Calls tools through `inner`, a router whose session is open (for example one that
+    /// [`connect`](RouterClient::connect) opened, under layers of your own).
+    pub fn new(inner: S) -> Self {
+        RouterClient {
+            inner,
+            ids: Arc::new(AtomicI64::new(1)),
+        }
+    }
+
+    /// Lists the router's tools (every page) and keeps their annotations.
+    pub async fn catalog(&self) -> Result<ToolCatalog, ToolError>
+    where
+        S: Service<RouterRequest, Response = RouterResponse, Error = Infallible> + Clone,
+    {
+        let mut tools = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let params = serde_json::from_value(match &cursor {
+                Some(c) => json!({ "cursor": c }),
+                None => json!({}),
+            })
+            .map_err(|e| ToolError::NotSent(Box::new(e)))?;
+            let req = RouterRequest::new(self.next_id(), McpRequest::ListTools(params));
+            let res = self
+                .inner
+                .clone()
+                .oneshot(req)
+                .await
+                .unwrap_or_else(|never| match never {});
+            let listed = match res.inner {
+                Ok(McpResponse::ListTools(listed)) => {
+                    serde_json::to_value(&listed).map_err(|e| ToolError::Lost(Box::new(e)))?
+                }
+                Ok(_) => {
+                    return Err(ToolError::Lost(
+                        "tools/list got another kind of answer".into(),
+                    ));
+                }
+                Err(e) => return Err(ToolError::Rpc(from_jsonrpc(&e))),
+            };
+            for tool in listed["tools"].as_array().into_iter().flatten() {
+                if let Some(name) = tool["name"].as_str() {
+                    let hints = ToolHints::from_json(&tool["annotations"]);
+                    tools.push((name.to_owned(), hints));
+                }
+            }
+            cursor = listed["nextCursor"].as_str().map(str::to_owned);
+            if cursor.is_none() {
+                return Ok(ToolCatalog::new(tools));
+            }
+        }
+    }
+
+    fn next_id(&self) -> RequestId {
+        RequestId::Number(self.ids.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl<S> Service<ToolCall> for RouterClient<S>
+where
+    S: Service<RouterRequest, Response = RouterResponse, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = ToolResult;
+    type Error = ToolError;
+    type Future = BoxFuture<Result<ToolResult, ToolError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ToolError>> {
+        self.inner.poll_ready(cx).map_err(|never| match never {})
+    }
+
+    fn call(&mut self, call: ToolCall) -> Self::Future {
+        let params = serde_json::from_value(json!({
+            "name": call.name(),
+            "arguments": Value::Object(call.arguments().clone()),
+        }));
+        let params = match params {
+            Ok(p) => p,
+            Err(e) => return Box::pin(async move { Err(ToolError::NotSent(Box::new(e))) }),
+        };
+        let mut req = RouterRequest::new(self.next_id(), McpRequest::CallTool(params));
+        if let Some(key) = call.key() {
+            req.extensions.insert(key.clone());
+        }
+        if let Some(principal) = call.extensions().get::<Principal>() {
+            req.extensions.insert(principal.clone());
+        }
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let res = fut.await.unwrap_or_else(|never| match never {});
+            match res.inner {
+                Ok(McpResponse::CallTool(result)) => from_result(&result),
+                Ok(_) => Err(ToolError::Lost(
+                    "the router answered a tools/call with another kind of response".into(),
+                )),
+                Err(e) => Err(ToolError::Rpc(from_jsonrpc(&e))),
+            }
+        })
+    }
+}
+
+fn from_jsonrpc(e: &impl serde::Serialize) -> RpcError {
+    serde_json::to_value(e)
+        .ok()
+        .and_then(|v| RpcError::from_json(&v))
+        .unwrap_or_else(|| RpcError::new(codes::INTERNAL_ERROR, "an unreadable JSON-RPC error"))
+}
+
+/// tower-mcp's result as a [`ToolResult`].
+pub fn from_result(result: &CallToolResult) -> Result<ToolResult, ToolError> {
+    let json = serde_json::to_value(result)
+        .map_err(|e| ToolError::Lost(format!("the tool's result could not be read: {e}").into()))?;
+    ToolResult::from_json(json)
+}
+
+/// A [`ToolResult`] as tower-mcp's result.
+pub fn to_result(result: &ToolResult) -> CallToolResult {
+    serde_json::from_value(result.to_json()).unwrap_or_else(|e| {
+        CallToolResult::error(format!("a stored tool result could not be read: {e}"))
+    })
+}
+
+/// The replay layer's refusal as a tool result that says what it is: `isError: true`, the
+/// message as text, and the JSON-RPC error under `_meta["dev.backstop/error"]`.
+fn refusal(e: &RpcError) -> CallToolResult {
+    let mut meta = Map::new();
+    meta.insert(META_ERROR.to_owned(), e.to_json());
+    let result = ToolResult {
+        meta,
+        ..ToolResult::error_text(e.message.clone())
+    };
+    to_result(&result)
+}
+
+/// A per-tool layer for tower-mcp's `ToolBuilder::layer`: keyed calls of the tool run once.
+///
+/// ```
+/// use backstop_mcp::{ToolReplayLayer, tower_mcp::ReplayToolLayer};
+/// use backstop_replay::MemoryStore;
+/// use tower_mcp::{CallToolResult, ToolBuilder};
+///
+/// let replay = ToolReplayLayer::new(MemoryStore::default()).single_tenant();
+/// let refund = ToolBuilder::new("issue_refund")
+///     .description("Refund part of an order")
+///     .handler(|args: serde_json::Value| async move { Ok(CallToolResult::text(format!("booked {args}"))) })
+///     .layer(ReplayToolLayer::new("issue_refund", replay))
+///     .build();
+/// # let _ = refund;
+/// ```
+#[derive(Clone, Debug)]
+pub struct ReplayToolLayer {
+    tool: Arc<str>,
+    replay: ToolReplayLayer,
+}
+
+impl ReplayToolLayer {
+    /// Replay for the tool named `tool` (the name is part of what a key stands for).
+    pub fn new(tool: impl Into<Arc<str>>, replay: ToolReplayLayer) -> Self {
+        ReplayToolLayer {
+            tool: tool.into(),
+            replay,
+        }
+    }
+}
+
+impl<S> Layer<S> for ReplayToolLayer
+where
+    S: Clone,
+{
+    type Service = ReplayTool<S>;
+
+    fn layer(&self, inner: S) -> ReplayTool<S> {
+        ReplayTool {
+            tool: self.tool.clone(),
+            direct: inner.clone(),
+            replay: self.replay.layer(RunToolRequest { inner }),
+        }
+    }
+}
+
+/// A tower-mcp tool behind [`ReplayToolLayer`].
+#[derive(Clone)]
+pub struct ReplayTool<S> {
+    tool: Arc<str>,
+    direct: S,
+    replay: ToolReplay<RunToolRequest<S>>,
+}
+
+impl<S> fmt::Debug for ReplayTool<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplayTool")
+            .field("tool", &self.tool)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The request a replayed tool runs with, carried through the replay layer.
+#[derive(Clone)]
+struct Received(ToolRequest);
+
+#[derive(Clone)]
+struct RunToolRequest<S> {
+    inner: S,
+}
+
+impl<S> Service<ToolCall> for RunToolRequest<S>
+where
+    S: Service<ToolRequest, Response = CallToolResult> + Clone + Send + 'static,
+    S::Error: fmt::Display,
+    S::Future: Send + 'static,
+{
+    type Response = ToolResult;
+    type Error = ToolError;
+    type Future = BoxFuture<Result<ToolResult, ToolError>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ToolError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut call: ToolCall) -> Self::Future {
+        let received = call.extensions_mut().remove::<Received>();
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let Some(Received(req)) = received else {
+                return Err(ToolError::Lost(
+                    "the tool call lost its tower-mcp request".into(),
+                ));
+            };
+            match inner.oneshot(req).await {
+                Ok(result) => from_result(&result),
+                // The tool failed without a result: its outcome is unknown.
+                Err(e) => Err(ToolError::Lost(e.to_string().into())),
+            }
+        })
+    }
+}
+
+/// A failure of the replayed tool, as tower-mcp reports a layer's errors (a tool result with
+/// `isError: true` and this text).
+#[derive(Debug)]
+pub struct ReplayToolError(String);
+
+impl fmt::Display for ReplayToolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ReplayToolError {}
+
+impl<S> Service<ToolRequest> for ReplayTool<S>
+where
+    S: Service<ToolRequest, Response = CallToolResult> + Clone + Send + 'static,
+    S::Error: fmt::Display,
+    S::Future: Send + 'static,
+{
+    type Response = CallToolResult;
+    type Error = ReplayToolError;
+    type Future = BoxFuture<Result<CallToolResult, ReplayToolError>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ReplayToolError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: ToolRequest) -> Self::Future {
+        let key = req.ctx.extensions().get::<IdempotencyKey>().cloned();
+        let Some(key) = key else {
+            // No key: the tool runs as it would without the layer.
+            let direct = self.direct.clone();
+            return Box::pin(async move {
+                direct
+                    .oneshot(req)
+                    .await
+                    .map_err(|e| ReplayToolError(e.to_string()))
+            });
+        };
+        let arguments = match &req.args {
+            Value::Object(map) => Some(map.clone()),
+            _ => None,
+        };
+        let principal = req.ctx.extensions().get::<Principal>().cloned();
+        let call = ToolCall::received(self.tool.to_string(), arguments, Map::new());
+        let replay = self.replay.clone();
+        Box::pin(async move {
+            let mut call = match call {
+                Ok(call) => call.with_key(key),
+                Err(e) => return Ok(refusal(&rpc_of(e))),
+            };
+            if let Some(principal) = principal {
+                call.extensions_mut().insert(principal);
+            }
+            call.extensions_mut().insert(Received(req));
+            match replay.oneshot(call).await {
+                Ok(result) => Ok(to_result(&result)),
+                Err(e) => Ok(refusal(&rpc_of(e))),
+            }
+        })
+    }
+}
+
+fn rpc_of(e: ToolError) -> RpcError {
+    match e {
+        ToolError::Rpc(rpc) => rpc,
+        other => RpcError::new(codes::INTERNAL_ERROR, other.to_string()),
+    }
+}
