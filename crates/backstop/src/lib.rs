@@ -138,8 +138,34 @@ pub use backstop_core::{
 // Each type has one path here: the vocabulary every layer shares is at the root or in `core`,
 // each extension point in the module of its concern, and nothing twice.
 
-/// Classification of attempts: [`Verdict`](classify::Verdict), [`Classify`](classify::Classify),
-/// the HTTP classifier and the `Retry-After` parser.
+/// Classification: for one attempt, whether it succeeded, may be tried again or must not be,
+/// and what is known of its side effect.
+///
+/// Retrying is safe only when two questions have answers. *Is the failure transient?* A `503` or
+/// a reset may pass; a `400` fails the same way every time. *Could the attempt have taken
+/// effect?* A refused connection did nothing; a timeout only says the reply was lost. A
+/// [`Verdict`](classify::Verdict) answers both, and the retry layer repeats an attempt whose
+/// outcome is [`Outcome::Unknown`](crate::Outcome) only for a replay-safe request (an idempotent
+/// method, an idempotency key, a [`ReplaySafe`] marker).
+///
+/// [`HttpClassifier`](classify::HttpClassifier) retries timeouts, resets, 408, 429 and 5xx (not
+/// 501), never another 4xx, and honours `Retry-After` in both forms (capped);
+/// [`classify_error`](classify::classify_error) reads an error's cause chain (Backstop's own
+/// errors, hyper's, reqwest's, `io::ErrorKind`s). A non-HTTP tool call implements
+/// [`Classify`](classify::Classify) for its own types.
+///
+/// ```
+/// use backstop::{Outcome, classify::{Classify, HttpClassifier, Verdict}};
+///
+/// let classifier = HttpClassifier::new();
+/// let busy = http::Response::builder().status(503).header("retry-after", "2").body(()).unwrap();
+/// let verdict = Classify::<http::Request<()>, _, backstop::BoxError>::classify(&classifier, Ok(&busy));
+/// assert!(verdict.is_retryable());
+/// assert_eq!(verdict.retry_after(), Some(std::time::Duration::from_secs(2)));
+/// let bad = http::Response::builder().status(400).body(()).unwrap();
+/// let verdict = Classify::<http::Request<()>, _, backstop::BoxError>::classify(&classifier, Ok(&bad));
+/// assert_eq!(verdict, Verdict::Fatal { outcome: Outcome::Completed });
+/// ```
 pub mod classify {
     #[doc(inline)]
     pub use backstop_classify::{
@@ -150,7 +176,26 @@ pub mod classify {
     pub use backstop_core::{Classify, Verdict};
 }
 
-/// Backoff schedules.
+/// Backoff schedules: how long to wait before each retry.
+///
+/// Clients that fail together and retry on one fixed schedule hit a recovering dependency
+/// together, again and again; jitter spreads them out. The default is **full jitter**,
+/// `random(0, min(cap, base * 2^n))` with a 200 ms base and a 5 s cap (the AWS Architecture
+/// Blog's comparison found it does the least total work); equal and decorrelated jitter,
+/// exponential and constant delays are there too. A [`Backoff`](backoff::Backoff) is validated
+/// when it is built; delays are drawn from an RNG you can seed
+/// ([`RngSource::seeded`](backoff::RngSource::seeded)), so tests get the same delays every run.
+///
+/// ```
+/// use backstop::backoff::{Backoff, RngSource};
+/// use std::time::Duration;
+///
+/// let mut rng = RngSource::seeded(7).rng();
+/// let mut schedule = Backoff::default().schedule();
+/// let first = schedule.next_delay(&mut rng);
+/// assert!(first <= Duration::from_millis(200));
+/// assert!(Backoff::full_jitter(Duration::from_secs(5), Duration::from_secs(1)).is_err());
+/// ```
 pub mod backoff {
     #[doc(hidden)]
     #[allow(deprecated)]
@@ -159,7 +204,20 @@ pub mod backoff {
     pub use backstop_backoff::{Backoff, DEFAULT_BASE, DEFAULT_CAP, RngSource, Schedule};
 }
 
-/// The attempt timeout, the overall deadline and response bodies under them.
+/// Timeouts everywhere: per attempt, over the whole call, and over the response body.
+///
+/// [`DeadlineLayer`](timeout::DeadlineLayer) bounds the whole logical call (every attempt and
+/// every backoff sleep) and records its [`Deadline`] in the request, where a
+/// caller's tighter one wins; [`AttemptTimeoutLayer`](timeout::AttemptTimeoutLayer) bounds one
+/// attempt by `min(attempt timeout, time left)`, so the last attempt ends at the deadline;
+/// [`BodyTimeoutLayer`](timeout::BodyTimeoutLayer) keeps that same end over the response body
+/// (a body that stops after the headers ends with [`BodyTimedOut`](timeout::BodyTimedOut)).
+/// The composed stack ([`Backstop`]) does all three itself; these layers are
+/// for stacks composed by hand.
+///
+/// Choose the attempt timeout from observed latency (p99 1.2 s -> 3 s with
+/// [`Backstop::p99`](crate::Backstop::p99)). A timed-out attempt's side effect is *unknown*,
+/// never "failed", and the errors say so.
 pub mod timeout {
     #[doc(inline)]
     pub use backstop_timeout::{
@@ -169,6 +227,43 @@ pub mod timeout {
 }
 
 /// The one retry layer.
+///
+/// It retries only when the classifier calls the attempt retryable, the side effect is known
+/// not to have happened **or** the request is replay-safe, attempts are left, the wait (the
+/// server's `Retry-After`, else the backoff) ends before the deadline, the dependency's retry
+/// budget (and a [`Run`]'s, when the call belongs to one) allows it, and the request
+/// can be copied ([`Resend`](retry::Resend); [`BufferBodyLayer`](retry::BufferBodyLayer) makes a
+/// streamed body copyable up to a limit).
+///
+/// **Retries happen in exactly one place**: the outermost retry layer marks the call in the
+/// request's extensions, and every retry layer further in makes a single attempt, so three
+/// nested stacks make 3 attempts, not 27, however the inner stack is called. `poll_ready` never
+/// waits: readiness is waited for inside the call, bounded by the deadline.
+///
+/// When it stops it says why: a [`RetryError`](retry::RetryError) (or, for a retryable
+/// response it could not retry, the response with a [`RetryHistory`](retry::RetryHistory))
+/// names the dependency, the attempts, the time, the cause, the
+/// [`StopReason`](retry::StopReason) and what is known of the side effect, in words a model can
+/// act on. The composed stack turns it into [`Error`].
+///
+/// ```
+/// use backstop::{backoff::RngSource, retry::RetryLayer};
+/// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let calls = Arc::new(AtomicU32::new(0));
+/// let seen = calls.clone();
+/// let flaky = service_fn(move |_req: http::Request<http_body_util::Full<bytes::Bytes>>| {
+///     let status = if seen.fetch_add(1, Ordering::SeqCst) < 2 { 503 } else { 200 };
+///     async move { Ok::<_, std::io::Error>(http::Response::builder().status(status).body(()).unwrap()) }
+/// });
+/// let svc = RetryLayer::http().dependency("rates-api").rng(RngSource::seeded(1)).layer(flaky);
+/// let res = svc.oneshot(http::Request::get("http://rates.local/eur").body(Default::default()).unwrap()).await.unwrap();
+/// assert_eq!((res.status().as_u16(), calls.load(Ordering::SeqCst)), (200, 3));
+/// # }
+/// ```
 pub mod retry {
     #[doc(inline)]
     pub use backstop_core::RetryScope;
@@ -183,7 +278,27 @@ pub mod retry {
     pub use backstop_retry::{HttpReplay, NotReplayable};
 }
 
-/// The per-dependency retry budget.
+/// The per-dependency retry budget: retries as a share of requests.
+///
+/// "Three attempts" bounds the load one call adds, not the load an outage adds (3x the traffic
+/// on a dependency already failing). A [`Budget`](budget::Budget) allows a retry only while
+/// `retries <= max(ratio * requests, floor * window)` over a sliding window: by default **10 %
+/// over 10 s, at least 1 retry per second**, after the Google SRE book's per-client budget, so
+/// 1,000 calls to a dependency that always fails make at most 1,100 attempts. The counters are
+/// lock-free and can never overshoot; state is kept per [`Dependency`] in a
+/// bounded registry. [`Budget::process_wide`](budget::Budget::process_wide) is the one every
+/// stack shares unless given its own.
+///
+/// ```
+/// use backstop::{Dependency, budget::{Budget, BudgetConfig, RetryBudget}};
+///
+/// let budget = Budget::new(BudgetConfig::default().ratio(0.1).min_retries_per_sec(0.0)).unwrap();
+/// let carrier = Dependency::new("carrier-api");
+/// let now = tokio::time::Instant::now();
+/// for _ in 0..20 { budget.deposit(&carrier, now); }
+/// assert!(budget.withdraw(&carrier) && budget.withdraw(&carrier)); // 10 % of 20
+/// assert!(!budget.withdraw(&carrier));
+/// ```
 pub mod budget {
     #[doc(hidden)]
     #[allow(deprecated)]
@@ -194,7 +309,36 @@ pub mod budget {
     pub use backstop_core::{NoBudget, RetryBudget};
 }
 
-/// The per-dependency circuit breaker.
+/// The per-dependency circuit breaker: fail fast, with an honest message.
+///
+/// After 5 failures in a row, or 50 % of at least 20 calls in 30 s, a dependency's circuit
+/// **opens**: calls fail at once, not sent, with an error a model can act on ("carrier-api is
+/// unavailable (circuit open); do not retry now; try again in 27 s"). After the cooldown (30 s)
+/// it turns **half-open** and lets one trial through; a success closes it, a failure opens it
+/// again. A trial whose future is dropped gives its slot back. What counts comes from the
+/// classifier: retryable failures count, answers (2xx to 4xx) are successes, a call never sent
+/// counts for nothing. Operators can [`isolate`](breaker::Breaker::isolate) and
+/// [`reset`](breaker::Breaker::reset) a dependency; every transition is traced and counted.
+///
+/// ```
+/// use backstop::{Backstop, ErrorKind, breaker::{Breaker, BreakerConfig}};
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
+/// let down = service_fn(|_req: http::Request<Full<Bytes>>| async {
+///     Ok::<_, std::io::Error>(http::Response::builder().status(503).body(Full::<Bytes>::default()).unwrap())
+/// });
+/// let carrier = Backstop::http("breaker-doc-api").breaker(breaker).max_attempts(1).build().unwrap().layer(down);
+/// let get = || http::Request::get("http://carrier.local/rates").body(Full::default()).unwrap();
+/// for _ in 0..2 { assert_eq!(carrier.clone().oneshot(get()).await.unwrap().status(), 503); }
+/// let err = carrier.oneshot(get()).await.unwrap_err();
+/// assert_eq!(err.kind(), ErrorKind::Unavailable);
+/// # }
+/// ```
 pub mod breaker {
     #[doc(hidden)]
     #[allow(deprecated)]
@@ -208,20 +352,66 @@ pub mod breaker {
     pub use backstop_core::{AttemptGate, CircuitState, Ticket};
 }
 
-/// Per-dependency shared state: the bounded registry and sliding counters.
+/// Per-dependency shared state: the bounded registry and sliding counters the budget and the
+/// breaker keep their state in.
+///
+/// [`Registry`](state::Registry) maps a [`Dependency`] to its state, sharded
+/// and **bounded**: past its bound a new name takes the place of the least recently used idle
+/// entry, or gets state of its own that is not kept, so a million distinct hosts cannot exhaust
+/// memory and no two dependencies ever share a budget or a circuit.
+/// [`SlidingCount`](state::SlidingCount) counts events over a sliding window, one atomic word
+/// per bucket, so no update is lost when a bucket rolls over (checked with loom), and a clock
+/// advanced by years still counts.
 pub mod state {
     #[doc(inline)]
     pub use backstop_state::{Registry, SlidingCount};
 }
 
-/// Idempotency keys on the client: derivation and injection once per logical call.
+/// Idempotency keys on the client: one key per intended *action*, reused on every attempt.
+///
+/// A key lets the server recognise a repeat and return the original result; a new key per
+/// attempt defeats it. [`IdempotencyKey`](idempotency::IdempotencyKey) is validated (1 to 255
+/// visible ASCII characters, nothing that can smuggle a header line); keys are derived
+/// deterministically from an [`ActionContext`](idempotency::ActionContext), from the run, step
+/// and tool-call ids or from the run, the tool and its RFC 8785 canonical arguments, so the same
+/// action in the same run always gets the same key; [`IdempotencyLayer`](idempotency::IdempotencyLayer)
+/// injects it **once per logical call, before the retry loop** (an `Idempotency-Key` header, or
+/// a [`KeyedRequest`](idempotency::KeyedRequest) for other tool calls). A key the stack minted
+/// is sent but does not, alone, make a lost reply repeatable: a caller's key,
+/// [`Backstop::honours_keys`](crate::Backstop::honours_keys) or the presets that require keys
+/// do.
+///
+/// ```
+/// use backstop::idempotency::ActionContext;
+///
+/// let a = ActionContext::tool_call("run-91f2", "step-3", "call-07").key();
+/// let b = ActionContext::tool_call("run-91f2", "step-3", "call-07").key();
+/// let c = ActionContext::tool_call("run-91f2", "step-4", "call-08").key();
+/// assert_eq!(a, b);
+/// assert_ne!(a, c);
+/// ```
 pub mod idempotency {
     #[doc(inline)]
     pub use backstop_idempotency::*;
 }
 
-/// Server-side replay of stored results for repeated keys (in memory; on Redis and PostgreSQL
-/// with the `redis` and `postgres` features). Feature `replay`.
+/// Server-side idempotency: run a keyed request once, replay its result to every repeat.
+/// Feature `replay` (Redis with `redis`, PostgreSQL with `postgres`).
+///
+/// Put [`ReplayLayer`](replay::ReplayLayer) in front of a non-idempotent endpoint: the key
+/// (`Idempotency-Key`) is scoped by the authenticated [`Principal`](replay::Principal), the
+/// request fingerprinted, and the key **claimed** atomically in the store. A completed key with
+/// the same fingerprint is replayed (`Idempotent-Replayed: true`); with another, `422`; still
+/// running, `409` with `Retry-After`. The claimant runs the handler **in a task of its own**, so
+/// a client that gives up stops neither the handler nor its claim; the claim's lease is renewed
+/// while it runs, every store write carries a fencing token, and a handler that ends without a
+/// response leaves `outcome-unknown`, never a second run. An unreachable store fails closed
+/// (`503`). Errors are `application/problem+json`.
+///
+/// Middleware cannot close one window: a crash after the effect is committed and before its
+/// result is stored. [`ReplayLayer::transactional`](replay::ReplayLayer) (feature `postgres`)
+/// commits the stored result in the handler's own transaction; or keep the key in a `UNIQUE`
+/// column of the effect's table.
 #[cfg(feature = "replay")]
 pub mod replay {
     #[doc(inline)]
