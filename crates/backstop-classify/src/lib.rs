@@ -41,10 +41,14 @@
 #![deny(missing_docs)]
 
 mod error;
+#[cfg(feature = "grpc")]
+mod grpc;
 mod http_classifier;
 mod retry_after;
 
 pub use backstop_core::{Classify, Outcome, ReplaySafe, Verdict};
 pub use error::{AsError, classify_error, is_attempt_timeout};
+#[cfg(feature = "grpc")]
+pub use grpc::{GrpcClassifier, GrpcCode, RETRY_PUSHBACK, grpc_timeout};
 pub use http_classifier::{HttpClassifier, StatusClass};
 pub use retry_after::{parse_retry_after, parse_retry_after_value};

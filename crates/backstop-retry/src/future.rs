@@ -335,6 +335,7 @@ impl<Req> Template<Req> {
     /// returns `req` itself.
     #[inline]
     fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
+        let req = resend.prepare(req);
         match resend.copy(&req) {
             Ok(copy) => {
                 *self = Template::Kept(req);
@@ -747,6 +748,7 @@ impl Retries {
         Req: HasExtensions,
         S::Response: HasExtensions,
         C: Classify<Req, S::Response, S::Error>,
+        P: Resend<Req>,
     {
         self.history.push(AttemptRecord {
             attempt: call.attempt,
@@ -778,6 +780,7 @@ impl Retries {
         S: Service<Req>,
         Req: HasExtensions,
         C: Classify<Req, S::Response, S::Error>,
+        P: Resend<Req>,
     {
         let (outcome, after) = match verdict {
             Verdict::Success => return Err(StopReason::Succeeded),
@@ -794,6 +797,10 @@ impl Retries {
             return Err(StopReason::AttemptsExhausted { max_attempts });
         }
         let template = call.template.kept().map_err(StopReason::NotCopyable)?;
+        policy
+            .resend
+            .check(template)
+            .map_err(StopReason::NotCopyable)?;
         // Backstop's own marker counts whatever the classifier says: a key the caller vouched
         // for, or a preset that requires keys, makes the request safe to repeat.
         let replay_safe =

@@ -85,6 +85,7 @@ mod hook;
 mod layer;
 mod obs;
 mod replay;
+mod stream_body;
 mod words;
 
 pub use backstop_core::RetryScope;
@@ -92,6 +93,7 @@ pub use backstop_core::{AttemptGate, NoBudget, RetryBudget, Ticket};
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
 pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
+pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
 pub use future::ResponseFuture;
 pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};

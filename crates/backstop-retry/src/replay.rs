@@ -40,6 +40,20 @@ impl Error for NotCopyable {}
 /// body. (Called `Replay` before 0.2; `backstop::replay` is the server's replay of stored
 /// results.)
 pub trait Resend<Req> {
+    /// Readies a request to be kept for copies, once per call, before the first copy: a
+    /// streaming body is set up to be copied as it is sent ([`StreamingResend`](crate::StreamingResend)).
+    /// The default keeps it as it is.
+    fn prepare(&self, req: Req) -> Req {
+        req
+    }
+
+    /// Whether `req` can still be copied, asked before a retry is decided (so that a request
+    /// that can no longer be copied ends with its last attempt's result). The default: yes.
+    fn check(&self, req: &Req) -> Result<(), NotCopyable> {
+        let _ = req;
+        Ok(())
+    }
+
     /// A copy of `req` for one attempt, or why there can be none.
     fn copy(&self, req: &Req) -> Result<Req, NotCopyable>;
 }

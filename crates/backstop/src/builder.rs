@@ -102,7 +102,7 @@ impl<Req> MakeKey<Req> for KeyGenerator {
 pub struct Backstop<C, P, I> {
     dependency: Dependency,
     classifier: C,
-    resend: P,
+    pub(crate) resend: P,
     keys: IdempotencyLayer<I, RandomKey>,
     preset: Preset,
     max_attempts: Option<u32>,
@@ -198,7 +198,7 @@ impl<C> Backstop<C, CloneRequest, ToolKeys> {
 }
 
 impl<C, P, I> Backstop<C, P, I> {
-    fn with(
+    pub(crate) fn with(
         dependency: Dependency,
         classifier: C,
         resend: P,

@@ -112,6 +112,8 @@ mod builder;
 mod dead_letter;
 mod error;
 mod finish;
+#[cfg(feature = "grpc")]
+mod grpc_stack;
 #[cfg(feature = "journal")]
 mod journaled;
 #[cfg(feature = "mcp")]
@@ -477,6 +479,16 @@ pub mod core {
     };
 }
 
+/// gRPC under the stack: [`Backstop::grpc`], the [`GrpcClassifier`](grpc::GrpcClassifier)
+/// (gRPC's retry design, A6) and request bodies copied while they stream. Feature `grpc`.
+#[cfg(feature = "grpc")]
+pub mod grpc {
+    #[doc(inline)]
+    pub use backstop_classify::{GrpcClassifier, GrpcCode, RETRY_PUSHBACK, grpc_timeout};
+    #[doc(inline)]
+    pub use backstop_retry::{BodyTee, StreamedBody, StreamingResend, TeeReader};
+}
+
 /// Not part of the public API: the composed stack's own pieces, public only because
 /// [`BackstopService`] names them. Anything here may change in any release.
 #[doc(hidden)]
@@ -484,4 +496,6 @@ pub mod plumbing {
     pub use crate::attempt_header::AttemptCount;
     pub use crate::builder::KeyGenerator;
     pub use crate::finish::{StackCall, StackHook};
+    #[cfg(feature = "grpc")]
+    pub use crate::grpc_stack::GrpcAttempt;
 }

@@ -1,0 +1,335 @@
+//! gRPC through the stack against a real tonic server on loopback (HTTP/2, the real clock, short
+//! durations): UNAVAILABLE with pushback, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, a deadline
+//! shorter than the pushback, a negative pushback, and a streaming request body over the limit.
+
+use backstop::{Backstop, Error as BackstopError, ErrorKind, Outcome};
+use http::HeaderMap;
+use std::{
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+use tokio::time::Instant;
+use tonic::{Code, Status, codegen::http};
+use tower::{Layer, Service};
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RefundRequest {
+    #[prost(string, tag = "1")]
+    order: String,
+    #[prost(bytes = "vec", tag = "2")]
+    blob: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RefundReply {
+    #[prost(string, tag = "1")]
+    id: String,
+}
+
+type Plan = Arc<dyn Fn(usize) -> Result<RefundReply, Status> + Send + Sync>;
+
+/// The refunds service: `Issue` (unary) and `Upload` (client streaming); each call's answer
+/// comes from the plan, by call number.
+#[derive(Clone)]
+struct Refunds {
+    plan: Plan,
+    calls: Arc<AtomicUsize>,
+    headers: Arc<Mutex<Vec<HeaderMap>>>,
+}
+
+struct Issue(Refunds);
+
+impl Service<tonic::Request<RefundRequest>> for Issue {
+    type Response = tonic::Response<RefundReply>;
+    type Error = Status;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Status>> + Send>>;
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, _req: tonic::Request<RefundRequest>) -> Self::Future {
+        let n = self.0.calls.fetch_add(1, Ordering::SeqCst);
+        let answer = (self.0.plan)(n);
+        Box::pin(async move { answer.map(tonic::Response::new) })
+    }
+}
+
+struct Upload(Refunds);
+
+impl Service<tonic::Request<tonic::Streaming<RefundRequest>>> for Upload {
+    type Response = tonic::Response<RefundReply>;
+    type Error = Status;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Status>> + Send>>;
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Status>> {
+        Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, req: tonic::Request<tonic::Streaming<RefundRequest>>) -> Self::Future {
+        let svc = self.0.clone();
+        Box::pin(async move {
+            let mut stream = req.into_inner();
+            let mut bytes = 0;
+            while let Some(part) = stream.message().await? {
+                bytes += part.blob.len();
+            }
+            let n = svc.calls.fetch_add(1, Ordering::SeqCst);
+            (svc.plan)(n).map(|mut r| {
+                r.id = format!("{}:{bytes}", r.id);
+                tonic::Response::new(r)
+            })
+        })
+    }
+}
+
+impl Service<http::Request<tonic::body::Body>> for Refunds {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        let svc = self.clone();
+        Box::pin(async move {
+            svc.headers.lock().unwrap().push(req.headers().clone());
+            let mut grpc = tonic::server::Grpc::new(
+                tonic_prost::ProstCodec::<RefundReply, RefundRequest>::default(),
+            );
+            Ok(match req.uri().path() {
+                "/test.Refunds/Issue" => grpc.unary(Issue(svc), req).await,
+                "/test.Refunds/Upload" => grpc.client_streaming(Upload(svc), req).await,
+                _ => Status::unimplemented("no such method").into_http(),
+            })
+        })
+    }
+}
+
+struct Server {
+    url: String,
+    calls: Arc<AtomicUsize>,
+    headers: Arc<Mutex<Vec<HeaderMap>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(plan: impl Fn(usize) -> Result<RefundReply, Status> + Send + Sync + 'static) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let svc = Refunds {
+        plan: Arc::new(plan),
+        calls: Arc::default(),
+        headers: Arc::default(),
+    };
+    let (calls, headers) = (svc.calls.clone(), svc.headers.clone());
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let task = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .serve_with_incoming(svc, incoming)
+            .await
+            .unwrap();
+    });
+    Server {
+        url,
+        calls,
+        headers,
+        task,
+    }
+}
+
+fn reply(id: &str) -> Result<RefundReply, Status> {
+    Ok(RefundReply { id: id.to_owned() })
+}
+
+fn with_pushback(mut status: Status, ms: &str) -> Status {
+    status
+        .metadata_mut()
+        .insert("grpc-retry-pushback-ms", ms.parse().unwrap());
+    status
+}
+
+type Stack = backstop::BackstopService<
+    tonic::transport::Channel,
+    backstop::grpc::GrpcClassifier,
+    backstop::grpc::StreamingResend,
+    backstop::idempotency::HttpKeys,
+>;
+
+async fn stack(
+    server: &Server,
+    configure: impl FnOnce(
+        Backstop<backstop::grpc::GrpcClassifier, backstop::grpc::StreamingResend, backstop::idempotency::HttpKeys>,
+    ) -> Backstop<backstop::grpc::GrpcClassifier, backstop::grpc::StreamingResend, backstop::idempotency::HttpKeys>,
+) -> tonic::client::Grpc<Stack> {
+    let channel = tonic::transport::Endpoint::from_shared(server.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let layer = configure(
+        Backstop::grpc("refunds-grpc")
+            .no_breaker()
+            .backoff(backstop::backoff::Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20)).unwrap())
+            .attempt_timeout(Duration::from_secs(2))
+            .deadline(Duration::from_secs(5)),
+    )
+    .build()
+    .unwrap();
+    tonic::client::Grpc::new(layer.layer(channel))
+}
+
+async fn issue(client: &mut tonic::client::Grpc<Stack>) -> Result<RefundReply, Status> {
+    client.ready().await.map_err(|e| Status::unknown(e.to_string()))?;
+    let codec = tonic_prost::ProstCodec::<RefundRequest, RefundReply>::default();
+    let req = tonic::Request::new(RefundRequest {
+        order: "ORD-4812".into(),
+        blob: Vec::new(),
+    });
+    client
+        .unary(req, "/test.Refunds/Issue".parse().unwrap(), codec)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// The typed Backstop error inside tonic's `Status`, when the stack produced one.
+fn backstop_error(status: &Status) -> Option<&BackstopError> {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if let Some(b) = e.downcast_ref::<BackstopError>() {
+            return Some(b);
+        }
+        source = e.source();
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unavailable_with_pushback_is_retried_after_it_with_the_attempt_metadata() {
+    let server = serve(|n| match n {
+        0 | 1 => Err(with_pushback(Status::unavailable("draining"), "150")),
+        _ => reply("R1"),
+    })
+    .await;
+    // UNAVAILABLE is an unknown outcome: a keyed (vouched) call may repeat it.
+    let mut client = stack(&server, |b| b.honours_keys()).await;
+    let started = Instant::now();
+    let got = issue(&mut client).await.unwrap();
+    assert_eq!(got.id, "R1");
+    assert!(started.elapsed() >= Duration::from_millis(300), "two pushbacks of 150 ms");
+    assert_eq!(server.calls.load(Ordering::SeqCst), 3);
+    let headers = server.headers.lock().unwrap().clone();
+    let timeout = |h: &HeaderMap| h["grpc-timeout"].to_str().unwrap().to_owned();
+    assert!(timeout(&headers[0]).ends_with('u') || timeout(&headers[0]).ends_with('m'), "{}", timeout(&headers[0]));
+    assert!(!headers[0].contains_key("grpc-previous-rpc-attempts"));
+    assert_eq!(headers[1]["grpc-previous-rpc-attempts"], "1");
+    assert_eq!(headers[2]["grpc-previous-rpc-attempts"], "2");
+    let key = &headers[0]["idempotency-key"];
+    assert!(headers.iter().all(|h| &h["idempotency-key"] == key), "one key on every attempt");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unavailable_on_a_call_nobody_vouched_for_is_not_repeated() {
+    let server = serve(|_| Err(Status::unavailable("draining"))).await;
+    let mut client = stack(&server, |b| b).await;
+    let status = issue(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1, "unknown outcome, unvouched key");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resource_exhausted_is_retried_and_invalid_argument_is_not() {
+    let server = serve(|n| match n {
+        0 => Err(Status::resource_exhausted("quota")),
+        _ => reply("R2"),
+    })
+    .await;
+    let mut client = stack(&server, |b| b).await;
+    assert_eq!(issue(&mut client).await.unwrap().id, "R2");
+    assert_eq!(server.calls.load(Ordering::SeqCst), 2, "refused for quota: not sent, retried");
+
+    let server = serve(|_| Err(Status::invalid_argument("eur must be positive"))).await;
+    let mut client = stack(&server, |b| b.honours_keys()).await;
+    let status = issue(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(status.message(), "eur must be positive");
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushback_longer_than_the_deadline_ends_the_call_at_once() {
+    let server = serve(|_| Err(with_pushback(Status::unavailable("maintenance"), "10000"))).await;
+    let mut client = stack(&server, |b| b.honours_keys().deadline(Duration::from_secs(3))).await;
+    let started = Instant::now();
+    let status = issue(&mut client).await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(1), "no waiting for a retry that cannot happen");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1);
+
+    // A negative pushback means "do not retry".
+    let server = serve(|_| Err(with_pushback(Status::unavailable("go away"), "-1"))).await;
+    let mut client = stack(&server, |b| b.honours_keys()).await;
+    issue(&mut client).await.unwrap_err();
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_not_sent_and_the_typed_error_is_inside_the_status() {
+    let refused = backstop_testkit::refused_addr().await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{refused}"))
+        .unwrap()
+        .connect_lazy();
+    let layer = Backstop::grpc("refunds-grpc")
+        .no_breaker()
+        .backoff(backstop::backoff::Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20)).unwrap())
+        .build()
+        .unwrap();
+    let mut client = tonic::client::Grpc::new(layer.layer(channel));
+    let status = issue(&mut client).await.unwrap_err();
+    let err = backstop_error(&status).expect("the Backstop error is the status's source");
+    assert_eq!(err.outcome(), Outcome::NotSent, "{err}");
+    assert_eq!(err.attempts(), 3, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Failed);
+}
+
+async fn upload(client: &mut tonic::client::Grpc<Stack>, parts: usize) -> Result<RefundReply, Status> {
+    client.ready().await.map_err(|e| Status::unknown(e.to_string()))?;
+    let codec = tonic_prost::ProstCodec::<RefundRequest, RefundReply>::default();
+    let messages = (0..parts).map(|_| RefundRequest {
+        order: "ORD-4812".into(),
+        blob: vec![7; 1024],
+    });
+    let req = tonic::Request::new(tokio_stream::iter(messages));
+    client
+        .client_streaming(req, "/test.Refunds/Upload".parse().unwrap(), codec)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_body_is_retried_within_the_limit_and_committed_past_it() {
+    // Within the limit (8 parts of ~1 KiB under 64 KiB): the retry sends the whole stream again.
+    let server = serve(|n| match n {
+        0 => Err(Status::resource_exhausted("quota")),
+        _ => reply("U"),
+    })
+    .await;
+    let mut client = stack(&server, |b| b.honours_keys()).await;
+    assert_eq!(upload(&mut client, 8).await.unwrap().id, format!("U:{}", 8 * 1024));
+    assert_eq!(server.calls.load(Ordering::SeqCst), 2);
+
+    // Past the limit (8 KiB of a 4 KiB limit): sent once, not retried.
+    let server = serve(|_| Err(Status::resource_exhausted("quota"))).await;
+    let mut client = stack(&server, |b| b.honours_keys().body_limit(4 * 1024)).await;
+    let status = upload(&mut client, 8).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1, "committed past the limit");
+}
