@@ -3,7 +3,7 @@
 //! when the README's block and this file's differ by a character. (Rustdoc's hidden `# ` lines
 //! would let the README itself be a doc test, but GitHub shows those lines.)
 
-#![allow(dead_code, unused_variables)]
+#![allow(dead_code, unused_variables, unused_mut)]
 
 use backstop::{
     Backstop, BoxError, Preset,
@@ -72,11 +72,21 @@ async fn journal() -> Result<(), BoxError> {
 }
 
 #[rustfmt::skip]
+async fn grpc() -> Result<(), BoxError> {
+    // README block 4
+    let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect_lazy();
+    let refunds = Backstop::grpc("refunds-grpc").honours_keys().build()?.layer(channel);
+    let mut client = tonic::client::Grpc::new(refunds);         // or YourGeneratedClient::new(refunds)
+    // end
+    Ok(())
+}
+
+#[rustfmt::skip]
 fn tower_limits() -> Result<(), BoxError> {
     use std::time::Duration;
     use tower::ServiceBuilder;
     let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    // README block 4
+    // README block 5
     let client = ServiceBuilder::new()
         .concurrency_limit(64)                            // attempts in flight; a call waiting to retry holds no permit
         .buffer(1024)                                     // RateLimit and Hedge are not Clone: a Buffer shares them
@@ -131,7 +141,7 @@ impl<E: AsError> Classify<ToolCall, String, E> for ToolRules {
 #[rustfmt::skip]
 fn tools_stack() -> Result<(), BoxError> {
     let tools = service_fn(|_call: ToolCall| async { Ok::<_, BoxError>(String::new()) });
-    // README block 5
+    // README block 6
     let runtime = Backstop::tools("payments-tool", ToolRules).preset(Preset::Create).build()?.layer(tools);
     // end
     Ok(())
@@ -146,7 +156,7 @@ async fn mcp_rmcp(
     use serde_json::json;
     use std::time::Duration;
     use tower::ServiceExt;
-    // README block 6
+    // README block 7
     let run = Run::new("run-7f3a").deadline(Duration::from_secs(120)).retry_budget(10); // shared by the run's calls
     let catalog = ToolCatalog::discover(client.peer()).await?;     // the tools' annotations choose each call's policy
     let payments = Backstop::mcp("payments-mcp").build()?.rmcp(client.peer().clone());
@@ -169,7 +179,7 @@ async fn issue_refund(args: serde_json::Value) -> tower_mcp::Result<tower_mcp::C
 async fn mcp_tower() -> Result<(), BoxError> {
     use backstop::{mcp::{ToolReplayLayer, tower_mcp::{ReplayToolLayer, RouterClient}}, replay::MemoryStore};
     use tower_mcp::{McpRouter, ToolBuilder};
-    // README block 7
+    // README block 8
     let refund = ToolBuilder::new("issue_refund").description("Refund part of an order").destructive()
         .handler(issue_refund)
         .layer(ReplayToolLayer::new("issue_refund", ToolReplayLayer::new(MemoryStore::default()).single_tenant()))

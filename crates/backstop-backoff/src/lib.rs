@@ -55,6 +55,21 @@ enum Kind {
 }
 
 /// A validated backoff configuration. `Copy`, and cheap to pass around.
+///
+/// ```
+/// use backstop_backoff::{Backoff, RngSource};
+/// use std::time::Duration;
+///
+/// // Full jitter between 0 and min(2 s, 100 ms * 2^n), the same delays every run for a seed.
+/// let backoff = Backoff::full_jitter(Duration::from_millis(100), Duration::from_secs(2)).unwrap();
+/// let mut rng = RngSource::seeded(42).rng();
+/// let mut schedule = backoff.schedule();
+/// let delays: Vec<Duration> = (0..6).map(|_| schedule.next_delay(&mut rng)).collect();
+/// assert!(delays.iter().all(|d| *d <= Duration::from_secs(2)));
+/// assert!(delays[0] <= Duration::from_millis(100));
+/// // A cap below the base is a configuration error, said when it is built.
+/// assert!(Backoff::full_jitter(Duration::from_secs(3), Duration::from_secs(1)).is_err());
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backoff {
     kind: Kind,
