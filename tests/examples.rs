@@ -11,6 +11,8 @@ mod hyper_client;
 mod invoice_workflow;
 #[path = "../examples/mcp_agent.rs"]
 mod mcp_agent;
+#[path = "../examples/otel_export.rs"]
+mod otel_export;
 #[path = "../examples/reqwest_client.rs"]
 mod reqwest_client;
 #[path = "../examples/shipping_label.rs"]
@@ -39,6 +41,11 @@ fn hyper_client_runs() {
 #[test]
 fn mcp_agent_runs() {
     mcp_agent::main().unwrap();
+}
+
+#[test]
+fn otel_export_runs() {
+    otel_export::main().unwrap();
 }
 
 #[test]

@@ -97,9 +97,10 @@ impl Service<http::Request<tonic::body::Body>> for Refunds {
         let svc = self.clone();
         Box::pin(async move {
             svc.headers.lock().unwrap().push(req.headers().clone());
-            let mut grpc = tonic::server::Grpc::new(
-                tonic_prost::ProstCodec::<RefundReply, RefundRequest>::default(),
-            );
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<
+                RefundReply,
+                RefundRequest,
+            >::default());
             Ok(match req.uri().path() {
                 "/test.Refunds/Issue" => grpc.unary(Issue(svc), req).await,
                 "/test.Refunds/Upload" => grpc.client_streaming(Upload(svc), req).await,
@@ -122,7 +123,9 @@ impl Drop for Server {
     }
 }
 
-async fn serve(plan: impl Fn(usize) -> Result<RefundReply, Status> + Send + Sync + 'static) -> Server {
+async fn serve(
+    plan: impl Fn(usize) -> Result<RefundReply, Status> + Send + Sync + 'static,
+) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let svc = Refunds {
@@ -167,8 +170,16 @@ type Stack = backstop::BackstopService<
 async fn stack(
     server: &Server,
     configure: impl FnOnce(
-        Backstop<backstop::grpc::GrpcClassifier, backstop::grpc::StreamingResend, backstop::idempotency::HttpKeys>,
-    ) -> Backstop<backstop::grpc::GrpcClassifier, backstop::grpc::StreamingResend, backstop::idempotency::HttpKeys>,
+        Backstop<
+            backstop::grpc::GrpcClassifier,
+            backstop::grpc::StreamingResend,
+            backstop::idempotency::HttpKeys,
+        >,
+    ) -> Backstop<
+        backstop::grpc::GrpcClassifier,
+        backstop::grpc::StreamingResend,
+        backstop::idempotency::HttpKeys,
+    >,
 ) -> tonic::client::Grpc<Stack> {
     let channel = tonic::transport::Endpoint::from_shared(server.url.clone())
         .unwrap()
@@ -178,7 +189,13 @@ async fn stack(
     let layer = configure(
         Backstop::grpc("refunds-grpc")
             .no_breaker()
-            .backoff(backstop::backoff::Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20)).unwrap())
+            .backoff(
+                backstop::backoff::Backoff::full_jitter(
+                    Duration::from_millis(5),
+                    Duration::from_millis(20),
+                )
+                .unwrap(),
+            )
             .attempt_timeout(Duration::from_secs(2))
             .deadline(Duration::from_secs(5)),
     )
@@ -188,7 +205,10 @@ async fn stack(
 }
 
 async fn issue(client: &mut tonic::client::Grpc<Stack>) -> Result<RefundReply, Status> {
-    client.ready().await.map_err(|e| Status::unknown(e.to_string()))?;
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unknown(e.to_string()))?;
     let codec = tonic_prost::ProstCodec::<RefundRequest, RefundReply>::default();
     let req = tonic::Request::new(RefundRequest {
         order: "ORD-4812".into(),
@@ -224,16 +244,26 @@ async fn unavailable_with_pushback_is_retried_after_it_with_the_attempt_metadata
     let started = Instant::now();
     let got = issue(&mut client).await.unwrap();
     assert_eq!(got.id, "R1");
-    assert!(started.elapsed() >= Duration::from_millis(300), "two pushbacks of 150 ms");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "two pushbacks of 150 ms"
+    );
     assert_eq!(server.calls.load(Ordering::SeqCst), 3);
     let headers = server.headers.lock().unwrap().clone();
     let timeout = |h: &HeaderMap| h["grpc-timeout"].to_str().unwrap().to_owned();
-    assert!(timeout(&headers[0]).ends_with('u') || timeout(&headers[0]).ends_with('m'), "{}", timeout(&headers[0]));
+    assert!(
+        timeout(&headers[0]).ends_with('u') || timeout(&headers[0]).ends_with('m'),
+        "{}",
+        timeout(&headers[0])
+    );
     assert!(!headers[0].contains_key("grpc-previous-rpc-attempts"));
     assert_eq!(headers[1]["grpc-previous-rpc-attempts"], "1");
     assert_eq!(headers[2]["grpc-previous-rpc-attempts"], "2");
-    let key = &headers[0]["idempotency-key"];
-    assert!(headers.iter().all(|h| &h["idempotency-key"] == key), "one key on every attempt");
+    let key = headers[0]["idempotency-key"].clone();
+    assert!(
+        headers.iter().all(|h| h["idempotency-key"] == key),
+        "one key on every attempt"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,7 +272,11 @@ async fn unavailable_on_a_call_nobody_vouched_for_is_not_repeated() {
     let mut client = stack(&server, |b| b).await;
     let status = issue(&mut client).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
-    assert_eq!(server.calls.load(Ordering::SeqCst), 1, "unknown outcome, unvouched key");
+    assert_eq!(
+        server.calls.load(Ordering::SeqCst),
+        1,
+        "unknown outcome, unvouched key"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,7 +288,11 @@ async fn resource_exhausted_is_retried_and_invalid_argument_is_not() {
     .await;
     let mut client = stack(&server, |b| b).await;
     assert_eq!(issue(&mut client).await.unwrap().id, "R2");
-    assert_eq!(server.calls.load(Ordering::SeqCst), 2, "refused for quota: not sent, retried");
+    assert_eq!(
+        server.calls.load(Ordering::SeqCst),
+        2,
+        "refused for quota: not sent, retried"
+    );
 
     let server = serve(|_| Err(Status::invalid_argument("eur must be positive"))).await;
     let mut client = stack(&server, |b| b.honours_keys()).await;
@@ -267,10 +305,16 @@ async fn resource_exhausted_is_retried_and_invalid_argument_is_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pushback_longer_than_the_deadline_ends_the_call_at_once() {
     let server = serve(|_| Err(with_pushback(Status::unavailable("maintenance"), "10000"))).await;
-    let mut client = stack(&server, |b| b.honours_keys().deadline(Duration::from_secs(3))).await;
+    let mut client = stack(&server, |b| {
+        b.honours_keys().deadline(Duration::from_secs(3))
+    })
+    .await;
     let started = Instant::now();
     let status = issue(&mut client).await.unwrap_err();
-    assert!(started.elapsed() < Duration::from_secs(1), "no waiting for a retry that cannot happen");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "no waiting for a retry that cannot happen"
+    );
     assert_eq!(status.code(), Code::Unavailable);
     assert_eq!(server.calls.load(Ordering::SeqCst), 1);
 
@@ -289,7 +333,13 @@ async fn a_refused_connection_is_not_sent_and_the_typed_error_is_inside_the_stat
         .connect_lazy();
     let layer = Backstop::grpc("refunds-grpc")
         .no_breaker()
-        .backoff(backstop::backoff::Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20)).unwrap())
+        .backoff(
+            backstop::backoff::Backoff::full_jitter(
+                Duration::from_millis(5),
+                Duration::from_millis(20),
+            )
+            .unwrap(),
+        )
         .build()
         .unwrap();
     let mut client = tonic::client::Grpc::new(layer.layer(channel));
@@ -300,8 +350,14 @@ async fn a_refused_connection_is_not_sent_and_the_typed_error_is_inside_the_stat
     assert_eq!(err.kind(), ErrorKind::Failed);
 }
 
-async fn upload(client: &mut tonic::client::Grpc<Stack>, parts: usize) -> Result<RefundReply, Status> {
-    client.ready().await.map_err(|e| Status::unknown(e.to_string()))?;
+async fn upload(
+    client: &mut tonic::client::Grpc<Stack>,
+    parts: usize,
+) -> Result<RefundReply, Status> {
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unknown(e.to_string()))?;
     let codec = tonic_prost::ProstCodec::<RefundRequest, RefundReply>::default();
     let messages = (0..parts).map(|_| RefundRequest {
         order: "ORD-4812".into(),
@@ -323,7 +379,10 @@ async fn a_streamed_body_is_retried_within_the_limit_and_committed_past_it() {
     })
     .await;
     let mut client = stack(&server, |b| b.honours_keys()).await;
-    assert_eq!(upload(&mut client, 8).await.unwrap().id, format!("U:{}", 8 * 1024));
+    assert_eq!(
+        upload(&mut client, 8).await.unwrap().id,
+        format!("U:{}", 8 * 1024)
+    );
     assert_eq!(server.calls.load(Ordering::SeqCst), 2);
 
     // Past the limit (8 KiB of a 4 KiB limit): sent once, not retried.
@@ -331,5 +390,9 @@ async fn a_streamed_body_is_retried_within_the_limit_and_committed_past_it() {
     let mut client = stack(&server, |b| b.honours_keys().body_limit(4 * 1024)).await;
     let status = upload(&mut client, 8).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted);
-    assert_eq!(server.calls.load(Ordering::SeqCst), 1, "committed past the limit");
+    assert_eq!(
+        server.calls.load(Ordering::SeqCst),
+        1,
+        "committed past the limit"
+    );
 }

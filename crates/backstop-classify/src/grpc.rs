@@ -248,9 +248,18 @@ pub fn grpc_timeout(left: Duration) -> HeaderValue {
     const MAX: u128 = 99_999_999;
     let units: [(u128, &str); 6] = [
         (left.as_nanos(), "n"),
-        (left.as_micros() + u128::from(left.subsec_nanos() % 1_000 != 0), "u"),
-        (left.as_millis() + u128::from(left.subsec_nanos() % 1_000_000 != 0), "m"),
-        (u128::from(left.as_secs()) + u128::from(left.subsec_nanos() != 0), "S"),
+        (
+            left.as_micros() + u128::from(!left.subsec_nanos().is_multiple_of(1_000)),
+            "u",
+        ),
+        (
+            left.as_millis() + u128::from(!left.subsec_nanos().is_multiple_of(1_000_000)),
+            "m",
+        ),
+        (
+            u128::from(left.as_secs()) + u128::from(left.subsec_nanos() != 0),
+            "S",
+        ),
         (u128::from(left.as_secs().div_ceil(60)), "M"),
         (u128::from(left.as_secs().div_ceil(3600)), "H"),
     ];
@@ -282,7 +291,11 @@ mod tests {
     fn each_code_and_pushback() {
         let c = GrpcClassifier::new();
         let retry = |outcome, after| Verdict::Retryable { outcome, after };
-        assert_eq!(verdict(&c, &[]), Verdict::Success, "messages follow: committed");
+        assert_eq!(
+            verdict(&c, &[]),
+            Verdict::Success,
+            "messages follow: committed"
+        );
         assert_eq!(verdict(&c, &[("grpc-status", "0")]), Verdict::Success);
         assert_eq!(
             verdict(&c, &[("grpc-status", "14")]),
@@ -350,7 +363,8 @@ mod tests {
     #[test]
     fn a_refused_connection_is_not_sent_and_keys_vouch() {
         let c = GrpcClassifier::new();
-        let refused: BoxError = Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let refused: BoxError =
+            Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert_eq!(
             Classify::<Request<()>, Response<()>, BoxError>::classify(&c, Err(&refused)),
             Verdict::Retryable {

@@ -93,7 +93,6 @@ pub use backstop_core::{AttemptGate, NoBudget, RetryBudget, Ticket};
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
 pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
-pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
 pub use future::ResponseFuture;
 pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
@@ -101,6 +100,7 @@ pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
 pub use replay::{
     CloneRequest, CopyableBody, HttpReplay, HttpResend, NotCopyable, NotReplayable, Resend,
 };
+pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
 pub use words::{Diagnosis, ErrorKind, Told};
 
 /// Future types.

@@ -412,7 +412,11 @@ mod tests {
         let resend = StreamingResend::new(3);
         let kept = resend.prepare(request(&["ab", "cd", "ef"]));
         let first = resend.copy(&kept).unwrap();
-        assert_eq!(text(first.into_body()).await.unwrap(), "abcdef", "sent in full once");
+        assert_eq!(
+            text(first.into_body()).await.unwrap(),
+            "abcdef",
+            "sent in full once"
+        );
         let why = resend.copy(&kept).unwrap_err();
         assert!(why.to_string().contains("longer than the 3 bytes"), "{why}");
     }
@@ -426,7 +430,10 @@ mod tests {
         let mut second = resend.copy(&kept).unwrap().into_body();
         let f = second.frame().await.unwrap().unwrap();
         assert_eq!(f.into_data().unwrap(), "ab", "what was kept");
-        assert!(second.frame().await.unwrap().is_err(), "not the original's rest");
+        assert!(
+            second.frame().await.unwrap().is_err(),
+            "not the original's rest"
+        );
         drop(first);
     }
 
@@ -442,7 +449,13 @@ mod tests {
         let req = Request::post("/").body(body).unwrap();
         let kept = resend.prepare(req);
         for _ in 0..2 {
-            let collected = resend.copy(&kept).unwrap().into_body().collect().await.unwrap();
+            let collected = resend
+                .copy(&kept)
+                .unwrap()
+                .into_body()
+                .collect()
+                .await
+                .unwrap();
             assert_eq!(collected.trailers(), Some(&trailers));
             assert_eq!(collected.to_bytes(), "xy");
         }

@@ -1,8 +1,6 @@
 //! The composed stack for gRPC calls (tonic's channel, or any gRPC-over-HTTP/2 client).
 
-use crate::{
-    Backstop, BoxErrors, Transport, TransportSettings, attempt_header::AttemptCount,
-};
+use crate::{Backstop, BoxErrors, Transport, TransportSettings, attempt_header::AttemptCount};
 use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{Deadline, Dependency, plumbing::CallContext};
 use backstop_idempotency::{HttpKeys, IdempotencyLayer};
