@@ -3,7 +3,7 @@
 //! paused clock.
 
 use backstop::{
-    Backstop, Deadline, Dependency, ErrorKind, HasExtensions, Outcome, Run,
+    Backstop, Deadline, Dependency, ErrorKind, Outcome, Run,
     backoff::{Backoff, RngSource},
     mcp::{
         META_KEY, META_KEY_ALIAS, ToolCall, ToolCatalog, ToolError, ToolHints, ToolPolicy,
@@ -454,8 +454,6 @@ async fn a_retry_the_dependency_s_budget_refuses_goes_back_to_the_run() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::BudgetExhausted, "{err}");
     assert_eq!(run.retries_spent(), 0, "nothing was retried, nothing spent");
-    let _ = ToolCall::default().extensions();
-    let _ = AtomicU32::new(0);
 }
 
 /// tower-mcp: a payments router in process, its refund tool behind the per-tool replay layer.

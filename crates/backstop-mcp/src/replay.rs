@@ -93,8 +93,9 @@ impl ToolReplayLayer {
         ToolReplayLayer::from_replay(ReplayLayer::new(store))
     }
 
-    /// Replay configured as `layer` is (store, TTL, lease, principal, failure policy); the
-    /// method and header settings are the adapter's own and are replaced.
+    /// Replay configured as `layer` is (store, TTL, lease, principal, failure policy). The
+    /// method, the key's header and whether a key is required are the adapter's own and are
+    /// replaced (keys are optional; say [`require_key`](ToolReplayLayer::require_key) here).
     pub fn from_replay(layer: ReplayLayer) -> Self {
         ToolReplayLayer {
             replay: layer
