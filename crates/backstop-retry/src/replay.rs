@@ -75,14 +75,19 @@ pub struct HttpResend;
 
 impl<B: CopyableBody> Resend<http::Request<B>> for HttpResend {
     fn copy(&self, req: &http::Request<B>) -> Result<http::Request<B>, NotCopyable> {
-        let mut copy = http::Request::new(req.body().copy_body()?);
-        *copy.method_mut() = req.method().clone();
-        *copy.uri_mut() = req.uri().clone();
-        *copy.version_mut() = req.version();
-        *copy.headers_mut() = req.headers().clone();
-        *copy.extensions_mut() = req.extensions().clone();
-        Ok(copy)
+        Ok(with_parts_of(req, req.body().copy_body()?))
     }
+}
+
+/// A request with `req`'s method, URI, version, headers and extensions, and `body`.
+pub(crate) fn with_parts_of<B, B2>(req: &http::Request<B>, body: B2) -> http::Request<B2> {
+    let mut copy = http::Request::new(body);
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    *copy.extensions_mut() = req.extensions().clone();
+    copy
 }
 
 /// A request body that can be sent again.

@@ -335,14 +335,10 @@ impl<B: StreamedBody> Resend<Request<B>> for StreamingResend {
             .extensions()
             .get::<BodyTee<B>>()
             .ok_or_else(|| NotCopyable::new("its body was not prepared for copying"))?;
-        let body = B::from_reader(tee.reader()?);
-        let mut copy = Request::new(body);
-        *copy.method_mut() = req.method().clone();
-        *copy.uri_mut() = req.uri().clone();
-        *copy.version_mut() = req.version();
-        *copy.headers_mut() = req.headers().clone();
-        *copy.extensions_mut() = req.extensions().clone();
-        Ok(copy)
+        Ok(crate::replay::with_parts_of(
+            req,
+            B::from_reader(tee.reader()?),
+        ))
     }
 }
 
