@@ -68,6 +68,7 @@ impl AsError for std::convert::Infallible {
 /// | reqwest: connect error / timeout (feature `reqwest`) | retryable | not sent / unknown |
 /// | hyper: request cancelled before it was written | retryable | not sent |
 /// | hyper: connection closed before the reply completed, read timeout | retryable | unknown |
+/// | HTTP/2 `REFUSED_STREAM` (feature `grpc`) | retryable | not sent |
 /// | `io::ErrorKind::ConnectionRefused` | retryable | not sent |
 /// | `io::ErrorKind::{ConnectionReset, ConnectionAborted, BrokenPipe, UnexpectedEof, TimedOut}` | retryable | unknown |
 ///
@@ -153,6 +154,14 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
         if h.is_incomplete_message() || h.is_timeout() {
             return retry(Outcome::Unknown);
         }
+    }
+    // HTTP/2 guarantees that a stream reset with REFUSED_STREAM was not processed (RFC 9113
+    // §8.7): a gRPC `UNAVAILABLE` that comes this way never left.
+    #[cfg(feature = "grpc")]
+    if let Some(h) = e.downcast_ref::<h2::Error>()
+        && h.reason() == Some(h2::Reason::REFUSED_STREAM)
+    {
+        return retry(Outcome::NotSent);
     }
     if let Some(io) = e.downcast_ref::<io::Error>() {
         use io::ErrorKind::*;

@@ -62,7 +62,7 @@ pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 /// | status | verdict | outcome |
 /// |---|---|---|
 /// | `OK`, or no `grpc-status` in the headers | success | completed |
-/// | `UNAVAILABLE` (retryable by default) | retryable | **unknown**: it may come after the server processed the call; only a transport error that shows the call never left (connection refused) is *not sent* |
+/// | `UNAVAILABLE` (retryable by default) | retryable | **unknown**: it may come after the server processed the call; only a transport error that shows the call never left (connection refused, an HTTP/2 `REFUSED_STREAM`) is *not sent* |
 /// | `RESOURCE_EXHAUSTED` (retryable by default) | retryable | not sent (refused for quota) |
 /// | another code in [`retry_on`](GrpcClassifier::retry_on) | retryable | unknown |
 /// | any other code (`INVALID_ARGUMENT`, `NOT_FOUND`, ...) | fatal | completed |
@@ -379,6 +379,27 @@ mod tests {
             .body(())
             .unwrap();
         assert!(c.request_is_replay_safe(&keyed));
+    }
+
+    #[test]
+    fn a_refused_stream_never_left_and_other_resets_are_unknown() {
+        let c = GrpcClassifier::new();
+        let v =
+            |e: BoxError| Classify::<Request<()>, Response<()>, BoxError>::classify(&c, Err(&e));
+        assert_eq!(
+            v(Box::new(h2::Error::from(h2::Reason::REFUSED_STREAM))),
+            Verdict::Retryable {
+                outcome: Outcome::NotSent,
+                after: None
+            }
+        );
+        // Any other reset: the server may have processed the stream.
+        assert_eq!(
+            v(Box::new(h2::Error::from(h2::Reason::INTERNAL_ERROR))),
+            Verdict::Fatal {
+                outcome: Outcome::Unknown
+            }
+        );
     }
 
     #[test]
