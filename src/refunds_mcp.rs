@@ -264,9 +264,36 @@ impl RefundServer {
     /// Starts the server on loopback; the first reply to a call of `lose_first_reply_of` (a
     /// tool's name) is lost.
     pub async fn start(lose_first_reply_of: Option<&'static str>) -> RefundServer {
-        let tools = RefundTools::default();
         let replay = ToolReplayLayer::new(MemoryStore::default()).single_tenant();
-        let handler = ReplayHandler::new(tools.clone(), replay);
+        let tools = RefundTools::default();
+        RefundServer::serve(
+            ReplayHandler::new(tools.clone(), replay),
+            tools,
+            lose_first_reply_of,
+        )
+        .await
+    }
+
+    /// A server with several tenants: a call's principal is its HTTP request's `x-user`
+    /// header (what an authentication layer would set), read from rmcp's request context.
+    pub async fn start_multi_tenant() -> RefundServer {
+        let replay = ToolReplayLayer::new(MemoryStore::default());
+        let tools = RefundTools::default();
+        let handler = ReplayHandler::new(tools.clone(), replay).principal(|ctx| {
+            ctx.extensions
+                .get::<http::request::Parts>()
+                .and_then(|p| p.headers.get("x-user"))
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+        RefundServer::serve(handler, tools, None).await
+    }
+
+    async fn serve(
+        handler: ReplayHandler<RefundTools>,
+        tools: RefundTools,
+        lose_first_reply_of: Option<&'static str>,
+    ) -> RefundServer {
         let config = StreamableHttpServerConfig::default().with_json_response(true);
         let mcp = StreamableHttpService::new(
             move || Ok(handler.clone()),

@@ -147,6 +147,59 @@ async fn over_http_the_key_can_travel_as_an_idempotency_key_header_too() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_user_s_key_never_replays_another_user_s_result() {
+    let server = RefundServer::start_multi_tenant().await;
+    let connect_as = |user: Option<&'static str>| {
+        let mut config = StreamableHttpClientTransportConfig::with_uri(server.url());
+        if let Some(user) = user {
+            config
+                .custom_headers
+                .insert("x-user".parse().unwrap(), user.parse().unwrap());
+        }
+        ().serve(StreamableHttpClientTransport::with_client(
+            reqwest::Client::new(),
+            config,
+        ))
+    };
+    let key = backstop::idempotency::IdempotencyKey::new("refund-ORD-4812").unwrap();
+    let refund = || {
+        ToolCall::new("issue_refund", json!({"order": "ORD-4812", "eur": 40}))
+            .unwrap()
+            .with_key(key.clone())
+    };
+    let mut answers = Vec::new();
+    for user in ["alice", "bob", "alice"] {
+        let client = connect_as(Some(user)).await.unwrap();
+        let tools = payments().build().unwrap().rmcp(client.peer().clone());
+        answers.push(tools.oneshot(refund()).await.unwrap());
+        client.cancel().await.unwrap();
+    }
+    assert!(!answers[0].is_replayed() && !answers[1].is_replayed());
+    assert_ne!(
+        answers[0].joined_text(),
+        answers[1].joined_text(),
+        "bob's refund is bob's"
+    );
+    assert!(
+        answers[2].is_replayed(),
+        "alice's repeat gets alice's result"
+    );
+    assert_eq!(answers[2].joined_text(), answers[0].joined_text());
+    assert_eq!(server.tools.refunds().len(), 2);
+    // No principal on a multi-tenant server: refused, nothing booked.
+    let client = connect_as(None).await.unwrap();
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+    let err = tools.oneshot(refund()).await.unwrap_err();
+    assert_eq!(
+        (err.outcome(), err.attempts()),
+        (Outcome::NotSent, 1),
+        "{err}"
+    );
+    assert_eq!(server.tools.refunds().len(), 2);
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotent_tool_s_lost_reply_is_repeated_with_the_same_key() {
     let server = RefundServer::start(Some("set_refund_note")).await;
     let client = connect(&server).await;

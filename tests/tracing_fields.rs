@@ -177,3 +177,51 @@ async fn three_nested_stacks_make_one_call_span() {
     let calls = spans.iter().filter(|(name, _)| name == "call").count();
     assert_eq!(calls, 1, "one logical call, one call span");
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_run_s_retries_are_told_with_the_run_and_the_tool_that_spent_them() {
+    use backstop::{
+        Backstop, Run,
+        backoff::RngSource,
+        mcp::{ToolCall, ToolError, ToolPolicy, ToolResult},
+    };
+    use tower::{Layer, ServiceExt, service_fn};
+    let seen = Seen::default();
+    let _tracing = tracing::subscriber::set_default(seen.clone());
+    let down = service_fn(|_call: ToolCall| async {
+        Err::<ToolResult, _>(ToolError::NotSent(Box::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        ))))
+    });
+    let carrier = Backstop::mcp("carrier-mcp")
+        .no_breaker()
+        .no_budget()
+        .rng(RngSource::seeded(5))
+        .build()
+        .unwrap()
+        .layer(down);
+    let run = Run::new("run-spans").retry_budget(1);
+    // The run alone (no action context): the call span still names it.
+    let mut call = ToolCall::new("quote", serde_json::json!({}))
+        .unwrap()
+        .with_policy(ToolPolicy::ReadOnly);
+    run.attach(&mut call);
+    carrier.oneshot(call).await.unwrap_err();
+
+    let spans = seen.spans.lock().unwrap().clone();
+    let call = &spans
+        .iter()
+        .find(|(n, _)| n == "call")
+        .expect("a call span")
+        .1;
+    assert_eq!(call["run_id"], "run-spans");
+    assert_eq!(call["attempts"], "2", "one retry: the run's budget");
+    let events = seen.events.lock().unwrap().clone();
+    let retrying: Vec<_> = events
+        .iter()
+        .filter(|e| e.get("message").is_some_and(|m| m == "retrying"))
+        .collect();
+    assert_eq!(retrying.len(), 1);
+    assert_eq!(retrying[0]["run"], "run-spans");
+    assert_eq!(retrying[0]["dependency"], "carrier-mcp");
+}

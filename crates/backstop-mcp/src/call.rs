@@ -60,6 +60,9 @@ pub mod codes {
     /// Backstop replay (HTTP's 503): the store of keys is unreachable, and the call was not
     /// run unprotected.
     pub const REPLAY_UNAVAILABLE: i64 = -32094;
+    /// Backstop replay (HTTP's 500 `principal-missing`): the server is misconfigured (the call
+    /// reached the replay layer without an authenticated principal) and the call was not run.
+    pub const REPLAY_MISCONFIGURED: i64 = -32095;
 }
 
 /// One MCP `tools/call` request, as it goes through the Backstop stack: the tool's name, its

@@ -38,7 +38,9 @@ const RPC_ERROR: &str = "x-backstop-mcp-error";
 /// - the tool's JSON-RPC errors are stored and replayed too (invalid params, internal error),
 ///   except [`codes::OVERLOADED`], which frees the key for a later try;
 /// - an unreachable store refuses the call ([`codes::REPLAY_UNAVAILABLE`], with
-///   `data.retryAfterMs`) rather than run it unprotected.
+///   `data.retryAfterMs`) rather than run it unprotected;
+/// - a keyed call without a principal on a multi-tenant server is refused, not run
+///   ([`codes::REPLAY_MISCONFIGURED`]).
 ///
 /// Stored results are scoped by the call's principal (`backstop_replay::Principal` in the call's
 /// extensions, put there by whatever authenticated the session), or built with
@@ -337,6 +339,7 @@ fn problem(parts: &http::response::Parts, json: &Value) -> ToolError {
     let code = match (parts.status, kind.as_str()) {
         (_, "request-in-flight") => codes::KEY_IN_FLIGHT,
         (_, "outcome-unknown") => codes::OUTCOME_UNKNOWN,
+        (_, "principal-missing") => codes::REPLAY_MISCONFIGURED,
         (StatusCode::UNPROCESSABLE_ENTITY, _) => codes::KEY_REUSED,
         (StatusCode::SERVICE_UNAVAILABLE, _) => codes::REPLAY_UNAVAILABLE,
         (StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE, _) => codes::INVALID_PARAMS,

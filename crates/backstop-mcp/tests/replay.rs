@@ -211,7 +211,7 @@ async fn principals_never_share_results_and_keys_can_be_required() {
         .oneshot(call(Some("k"), 40))
         .await
         .unwrap_err();
-    assert_eq!(code(&nobody), codes::INTERNAL_ERROR, "{nobody}");
+    assert_eq!(code(&nobody), codes::REPLAY_MISCONFIGURED, "{nobody}");
     assert_eq!(booked.load(Ordering::SeqCst), 2);
 
     // Without a key a call runs every time, unless keys are required.
