@@ -1,6 +1,7 @@
 //! A payments MCP server for the MCP agent example and its tests: an rmcp `ServerHandler`
 //! with an `issue_refund` tool (destructive, not idempotent), `order_status` (read-only) and
-//! `set_refund_note` (idempotent), behind Backstop's replay, served over rmcp's streamable HTTP
+//! `set_refund_note` (idempotent) and `export_statement` (long-running: it answers with a task),
+//! behind Backstop's replay, served over rmcp's streamable HTTP
 //! transport on loopback. A fault layer in front can lose the first reply of a `tools/call`
 //! after the server has answered it (the refund booked and stored).
 
@@ -13,9 +14,9 @@ use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 use rmcp::{
     ErrorData, RoleServer, ServerHandler,
     model::{
-        CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorCode,
-        ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
-        ToolAnnotations,
+        CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, CreateTaskResult,
+        ErrorCode, ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Task,
+        TaskStatus, Tool, ToolAnnotations,
     },
     service::RequestContext,
     transport::streamable_http_server::{
@@ -54,6 +55,8 @@ pub struct RefundTools {
     pub handled: Arc<AtomicU32>,
     /// The `_meta` and the arguments of each call that reached the handler.
     pub seen: Arc<Mutex<Vec<(JsonObject, JsonObject)>>>,
+    /// Tasks `export_statement` started.
+    pub tasks: Arc<AtomicU32>,
 }
 
 impl RefundTools {
@@ -87,6 +90,11 @@ impl RefundTools {
                 schema(json!({"type": "object"})),
             )
             .annotate(ToolAnnotations::new().idempotent(true).destructive(false)),
+            Tool::new(
+                "export_statement",
+                "Export an order's statement: a long-running task, polled with tasks/get.",
+                schema(json!({"type": "object", "properties": {"order": {"type": "string"}}})),
+            ),
         ]
     }
 
@@ -141,6 +149,10 @@ impl ServerHandler for RefundTools {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
+        // The tool's own work, in a span of its own (a child of the replay layer's `tool` span,
+        // and so of the caller's attempt when trace context travels).
+        let _span =
+            tracing::info_span!(target: "refunds", "handle", tool = %request.name).entered();
         self.handled.fetch_add(1, Ordering::SeqCst);
         let args = request.arguments.unwrap_or_default();
         self.seen
@@ -167,6 +179,14 @@ impl ServerHandler for RefundTools {
                 ))])
             }
             "set_refund_note" => CallToolResult::success(vec![ContentBlock::text("note saved")]),
+            // A long-running tool (MCP's tasks extension): it answers with a task, each run a
+            // new one, and the client polls `tasks/get` for the statement.
+            "export_statement" => {
+                let n = self.tasks.fetch_add(1, Ordering::SeqCst) + 1;
+                let now = "2026-12-01T10:00:00Z";
+                let task = Task::new(format!("task-{n}"), TaskStatus::Working, now, now);
+                return Ok(CallToolResponse::Task(CreateTaskResult::new(task)));
+            }
             other => {
                 return Err(ErrorData::new(
                     ErrorCode::METHOD_NOT_FOUND,

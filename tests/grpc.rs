@@ -44,7 +44,12 @@ struct Refunds {
     headers: Arc<Mutex<Vec<HeaderMap>>>,
 }
 
-struct Issue(Refunds);
+/// `Issue`, answered by the plan; or, with `hangs`, never answered (tonic's server still ends
+/// it when the `grpc-timeout` runs out).
+struct Issue {
+    refunds: Refunds,
+    hangs: bool,
+}
 
 impl Service<tonic::Request<RefundRequest>> for Issue {
     type Response = tonic::Response<RefundReply>;
@@ -54,8 +59,11 @@ impl Service<tonic::Request<RefundRequest>> for Issue {
         Poll::Ready(Ok(()))
     }
     fn call(&mut self, _req: tonic::Request<RefundRequest>) -> Self::Future {
-        let n = self.0.calls.fetch_add(1, Ordering::SeqCst);
-        let answer = (self.0.plan)(n);
+        let n = self.refunds.calls.fetch_add(1, Ordering::SeqCst);
+        if self.hangs {
+            return Box::pin(std::future::pending());
+        }
+        let answer = (self.refunds.plan)(n);
         Box::pin(async move { answer.map(tonic::Response::new) })
     }
 }
@@ -102,8 +110,21 @@ impl Service<http::Request<tonic::body::Body>> for Refunds {
                 RefundRequest,
             >::default());
             Ok(match req.uri().path() {
-                "/test.Refunds/Issue" => grpc.unary(Issue(svc), req).await,
+                "/test.Refunds/Issue" => {
+                    let issue = Issue {
+                        refunds: svc,
+                        hangs: false,
+                    };
+                    grpc.unary(issue, req).await
+                }
                 "/test.Refunds/Upload" => grpc.client_streaming(Upload(svc), req).await,
+                "/test.Refunds/Hang" => {
+                    let hang = Issue {
+                        refunds: svc,
+                        hangs: true,
+                    };
+                    grpc.unary(hang, req).await
+                }
                 _ => Status::unimplemented("no such method").into_http(),
             })
         })
@@ -167,19 +188,16 @@ type Stack = backstop::BackstopService<
     backstop::idempotency::HttpKeys,
 >;
 
+/// The builder of a gRPC stack.
+type GrpcBackstop = Backstop<
+    backstop::grpc::GrpcClassifier,
+    backstop::grpc::StreamingResend,
+    backstop::idempotency::HttpKeys,
+>;
+
 async fn stack(
     server: &Server,
-    configure: impl FnOnce(
-        Backstop<
-            backstop::grpc::GrpcClassifier,
-            backstop::grpc::StreamingResend,
-            backstop::idempotency::HttpKeys,
-        >,
-    ) -> Backstop<
-        backstop::grpc::GrpcClassifier,
-        backstop::grpc::StreamingResend,
-        backstop::idempotency::HttpKeys,
-    >,
+    configure: impl FnOnce(GrpcBackstop) -> GrpcBackstop,
 ) -> tonic::client::Grpc<Stack> {
     let channel = tonic::transport::Endpoint::from_shared(server.url.clone())
         .unwrap()
@@ -205,6 +223,13 @@ async fn stack(
 }
 
 async fn issue(client: &mut tonic::client::Grpc<Stack>) -> Result<RefundReply, Status> {
+    unary(client, "/test.Refunds/Issue").await
+}
+
+async fn unary(
+    client: &mut tonic::client::Grpc<Stack>,
+    path: &'static str,
+) -> Result<RefundReply, Status> {
     client
         .ready()
         .await
@@ -215,7 +240,7 @@ async fn issue(client: &mut tonic::client::Grpc<Stack>) -> Result<RefundReply, S
         blob: Vec::new(),
     });
     client
-        .unary(req, "/test.Refunds/Issue".parse().unwrap(), codec)
+        .unary(req, path.parse().unwrap(), codec)
         .await
         .map(tonic::Response::into_inner)
 }
@@ -395,4 +420,248 @@ async fn a_streamed_body_is_retried_within_the_limit_and_committed_past_it() {
         1,
         "committed past the limit"
     );
+}
+
+/// The stack of the report: a hung server behind `connect_lazy`, 300 ms attempts in a 1 s
+/// deadline, five attempts allowed.
+fn hung_stack(
+    server: &Server,
+    configure: impl FnOnce(GrpcBackstop) -> GrpcBackstop,
+) -> tonic::client::Grpc<Stack> {
+    let channel = tonic::transport::Endpoint::from_shared(server.url.clone())
+        .unwrap()
+        .connect_lazy();
+    let layer = configure(
+        Backstop::grpc("refunds-grpc")
+            .attempt_timeout(Duration::from_millis(300))
+            .deadline(Duration::from_secs(1))
+            .max_attempts(5)
+            .no_budget()
+            .no_breaker(),
+    )
+    .build()
+    .unwrap();
+    tonic::client::Grpc::new(layer.layer(channel))
+}
+
+/// Every attempt of `err` ended by the stack's own limits: an attempt timeout (retryable,
+/// outcome unknown) or, for the last, the deadline (which may also have passed during the
+/// last backoff wait, so that the last attempt was never sent).
+fn every_attempt_timed_out(err: &BackstopError) {
+    let history = err.history().expect("a history");
+    for (i, a) in history.attempts.iter().enumerate() {
+        let last = i + 1 == history.attempts.len();
+        if last && !a.sent {
+            assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{history:?}");
+            assert!(i > 0, "the first attempt is sent: {history:?}");
+            continue;
+        }
+        assert!(a.sent, "attempt {} was sent: {history:?}", i + 1);
+        assert_eq!(
+            a.verdict.outcome(),
+            Outcome::Unknown,
+            "attempt {}: {history:?}",
+            i + 1
+        );
+        if !last {
+            assert!(
+                matches!(a.verdict, backstop::classify::Verdict::Retryable { .. }),
+                "attempt {} is an attempt timeout: {history:?}",
+                i + 1
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_server_is_ended_by_the_stacks_own_limits_and_repeated_when_keyed() {
+    let server = serve(|_| reply("never")).await;
+    let mut client = hung_stack(&server, |b| b.honours_keys());
+    let started = Instant::now();
+    let status = unary(&mut client, "/test.Refunds/Hang").await.unwrap_err();
+    let took = started.elapsed();
+    let err = backstop_error(&status)
+        .unwrap_or_else(|| panic!("the Backstop error is the status's source: {status:?}"));
+    // The deadline ends the call: attempts at 0, ~300+ and ~600+ ms fit in it.
+    assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+    assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+    assert!(err.attempts() >= 2, "{err}");
+    every_attempt_timed_out(err);
+    assert_eq!(
+        server.calls.load(Ordering::SeqCst),
+        err.attempts() as usize,
+        "{err}"
+    );
+    assert!(
+        status.message().contains("deadline"),
+        "{}",
+        status.message()
+    );
+    // Bounds with a reason: never before the deadline (each attempt waits its full 300 ms,
+    // and the backoff waits are inside the deadline); the upper bound only catches a call
+    // that outlives its deadline by a whole attempt.
+    assert!(took >= Duration::from_millis(600), "{took:?}");
+    assert!(took < Duration::from_millis(1300), "{took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_call_nobody_vouched_for_times_out_once_and_says_so() {
+    let server = serve(|_| reply("never")).await;
+    let mut client = hung_stack(&server, |b| b);
+    let status = unary(&mut client, "/test.Refunds/Hang").await.unwrap_err();
+    let err = backstop_error(&status)
+        .unwrap_or_else(|| panic!("the Backstop error is the status's source: {status:?}"));
+    assert_eq!(err.kind(), ErrorKind::NotRetried, "{err}");
+    assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+    assert_eq!(err.attempts(), 1, "outcome unknown, not replay-safe: {err}");
+    assert!(
+        err.to_string()
+            .contains("did not reply within the 300 ms attempt timeout"),
+        "{err}"
+    );
+    every_attempt_timed_out(err);
+    assert_eq!(
+        err.history().unwrap().stopped,
+        backstop::retry::StopReason::KeyNotVouched,
+        "{err}"
+    );
+    assert_eq!(server.calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_call_cut_by_its_deadline_ends_with_the_deadline() {
+    let server = serve(|_| reply("never")).await;
+    // The second attempt (after at most 200 ms of backoff) has less time than its timeout: the `grpc-timeout` it sends is what
+    // is left of the deadline.
+    let mut client = hung_stack(&server, |b| {
+        b.honours_keys().attempt_timeout(Duration::from_millis(600))
+    });
+    let status = unary(&mut client, "/test.Refunds/Hang").await.unwrap_err();
+    let err = backstop_error(&status)
+        .unwrap_or_else(|| panic!("the Backstop error is the status's source: {status:?}"));
+    assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+    assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+    assert_eq!(err.attempts(), 2, "{err}");
+    every_attempt_timed_out(err);
+    assert_eq!(server.calls.load(Ordering::SeqCst), 2);
+}
+
+/// A client under the stack, on the paused clock, that ends each call when its `grpc-timeout`
+/// runs out the way the client or server timer it starts would: `answer` is what comes back.
+async fn ends_at_its_grpc_timeout(
+    answer: fn() -> Result<http::Response<tonic::body::Body>, tower::BoxError>,
+    honours_keys: bool,
+    seed: u64,
+) -> (BackstopError, usize) {
+    use tower::ServiceExt;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let client = tower::service_fn(move |req: http::Request<tonic::body::Body>| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        let left = grpc_timeout(&req.headers()["grpc-timeout"]);
+        async move {
+            tokio::time::sleep(left).await;
+            answer()
+        }
+    });
+    let mut stack = Backstop::grpc("refunds-grpc")
+        .rng(backstop::backoff::RngSource::seeded(seed))
+        .attempt_timeout(Duration::from_millis(300))
+        .deadline(Duration::from_secs(1))
+        .max_attempts(5)
+        .no_budget()
+        .no_breaker();
+    if honours_keys {
+        stack = stack.honours_keys();
+    }
+    let svc = stack.build().unwrap().layer(client);
+    let req = http::Request::post("http://refunds/test.Refunds/Issue")
+        .body(tonic::body::Body::empty())
+        .unwrap();
+    let err = svc.oneshot(req).await.unwrap_err();
+    (err, calls.load(Ordering::SeqCst))
+}
+
+/// A `grpc-timeout` value as a duration.
+fn grpc_timeout(value: &http::HeaderValue) -> Duration {
+    let value = value.to_str().unwrap();
+    let (n, unit) = value.split_at(value.len() - 1);
+    let n: u64 = n.parse().unwrap();
+    match unit {
+        "n" => Duration::from_nanos(n),
+        "u" => Duration::from_micros(n),
+        "m" => Duration::from_millis(n),
+        "S" => Duration::from_secs(n),
+        other => panic!("unit {other}"),
+    }
+}
+
+fn trailers_only(code: Code) -> Result<http::Response<tonic::body::Body>, tower::BoxError> {
+    let mut res = http::Response::new(tonic::body::Body::empty());
+    res.headers_mut()
+        .insert("grpc-status", (code as i32).to_string().parse().unwrap());
+    Ok(res)
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_clients_own_timer_from_the_grpc_timeout_sent_is_the_stacks_timeout() {
+    // tonic's channel ends the call with `TimeoutExpired` on the same tick as the stack's
+    // timer, and is polled first.
+    let timer = || Err(tonic::TimeoutExpired(()).into());
+    for seed in 0..20 {
+        let (err, calls) = ends_at_its_grpc_timeout(timer, true, seed).await;
+        assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+        assert!(calls >= 2 && calls == err.attempts() as usize, "{err}");
+        every_attempt_timed_out(&err);
+    }
+    let (err, calls) = ends_at_its_grpc_timeout(timer, false, 0).await;
+    assert_eq!(err.kind(), ErrorKind::NotRetried, "{err}");
+    assert!(err.to_string().contains("300 ms attempt timeout"), "{err}");
+    assert_eq!(calls, 1, "{err}");
+    // The typed error, not tonic's: tonic's `Status::from_error` finds no `TimeoutExpired`
+    // in its cause chain to make a bare CANCELLED of.
+    let status = tonic::Status::from_error(Box::new(err));
+    assert_eq!(status.code(), Code::Unknown);
+    assert!(backstop_error(&status).is_some(), "{status:?}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_servers_cancelled_or_deadline_exceeded_at_the_grpc_timeout_sent_is_the_stacks_timeout() {
+    for answer in [(|| trailers_only(Code::Cancelled)) as fn() -> _, || {
+        trailers_only(Code::DeadlineExceeded)
+    }] {
+        for seed in 0..20 {
+            let (err, calls) = ends_at_its_grpc_timeout(answer, true, seed).await;
+            assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+            assert!(calls >= 2 && calls == err.attempts() as usize, "{err}");
+            every_attempt_timed_out(&err);
+        }
+        let (err, calls) = ends_at_its_grpc_timeout(answer, false, 0).await;
+        assert_eq!(err.kind(), ErrorKind::NotRetried, "{err}");
+        assert!(err.to_string().contains("300 ms attempt timeout"), "{err}");
+        assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+        assert_eq!(calls, 1, "{err}");
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_cancelled_before_the_grpc_timeout_is_the_servers_own_answer() {
+    use tower::ServiceExt;
+    // The server cancels on its own, well inside the time sent: its answer, not a timeout.
+    let client = tower::service_fn(|_req: http::Request<tonic::body::Body>| async {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        trailers_only(Code::Cancelled)
+    });
+    let svc = Backstop::grpc("refunds-grpc")
+        .honours_keys()
+        .attempt_timeout(Duration::from_millis(300))
+        .no_breaker()
+        .build()
+        .unwrap()
+        .layer(client);
+    let req = http::Request::post("http://refunds/test.Refunds/Issue")
+        .body(tonic::body::Body::empty())
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    assert_eq!(res.headers()["grpc-status"], "1");
 }

@@ -23,7 +23,6 @@ use std::{
     },
     time::Duration,
 };
-use tokio::time::Instant;
 use tower::{Service, ServiceBuilder, ServiceExt};
 
 fn stack(
@@ -66,8 +65,10 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
         }
     })
     .await;
-    let breaker =
-        Breaker::new(BreakerConfig::default().cooldown(Duration::from_millis(300))).unwrap();
+    // The 50 refusals below take about a millisecond; the cooldown is long enough that no
+    // trial is let through while they run, even on two loaded cores.
+    let cooldown = Duration::from_secs(2);
+    let breaker = Breaker::new(BreakerConfig::default().cooldown(cooldown)).unwrap();
     let budget = Budget::default();
     let svc = stack(&breaker, &budget);
     let carrier = Dependency::new("carrier-api");
@@ -80,8 +81,8 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
     let sent = server.requests();
     assert_eq!(sent, 5);
 
-    // While open: fast, honest, not sent.
-    let start = Instant::now();
+    // While open: honest, not sent, and no attempt waited for (fast: BENCHMARKS.md measures
+    // the refusal's cost).
     for _ in 0..50 {
         let e = svc
             .clone()
@@ -89,15 +90,17 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
             .await
             .unwrap_err();
         let e = e.downcast::<RetryError>().unwrap();
-        assert!(e.cause().is::<CircuitOpen>());
+        let open = e
+            .cause()
+            .downcast_ref::<CircuitOpen>()
+            .expect("refused by the circuit");
         assert_eq!(e.outcome(), Outcome::NotSent);
         assert_eq!(e.attempts(), 0, "refused by the circuit: nothing sent");
+        assert!(
+            open.retry_in().is_some_and(|after| after <= cooldown),
+            "the refusal says when to come back: {e}"
+        );
     }
-    assert!(
-        start.elapsed() < Duration::from_millis(250),
-        "{:?}",
-        start.elapsed()
-    );
     assert_eq!(
         server.requests(),
         sent,
@@ -106,7 +109,8 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
 
     // The dependency recovers; after the cooldown a trial goes through and closes the circuit.
     down.store(false, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(350)).await;
+    // Waiting for the cooldown itself: the clock is what is tested here.
+    tokio::time::sleep(cooldown + Duration::from_millis(50)).await;
     let res = svc
         .clone()
         .oneshot(get(server.url("/rates")))

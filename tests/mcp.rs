@@ -79,6 +79,12 @@ async fn a_lost_refund_reply_and_the_model_repeating_itself_books_one_refund() {
         err.to_string().contains("may or may not have taken effect"),
         "{err}"
     );
+    // Said first: the reply was lost; then the transport's words.
+    assert!(
+        err.to_string()
+            .starts_with("the reply from payments-mcp was lost (1 attempt in "),
+        "{err}"
+    );
     // What the model receives: the error as a tool result, via rmcp's own type.
     let told = error_result(&err, None);
     assert_eq!(told.is_error, Some(true));
@@ -143,6 +149,50 @@ async fn over_http_the_key_can_travel_as_an_idempotency_key_header_too() {
         "the header is the _meta key"
     );
     assert_eq!(headers[1], None, "a read carries no key");
+    client.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_call_answered_with_a_task_gets_the_same_task_when_repeated() {
+    let server = RefundServer::start(None).await;
+    // A client that declares MCP's tasks extension, so the server may answer with tasks.
+    let mut config = rmcp::model::ClientConfig::default();
+    config.capabilities = rmcp::model::ClientCapabilities::builder()
+        .enable_tasks()
+        .build();
+    let transport = StreamableHttpClientTransport::with_client(
+        reqwest::Client::new(),
+        StreamableHttpClientTransportConfig::with_uri(server.url()),
+    );
+    let client = config.serve(transport).await.unwrap();
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+    let run = Run::new("run-export");
+    let export = || {
+        ToolCall::new("export_statement", json!({"order": "ORD-4812"}))
+            .unwrap()
+            .in_run(&run)
+    };
+    let first = tools.clone().oneshot(export()).await.unwrap();
+    assert_eq!(first.task_id(), Some("task-1"), "{:?}", first.to_json());
+    assert!(first.content.is_empty() && !first.is_error);
+    // The model repeats the call while the task runs: the same task, not a second one.
+    let again = tools.clone().oneshot(export()).await.unwrap();
+    assert!(again.is_replayed(), "{:?}", again.to_json());
+    assert_eq!(again.task_id(), Some("task-1"));
+    assert_eq!(again.task.as_ref().unwrap()["status"], "working");
+    assert_eq!(
+        server.tools.tasks.load(Ordering::SeqCst),
+        1,
+        "one execution"
+    );
+    // Without a key, each call is its own task.
+    let unkeyed = ToolCall::new("export_statement", json!({"order": "ORD-1"})).unwrap();
+    let unkeyed = tools
+        .clone()
+        .oneshot(unkeyed.with_policy(ToolPolicy::ReadOnly))
+        .await
+        .unwrap();
+    assert_eq!(unkeyed.task_id(), Some("task-2"));
     client.cancel().await.unwrap();
 }
 
@@ -587,6 +637,36 @@ mod tower_mcp_router {
         }
     }
 
+    /// The refund's reply is lost after the tool ran (one attempt: it is destructive), and
+    /// the model repeats the action: the same key, the stored result, one refund.
+    async fn lost_refund_then_repeated<S>(
+        tools: &S,
+        catalog: &ToolCatalog,
+        run: &str,
+        booked: &AtomicU32,
+    ) where
+        S: tower::Service<ToolCall, Response = ToolResult, Error = backstop::Error> + Clone,
+    {
+        let run = Run::new(run);
+        let refund = || {
+            catalog
+                .call("issue_refund", json!({"order": "ORD-4812", "eur": 40}))
+                .unwrap()
+                .in_run(&run)
+        };
+        let err = tools.clone().oneshot(refund()).await.unwrap_err();
+        assert_eq!(
+            (err.outcome(), err.attempts()),
+            (Outcome::Unknown, 1),
+            "{err}"
+        );
+        assert_eq!(booked.load(Ordering::SeqCst), 1);
+        let again = tools.clone().oneshot(refund()).await.unwrap();
+        assert!(again.is_replayed(), "{:?}", again.to_json());
+        assert_eq!(again.joined_text(), "refund R1 booked for \"ORD-4812\"");
+        assert_eq!(booked.load(Ordering::SeqCst), 1, "one refund");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_stack_on_an_mcp_router_with_a_replayed_tool() {
         let booked = Arc::new(AtomicU32::new(0));
@@ -607,30 +687,65 @@ mod tower_mcp_router {
             inner: client,
             lost: lost.clone(),
         });
-        let run = Run::new("run-tower");
-        let refund = || {
-            catalog
-                .call("issue_refund", json!({"order": "ORD-4812", "eur": 40}))
-                .unwrap()
-                .in_run(&run)
-        };
-        let err = tools.clone().oneshot(refund()).await.unwrap_err();
-        assert_eq!(
-            (err.outcome(), err.attempts()),
-            (Outcome::Unknown, 1),
-            "{err}"
-        );
-        // The model repeats the action: the same key, the stored result.
-        let again = tools.clone().oneshot(refund()).await.unwrap();
-        assert!(again.is_replayed(), "{:?}", again.to_json());
-        assert_eq!(again.joined_text(), "refund R1 booked for \"ORD-4812\"");
-        assert_eq!(booked.load(Ordering::SeqCst), 1, "one refund");
+        lost_refund_then_repeated(&tools, &catalog, "run-tower", &booked).await;
         // A call without a key runs as it would without the layer.
         let unkeyed = ToolCall::new("issue_refund", json!({"order": "ORD-1"}))
             .unwrap()
             .with_policy(ToolPolicy::ReadOnly);
         assert!(!tools.oneshot(unkeyed).await.unwrap().is_replayed());
         assert_eq!(booked.load(Ordering::SeqCst), 2);
+    }
+
+    /// tower-mcp's HTTP transport on loopback, the key read from rmcp's `Idempotency-Key`
+    /// header into the tool's request.
+    async fn serve_over_http(booked: Arc<AtomicU32>) -> backstop_testkit::TestServer {
+        use backstop::{idempotency::IdempotencyKey, mcp::tower_mcp::KeyFromHeaderLayer};
+        let app = tower_mcp::HttpTransport::new(router(booked, Duration::ZERO))
+            .bridge_extension::<IdempotencyKey>()
+            .into_router_at("/mcp")
+            .layer(KeyFromHeaderLayer::new());
+        backstop_testkit::TestServer::serve(app).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn over_http_a_lost_reply_and_the_model_s_repeat_book_one_refund() {
+        let booked = Arc::new(AtomicU32::new(0));
+        let server = serve_over_http(booked.clone()).await;
+        let transport = StreamableHttpClientTransport::with_client(
+            backstop::mcp::rmcp::KeyHeader::new(reqwest::Client::new()),
+            StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")),
+        );
+        let client = tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
+            .await
+            .expect("the client connects within 10 s")
+            .expect("the client connects");
+        let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+        let lost = Arc::new(AtomicU32::new(0));
+        let tools = payments().build().unwrap().layer(LoseFirst {
+            inner: backstop::mcp::rmcp::RmcpClient::new(client.peer().clone()),
+            lost: lost.clone(),
+        });
+        lost_refund_then_repeated(&tools, &catalog, "run-http", &booked).await;
+        client.cancel().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn over_http_a_malformed_key_header_is_refused_before_the_tool_runs() {
+        let booked = Arc::new(AtomicU32::new(0));
+        let server = serve_over_http(booked.clone()).await;
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "issue_refund", "arguments": {"order": "ORD-1"}}});
+        let res = reqwest::Client::new()
+            .post(server.url("/mcp"))
+            .header("idempotency-key", "")
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 400);
+        assert_eq!(booked.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test(start_paused = true)]

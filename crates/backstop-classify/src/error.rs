@@ -61,7 +61,7 @@ impl AsError for std::convert::Infallible {
 ///
 /// | error | verdict | outcome |
 /// |---|---|---|
-/// | [`AttemptTimedOut`], tower's `timeout::error::Elapsed`, tokio's `time::error::Elapsed` | retryable | unknown |
+/// | [`AttemptTimedOut`], tower's `timeout::error::Elapsed`, tokio's `time::error::Elapsed`, tonic's `TimeoutExpired` (feature `grpc`) | retryable | unknown |
 /// | [`DeadlineExceeded`] | fatal (no time left) | as recorded |
 /// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
@@ -96,6 +96,11 @@ pub fn is_attempt_timeout(e: &(dyn Error + 'static)) -> bool {
     {
         return true;
     }
+    // tonic's channel, at its `Endpoint::timeout` or the `grpc-timeout` the request carries.
+    #[cfg(feature = "grpc")]
+    if e.is::<tonic::TimeoutExpired>() {
+        return true;
+    }
     #[cfg(feature = "reqwest")]
     if let Some(r) = e.downcast_ref::<reqwest::Error>()
         && r.is_timeout()
@@ -115,10 +120,7 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     };
     // Attempt timeouts, Backstop's own and those of layers under the stack (tower's
     // `TimeoutLayer`, tokio's `timeout`): the request went out, the reply did not come.
-    if e.is::<AttemptTimedOut>()
-        || e.is::<tower::timeout::error::Elapsed>()
-        || e.is::<tokio::time::error::Elapsed>()
-    {
+    if is_attempt_timeout(e) {
         return retry(Outcome::Unknown);
     }
     if e.is::<CircuitOpen>() {

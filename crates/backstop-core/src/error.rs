@@ -122,6 +122,48 @@ impl fmt::Display for AttemptTimedOut {
 
 impl Error for AttemptTimedOut {}
 
+/// The request was sent and its reply was lost: the connection or the transport failed after
+/// the request left and before its answer arrived (a reset, a closed stream, a dropped
+/// session). Its side effect is [`Outcome::Unknown`]. Its source is the transport's own error.
+///
+/// ```
+/// use backstop_core::{Outcome, ReplyLost};
+///
+/// let lost = ReplyLost::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+/// assert_eq!(lost.outcome(), Outcome::Unknown);
+/// assert_eq!(lost.to_string(), "the request was sent and its reply was lost");
+/// ```
+#[derive(Debug)]
+pub struct ReplyLost {
+    source: BoxError,
+}
+
+impl ReplyLost {
+    /// A reply lost in the transport, which failed with `source`.
+    pub fn new(source: impl Into<BoxError>) -> Self {
+        ReplyLost {
+            source: source.into(),
+        }
+    }
+
+    /// Always [`Outcome::Unknown`]: the request left, its answer was not seen.
+    pub fn outcome(&self) -> Outcome {
+        Outcome::Unknown
+    }
+}
+
+impl fmt::Display for ReplyLost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the request was sent and its reply was lost")
+    }
+}
+
+impl Error for ReplyLost {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
 /// The overall deadline of a call passed.
 ///
 /// When the deadline passed before the request was sent, the outcome is

@@ -49,7 +49,7 @@ pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    DeadlineWords, HumanDuration, InvalidConfig,
+    DeadlineWords, HumanDuration, InvalidConfig, ReplyLost,
 };
 pub use extensions::{
     HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, WithExtensions, is_idempotent_method,

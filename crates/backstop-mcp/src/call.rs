@@ -306,12 +306,17 @@ impl KeyedRequest for ToolCall {
     }
 }
 
-/// What a tool answered: MCP's `CallToolResult`, as JSON.
+/// What a tool answered: MCP's `CallToolResult`, as JSON, or the task a long-running tool
+/// started instead (MCP's tasks extension, `resultType: "task"`).
 ///
 /// A result with `isError: true` is an answer too: the tool ran (or refused) and said why, and
-/// the text goes back to the model; the stack does not retry it.
+/// the text goes back to the model; the stack does not retry it. So is a task: the tool runs
+/// on, and the caller polls `tasks/get` with its id.
 #[derive(Clone, Debug, Default)]
 pub struct ToolResult {
+    /// The task the tool started, when it answered with one (`taskId`, `status`, `createdAt`,
+    /// ... as sent, without `_meta`, which is [`meta`](Self::meta)); `content` is then empty.
+    pub task: Option<Map<String, Value>>,
     /// The content blocks (`{"type": "text", "text": ...}` and the others), as sent.
     pub content: Vec<Value>,
     /// `structuredContent`, when the tool gave one.
@@ -364,8 +369,22 @@ impl ToolResult {
         self.meta.get(META_REPLAYED) == Some(&Value::Bool(true))
     }
 
-    /// The result as MCP's JSON (`content`, `structuredContent`, `isError`, `_meta`).
+    /// The task the tool started, with its id, when it answered with one.
+    pub fn task_id(&self) -> Option<&str> {
+        self.task.as_ref()?.get("taskId")?.as_str()
+    }
+
+    /// The result as MCP's JSON (`content`, `structuredContent`, `isError`, `_meta`; a task's
+    /// fields with `resultType: "task"`).
     pub fn to_json(&self) -> Value {
+        if let Some(task) = &self.task {
+            let mut out = task.clone();
+            out.insert("resultType".into(), Value::from("task"));
+            if !self.meta.is_empty() {
+                out.insert("_meta".into(), Value::Object(self.meta.clone()));
+            }
+            return Value::Object(out);
+        }
         let mut out = Map::new();
         out.insert("content".into(), Value::Array(self.content.clone()));
         if let Some(s) = &self.structured_content {
@@ -380,13 +399,31 @@ impl ToolResult {
         Value::Object(out)
     }
 
-    /// Reads MCP's JSON for a `CallToolResult`; anything that is not one is an error.
+    /// Reads MCP's JSON for a `CallToolResult`, or a `CreateTaskResult` (`resultType: "task"`
+    /// with a `taskId`); anything that is not one is an error.
     pub fn from_json(value: Value) -> Result<Self, ToolError> {
         let Value::Object(mut map) = value else {
             return Err(ToolError::Lost(
                 "the tool's result is not a JSON object".into(),
             ));
         };
+        if map.get("resultType").and_then(Value::as_str) == Some("task") {
+            if !map.get("taskId").is_some_and(Value::is_string) {
+                return Err(ToolError::Lost(
+                    "the tool answered with a task that has no `taskId`".into(),
+                ));
+            }
+            map.remove("resultType");
+            let meta = match map.remove("_meta") {
+                Some(Value::Object(m)) => m,
+                _ => Map::new(),
+            };
+            return Ok(ToolResult {
+                task: Some(map),
+                meta,
+                ..ToolResult::default()
+            });
+        }
         let content = match map.remove("content") {
             Some(Value::Array(c)) => c,
             None | Some(Value::Null) => Vec::new(),
@@ -405,6 +442,7 @@ impl ToolResult {
             _ => Map::new(),
         };
         Ok(ToolResult {
+            task: None,
             content,
             structured_content: map.remove("structuredContent"),
             is_error,
@@ -522,7 +560,7 @@ impl fmt::Display for ToolError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ToolError::NotSent(e) => write!(f, "the tool call was not sent: {e}"),
-            ToolError::Lost(e) => write!(f, "the tool call's reply was lost: {e}"),
+            ToolError::Lost(e) => write!(f, "the tool call may or may not have run: {e}"),
             ToolError::Rpc(e) => e.fmt(f),
         }
     }
@@ -604,5 +642,24 @@ mod tests {
             r.to_json()
         );
         assert!(ToolResult::from_json(json!("x")).is_err());
+    }
+
+    #[test]
+    fn a_task_round_trips_with_its_meta() {
+        let task = json!({
+            "resultType": "task",
+            "taskId": "t-1",
+            "status": "working",
+            "createdAt": "2026-12-01T10:00:00Z",
+            "lastUpdatedAt": "2026-12-01T10:00:00Z",
+            "ttlMs": null,
+            "_meta": {META_REPLAYED: true}
+        });
+        let r = ToolResult::from_json(task.clone()).unwrap();
+        assert_eq!(r.task_id(), Some("t-1"));
+        assert!(r.is_replayed() && r.content.is_empty());
+        assert_eq!(r.to_json(), task);
+        let no_id = json!({"resultType": "task", "status": "working"});
+        assert!(ToolResult::from_json(no_id).is_err());
     }
 }

@@ -43,6 +43,7 @@ mod replay;
 pub mod rmcp;
 #[cfg(feature = "tower-mcp")]
 pub mod tower_mcp;
+pub mod trace;
 
 pub use call::{
     META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, RpcError, ToolCall, ToolError, ToolResult,

@@ -20,7 +20,7 @@ use crate::{
     call::{RpcError, codes},
 };
 use backstop_classify::classify_error;
-use backstop_core::{HasExtensions, Outcome, Verdict};
+use backstop_core::{HasExtensions, Outcome, ReplyLost, Verdict};
 use backstop_idempotency::{IdempotencyKey, KeyFormat};
 use backstop_replay::Principal;
 use http::{HeaderName, HeaderValue};
@@ -99,12 +99,21 @@ impl Service<ToolCall> for RmcpClient {
     }
 
     fn call(&mut self, call: ToolCall) -> Self::Future {
-        let params = to_params(&call);
+        let mut params = to_params(&call);
+        // This attempt's trace context (the retry layer calls inside the attempt's span).
+        let mut meta = params.meta.take().map(|m| m.0.0).unwrap_or_default();
+        crate::trace::inject_current(&mut meta);
+        if !meta.is_empty() {
+            params.meta = Some(RequestMetaObject(MetaObject(meta)));
+        }
         let peer = self.peer.clone();
         // Dropping the future (an attempt timeout) cancels the request: rmcp tells the server.
         Box::pin(async move {
-            let result = peer.call_tool(params).await.map_err(from_service_error)?;
-            from_rmcp_result(result)
+            let response = peer
+                .call_tool_once(params)
+                .await
+                .map_err(from_service_error)?;
+            from_rmcp_response(response)
         })
     }
 }
@@ -137,10 +146,10 @@ pub fn from_service_error(e: ServiceError) -> ToolError {
             if never_left {
                 ToolError::NotSent(t.error)
             } else {
-                ToolError::Lost(t.error)
+                ToolError::Lost(Box::new(ReplyLost::new(t.error)))
             }
         }
-        other => ToolError::Lost(Box::new(other)),
+        other => ToolError::Lost(Box::new(ReplyLost::new(other))),
     }
 }
 
@@ -167,6 +176,38 @@ fn tool_error_data(e: ToolError) -> McpError {
         ToolError::Rpc(rpc) => to_error_data(&rpc),
         other => McpError::internal_error(other.to_string(), None),
     }
+}
+
+/// rmcp's answer to a `tools/call` as a [`ToolResult`]: a result, or the task a long-running
+/// tool started (MCP's tasks extension). A tool that asks for more input first cannot be
+/// replayed: its answer depends on a conversation, not on the call.
+pub fn from_rmcp_response(response: CallToolResponse) -> Result<ToolResult, ToolError> {
+    match response {
+        CallToolResponse::Complete(result) => from_rmcp_result(result),
+        CallToolResponse::Task(task) => {
+            let json = serde_json::to_value(&task).map_err(|e| {
+                ToolError::Lost(format!("the tool's task could not be read: {e}").into())
+            })?;
+            ToolResult::from_json(json)
+        }
+        _ => Err(ToolError::Rpc(RpcError::new(
+            codes::INTERNAL_ERROR,
+            "the tool asked for more input on a call with an idempotency key: replay covers \
+             tools that answer with a result or a task",
+        ))),
+    }
+}
+
+/// A [`ToolResult`] as rmcp's answer to a `tools/call`: the task, when the tool started one.
+pub fn to_rmcp_response(result: &ToolResult) -> Result<CallToolResponse, McpError> {
+    if result.task.is_none() {
+        return to_rmcp_result(result).map(CallToolResponse::Complete);
+    }
+    serde_json::from_value::<CreateTaskResult>(result.to_json())
+        .map(CallToolResponse::Task)
+        .map_err(|e| {
+            McpError::internal_error(format!("a stored task could not be read: {e}"), None)
+        })
 }
 
 /// rmcp's result as a [`ToolResult`].
@@ -417,12 +458,7 @@ impl<H: ServerHandler> Service<ToolCall> for HandlerTools<H> {
                 ));
             };
             match handler.call_tool(params, context).await {
-                Ok(CallToolResponse::Complete(result)) => from_rmcp_result(result),
-                Ok(_) => Err(ToolError::Rpc(RpcError::new(
-                    codes::INTERNAL_ERROR,
-                    "the tool asked for more input or started a task on a call with an \
-                     idempotency key: replay covers tools that answer with a result",
-                ))),
+                Ok(response) => from_rmcp_response(response),
                 Err(e) => Err(ToolError::Rpc(from_error_data(e))),
             }
         })
@@ -505,6 +541,17 @@ impl<H: ServerHandler> ReplayHandler<H> {
         &self.handler
     }
 
+    /// The call in its `tool` span, a child of the trace context the call carried.
+    async fn traced(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        use tracing::Instrument;
+        let span = crate::trace::tool_span(&request.name, &context.meta.0.0);
+        self.replayed(request, context).instrument(span).await
+    }
+
     async fn replayed(
         &self,
         request: CallToolRequestParams,
@@ -534,7 +581,7 @@ impl<H: ServerHandler> ReplayHandler<H> {
             .call(call)
             .await
             .map_err(tool_error_data)?;
-        Ok(CallToolResponse::Complete(to_rmcp_result(&result)?))
+        to_rmcp_response(&result)
     }
 }
 
@@ -545,7 +592,7 @@ impl<H: ServerHandler> ServerHandler for ReplayHandler<H> {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> impl Future<Output = Result<CallToolResponse, McpError>> + MaybeSendFuture + '_ {
-        self.replayed(request, context)
+        self.traced(request, context)
     }
 
     fn ping(

@@ -16,9 +16,27 @@
 //! not know (Backstop's included) are dropped before a tool sees them, and its client cannot
 //! set them. So with tower-mcp the key is read from the call's extensions only
 //! (`backstop_idempotency::IdempotencyKey` in the `RequestContext`'s extensions), never from
-//! the arguments; over tower-mcp's own wire transports it does not travel. Use rmcp (or an
-//! `IdempotencyKey` bridged from an HTTP header with tower-mcp's `bridge_extension`) to carry
-//! keys between processes.
+//! the arguments. In process, [`RouterClient`] puts it there. Over tower-mcp's HTTP transport,
+//! [`KeyFromHeaderLayer`] in front of the transport reads the `Idempotency-Key` header (what
+//! rmcp's client sends with [`KeyHeader`](crate::rmcp::KeyHeader)) into the HTTP request's
+//! extensions, and the transport's `bridge_extension::<IdempotencyKey>()` hands it to the
+//! tool:
+//!
+//! ```no_run
+//! # fn example(router: tower_mcp::McpRouter) {
+//! use backstop_idempotency::IdempotencyKey;
+//! use backstop_mcp::tower_mcp::KeyFromHeaderLayer;
+//!
+//! let app = tower_mcp::HttpTransport::new(router)
+//!     .bridge_extension::<IdempotencyKey>()
+//!     .into_router_at("/mcp")
+//!     .layer(KeyFromHeaderLayer::new());
+//! # let _ = app;
+//! # }
+//! ```
+//!
+//! **Trace context.** [`ReplayTool`] runs the tool in a `tool` span whose parent is the W3C
+//! trace context tower-mcp read from the call's `_meta` (see [`crate::trace`]).
 
 use crate::{
     META_ERROR, ToolCall, ToolCatalog, ToolError, ToolHints, ToolReplay, ToolReplayLayer,
@@ -385,16 +403,21 @@ where
     }
 
     fn call(&mut self, req: ToolRequest) -> Self::Future {
+        use tracing::Instrument;
+        let span = crate::trace::tool_span(&self.tool, &trace_meta(&req));
         let key = req.ctx.extensions().get::<IdempotencyKey>().cloned();
         let Some(key) = key else {
             // No key: the tool runs as it would without the layer.
             let direct = self.direct.clone();
-            return Box::pin(async move {
-                direct
-                    .oneshot(req)
-                    .await
-                    .map_err(|e| ReplayToolError(e.to_string()))
-            });
+            return Box::pin(
+                async move {
+                    direct
+                        .oneshot(req)
+                        .await
+                        .map_err(|e| ReplayToolError(e.to_string()))
+                }
+                .instrument(span),
+            );
         };
         let arguments = match &req.args {
             Value::Object(map) => Some(map.clone()),
@@ -403,20 +426,116 @@ where
         let principal = req.ctx.extensions().get::<Principal>().cloned();
         let call = ToolCall::received(self.tool.to_string(), arguments, Map::new());
         let replay = self.replay.clone();
-        Box::pin(async move {
-            let mut call = match call {
-                Ok(call) => call.with_key(key),
-                Err(e) => return Ok(refusal(&rpc_of(e))),
-            };
-            if let Some(principal) = principal {
-                call.extensions_mut().insert(principal);
+        Box::pin(
+            async move {
+                let mut call = match call {
+                    Ok(call) => call.with_key(key),
+                    Err(e) => return Ok(refusal(&rpc_of(e))),
+                };
+                if let Some(principal) = principal {
+                    call.extensions_mut().insert(principal);
+                }
+                call.extensions_mut().insert(Received(req));
+                match replay.oneshot(call).await {
+                    Ok(result) => Ok(to_result(&result)),
+                    Err(e) => Ok(refusal(&rpc_of(e))),
+                }
             }
-            call.extensions_mut().insert(Received(req));
-            match replay.oneshot(call).await {
-                Ok(result) => Ok(to_result(&result)),
-                Err(e) => Ok(refusal(&rpc_of(e))),
-            }
+            .instrument(span),
+        )
+    }
+}
+
+/// The W3C trace context tower-mcp read from the call's `_meta`, as `_meta` entries.
+fn trace_meta(req: &ToolRequest) -> Map<String, Value> {
+    req.ctx
+        .trace_context()
+        .map(|t| {
+            t.entries()
+                .map(|(k, v)| (k.to_owned(), Value::String(v)))
+                .collect()
         })
+        .unwrap_or_default()
+}
+
+/// Reads an HTTP request's `Idempotency-Key` header (or another) into its extensions as an
+/// [`IdempotencyKey`], for tower-mcp's HTTP transport to bridge to the tool (see the
+/// [module docs](self)). A header that is not a valid key is refused with `400 Bad Request`
+/// before anything runs: a caller who sent a key expects it to count.
+#[derive(Clone, Debug)]
+pub struct KeyFromHeaderLayer {
+    header: http::HeaderName,
+}
+
+impl Default for KeyFromHeaderLayer {
+    fn default() -> Self {
+        KeyFromHeaderLayer::new()
+    }
+}
+
+impl KeyFromHeaderLayer {
+    /// Reads `Idempotency-Key`.
+    pub fn new() -> Self {
+        KeyFromHeaderLayer {
+            header: http::HeaderName::from_static("idempotency-key"),
+        }
+    }
+
+    /// Reads `header` instead.
+    #[must_use]
+    pub fn header(mut self, header: http::HeaderName) -> Self {
+        self.header = header;
+        self
+    }
+}
+
+impl<S> Layer<S> for KeyFromHeaderLayer {
+    type Service = KeyFromHeader<S>;
+
+    fn layer(&self, inner: S) -> KeyFromHeader<S> {
+        KeyFromHeader {
+            inner,
+            header: self.header.clone(),
+        }
+    }
+}
+
+/// The service of [`KeyFromHeaderLayer`].
+#[derive(Clone, Debug)]
+pub struct KeyFromHeader<S> {
+    inner: S,
+    header: http::HeaderName,
+}
+
+impl<S, B, ResB> Service<http::Request<B>> for KeyFromHeader<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<ResB>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResB: Default + Send + 'static,
+{
+    type Response = http::Response<ResB>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<http::Response<ResB>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        if let Some(value) = req.headers().get(&self.header) {
+            match IdempotencyKey::from_header(value) {
+                Ok(key) => {
+                    req.extensions_mut().insert(key);
+                }
+                Err(_) => {
+                    let mut res = http::Response::new(ResB::default());
+                    *res.status_mut() = http::StatusCode::BAD_REQUEST;
+                    return Box::pin(std::future::ready(Ok(res)));
+                }
+            }
+        }
+        Box::pin(self.inner.call(req))
     }
 }
 

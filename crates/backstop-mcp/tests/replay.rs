@@ -98,7 +98,9 @@ async fn a_repeat_gets_the_stored_result_and_the_tool_runs_once() {
     assert_eq!(booked.load(Ordering::SeqCst), 2);
 }
 
-#[tokio::test]
+// The paused clock: the caller gives up at 50 ms, the tool ends at 300 ms and the repeat comes
+// at 400 ms, whatever else the machine is doing.
+#[tokio::test(start_paused = true)]
 async fn a_caller_that_gives_up_stops_neither_the_tool_nor_its_record() {
     let booked = Arc::new(AtomicU32::new(0));
     let server = ToolReplayLayer::new(MemoryStore::default())

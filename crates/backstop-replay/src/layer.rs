@@ -24,6 +24,7 @@ use std::{
 use tokio::sync::watch;
 use tower_layer::Layer;
 use tower_service::Service;
+use tracing::Instrument;
 
 /// The request body type the protected service receives.
 pub type ReplayRequestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BodyError>;
@@ -637,7 +638,9 @@ where
     let (lease, held) = Lease::new(token);
     let mut req = rebuilt(parts, bytes);
     req.extensions_mut().insert(lease);
-    let task = tokio::spawn(run_claimed(cfg.clone(), svc, req, skey, token, held));
+    // The handler's own task continues the request's span (and so its trace).
+    let task =
+        tokio::spawn(run_claimed(cfg.clone(), svc, req, skey, token, held).in_current_span());
     match task.await {
         Ok(result) => result,
         // The handler panicked: the task's guard recorded the outcome as unknown, or, in a

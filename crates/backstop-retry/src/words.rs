@@ -3,7 +3,7 @@
 
 use backstop_core::{
     AttemptTimedOut, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, DeadlineWords,
-    Dependency, HumanDuration, InvalidConfig, Outcome,
+    Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost,
 };
 use std::{error::Error, fmt, time::Duration};
 
@@ -236,6 +236,15 @@ impl fmt::Display for Told<'_> {
                  because it is not idempotent and has no idempotency key; check its status before \
                  repeating it"
             ),
+            // A reply lost in the transport: said first, then the transport's own words.
+            ErrorKind::Failed if lost_reply(self.cause).is_some() => {
+                let lost = lost_reply(self.cause).map(CauseChain);
+                write!(
+                    f,
+                    "the reply from {dep} was lost ({tries}): {}; {guidance}",
+                    lost.expect("checked above")
+                )
+            }
             ErrorKind::Failed => {
                 write!(f, "the call to {dep} failed ({tries}): {cause}; ")?;
                 if let Some(why) = self.not_replayable {
@@ -249,4 +258,16 @@ impl fmt::Display for Told<'_> {
             ),
         }
     }
+}
+
+/// The [`ReplyLost`] in `error`'s cause chain, if any.
+fn lost_reply<'a>(error: &'a (dyn Error + 'static)) -> Option<&'a (dyn Error + 'static)> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<ReplyLost>() {
+            return Some(e);
+        }
+        next = e.source();
+    }
+    None
 }

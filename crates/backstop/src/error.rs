@@ -1,6 +1,6 @@
 use backstop_core::{BoxError, CircuitState, Dependency, Outcome};
 pub use backstop_retry::ErrorKind;
-use backstop_retry::{Diagnosis, RetryError, Told};
+use backstop_retry::{Diagnosis, RetryError, RetryHistory, Told};
 use std::{error::Error as StdError, fmt, time::Duration};
 
 /// The one error a Backstop stack returns.
@@ -186,6 +186,15 @@ impl Error {
                 "next_action": self.next_action(),
             }
         })
+    }
+
+    /// Every attempt of the call, how each ended and why no further one was made, when the
+    /// retry layer ended the call (an error from a layer outside it, such as a refused
+    /// idempotency key, has none).
+    pub fn history(&self) -> Option<&RetryHistory> {
+        self.source
+            .downcast_ref::<RetryError>()
+            .map(RetryError::history)
     }
 
     /// How many attempts were made (0 when the call was refused before the first).

@@ -2,12 +2,15 @@
 
 use crate::{Backstop, BoxErrors, Transport, TransportSettings, attempt_header::AttemptCount};
 use backstop_classify::{GrpcClassifier, grpc_timeout};
-use backstop_core::{Deadline, Dependency, plumbing::CallContext};
+use backstop_core::{BoxError, Deadline, Dependency, plumbing::CallContext};
 use backstop_idempotency::{HttpKeys, IdempotencyLayer};
 use backstop_retry::StreamingResend;
-use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
+use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, plumbing::AttemptCutoff};
+use pin_project::pin_project;
 use std::{
-    task::{Context, Poll},
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll, ready},
     time::Duration,
 };
 use tokio::time::Instant;
@@ -57,45 +60,135 @@ impl<S> Transport<S> for StreamingResend {
     }
 }
 
-/// Sets gRPC's per-attempt metadata: `grpc-timeout`, the time the attempt has (its timeout and
-/// the call's deadline, whichever ends first), and `grpc-previous-rpc-attempts` on a retry.
+/// Sets gRPC's per-attempt metadata, `grpc-timeout` (the time the attempt has: its timeout and
+/// the call's deadline, whichever ends first, by [`AttemptCutoff::plan`]) and, on a retry,
+/// `grpc-previous-rpc-attempts`, and keeps the attempt's end the stack's own.
+///
+/// The `grpc-timeout` sent starts two more timers for the same instant: the client's (tonic's
+/// channel ends the call with its `TimeoutExpired`) and the server's (tonic's server answers
+/// `CANCELLED`, others `DEADLINE_EXCEEDED`). Whichever is polled first wins the tie, so an
+/// attempt that ends once its time is up with an error, or with `CANCELLED` or
+/// `DEADLINE_EXCEEDED` in its headers, ended by the limit the stack sent: it becomes the
+/// stack's own [`AttemptTimedOut`](backstop_core::AttemptTimedOut) or
+/// [`DeadlineExceeded`](backstop_core::DeadlineExceeded) (outcome unknown), judged as the
+/// stack's timer would have judged it.
 #[derive(Clone, Debug)]
 pub struct GrpcAttempt<S> {
     inner: S,
     attempt_timeout: Option<Duration>,
 }
 
-impl<S, B> Service<http::Request<B>> for GrpcAttempt<S>
+impl<S, B, ResB> Service<http::Request<B>> for GrpcAttempt<S>
 where
-    S: Service<http::Request<B>>,
+    S: Service<http::Request<B>, Response = http::Response<ResB>>,
+    S::Error: Into<BoxError>,
 {
     type Response = S::Response;
-    type Error = S::Error;
-    type Future = S::Future;
+    type Error = BoxError;
+    type Future = GrpcAttemptFuture<S::Future>;
 
     #[inline]
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    fn call(&mut self, mut req: http::Request<B>) -> S::Future {
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let now = Instant::now();
-        let by_attempt = self.attempt_timeout.map(|t| now + t);
-        let by_deadline = Deadline::of(&req).map(Deadline::instant);
-        let end = match (by_attempt, by_deadline) {
-            (Some(a), Some(d)) => Some(a.min(d)),
-            (a, d) => a.or(d),
+        let context = CallContext::of(&req);
+        let dependency = context.and_then(CallContext::dependency).cloned();
+        let cutoff = match AttemptCutoff::plan(now, self.attempt_timeout, Deadline::of(&req)) {
+            Ok(cutoff) => cutoff,
+            // No time left: nothing is sent.
+            Err(passed) => return GrpcAttemptFuture::failed(passed.error(dependency)),
         };
-        if let Some(end) = end {
+        if let Some(cutoff) = cutoff {
             req.headers_mut().insert(
                 "grpc-timeout",
-                grpc_timeout(end.saturating_duration_since(now)),
+                grpc_timeout(cutoff.at.saturating_duration_since(now)),
             );
         }
         if let Some(n) = CallContext::attempt_of(&req).filter(|n| *n > 1) {
             req.headers_mut()
                 .insert("grpc-previous-rpc-attempts", http::HeaderValue::from(n - 1));
         }
-        self.inner.call(req)
+        GrpcAttemptFuture {
+            state: AttemptState::Sent {
+                inner: self.inner.call(req),
+                cutoff,
+                dependency,
+            },
+        }
     }
+}
+
+/// Response future of [`GrpcAttempt`].
+#[pin_project]
+#[derive(Debug)]
+pub struct GrpcAttemptFuture<F> {
+    #[pin]
+    state: AttemptState<F>,
+}
+
+#[pin_project(project = AttemptStateProj)]
+#[derive(Debug)]
+enum AttemptState<F> {
+    Sent {
+        #[pin]
+        inner: F,
+        cutoff: Option<AttemptCutoff>,
+        dependency: Option<Dependency>,
+    },
+    Failed(Option<BoxError>),
+}
+
+impl<F> GrpcAttemptFuture<F> {
+    fn failed(error: BoxError) -> Self {
+        GrpcAttemptFuture {
+            state: AttemptState::Failed(Some(error)),
+        }
+    }
+}
+
+impl<F, ResB, E> Future for GrpcAttemptFuture<F>
+where
+    F: Future<Output = Result<http::Response<ResB>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<http::Response<ResB>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            AttemptStateProj::Sent {
+                inner,
+                cutoff,
+                dependency,
+            } => {
+                let result = ready!(inner.poll(cx));
+                // The limit sent ended the attempt: the stack's own verdict, whoever's timer
+                // fired first.
+                let timed_out = cutoff.filter(|c| Instant::now() >= c.at);
+                Poll::Ready(match (result, timed_out) {
+                    (Err(_), Some(cutoff)) => Err(cutoff.error(dependency.take())),
+                    (Ok(res), Some(cutoff)) if ended_by_its_deadline(&res) => {
+                        Err(cutoff.error(dependency.take()))
+                    }
+                    (result, _) => result.map_err(Into::into),
+                })
+            }
+            AttemptStateProj::Failed(error) => Poll::Ready(Err(error
+                .take()
+                .expect("GrpcAttemptFuture polled after completion"))),
+        }
+    }
+}
+
+/// A trailers-only answer of `CANCELLED` (1) or `DEADLINE_EXCEEDED` (4): how servers end a
+/// call whose `grpc-timeout` ran out.
+fn ended_by_its_deadline<B>(res: &http::Response<B>) -> bool {
+    matches!(
+        res.headers()
+            .get("grpc-status")
+            .map(http::HeaderValue::as_bytes),
+        Some(b"1" | b"4")
+    )
 }

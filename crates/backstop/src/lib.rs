@@ -451,7 +451,7 @@ pub mod mcp {
     pub use backstop_mcp::{
         META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, McpClassifier, RpcError, ToolCall,
         ToolCatalog, ToolError, ToolHints, ToolPolicy, ToolReplay, ToolReplayLayer, ToolResult,
-        codes, verdict_of, verdict_of_rpc,
+        codes, trace, verdict_of, verdict_of_rpc,
     };
 
     /// tower-mcp's router under the stack, and its per-tool replay layer. Feature `tower-mcp`.

@@ -279,14 +279,27 @@ where
     }
 }
 
-/// A loopback address on which nothing listens (connections to it are refused).
+/// A loopback address on which nothing listens (connections to it are refused), for as long as
+/// the test process runs: its port stays bound to a socket that never listens, so no other test
+/// can start a server on it in the meantime.
 pub async fn refused_addr() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
+    static HELD: Mutex<Vec<tokio::net::TcpSocket>> = Mutex::new(Vec::new());
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
         .expect("bind loopback");
-    let addr = listener.local_addr().expect("local addr");
-    drop(listener);
+    let addr = socket.local_addr().expect("local addr");
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(socket);
     addr
+}
+
+/// A loopback port that was free a moment ago, for a server started in another process (which
+/// must bind it itself). Another test may take it first: the caller retries on a bind failure.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind loopback")
+        .port()
 }
 
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped.
@@ -304,13 +317,12 @@ pub struct RedisServer {
 impl RedisServer {
     /// Starts one (keeping nothing on disk) and waits until it answers `PING`.
     pub async fn start() -> RedisServer {
-        let port = refused_addr().await.port();
         let mut server = RedisServer {
             child: None,
-            port,
+            port: free_port(),
             dir: None,
         };
-        server.launch().await;
+        server.launch_on_a_free_port().await;
         server
     }
 
@@ -318,7 +330,7 @@ impl RedisServer {
     /// directory (`appendfsync always`), so [`kill`](Self::kill) and [`restart`](Self::restart)
     /// keep its data, as a production Redis holding idempotency records must.
     pub async fn start_persistent() -> RedisServer {
-        let port = refused_addr().await.port();
+        let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("backstop-redis-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -328,11 +340,25 @@ impl RedisServer {
             port,
             dir: Some(dir),
         };
-        server.launch().await;
+        server.launch_on_a_free_port().await;
         server
     }
 
-    async fn launch(&mut self) {
+    /// The port was free when it was picked, but another test may take it before the server
+    /// binds it: then another port.
+    async fn launch_on_a_free_port(&mut self) {
+        for _ in 0..5 {
+            if self.launch().await {
+                return;
+            }
+            self.port = free_port();
+        }
+        panic!("redis-server found no free loopback port in 5 tries");
+    }
+
+    /// Starts redis-server on `self.port` and waits until it answers; `false`: it exited at
+    /// once (its port was taken).
+    async fn launch(&mut self) -> bool {
         let mut cmd = std::process::Command::new("redis-server");
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--protected-mode", "yes"]);
@@ -349,11 +375,19 @@ impl RedisServer {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
-            .expect("redis-server must be installed to run the Redis tests");
+            .expect("redis-server must be installed to run the Redis tests: `apt-get install redis-server` (Debian, Ubuntu), or run `bash .ci/run`, which installs it");
+        let pid = child.id();
         self.child = Some(child);
         for _ in 0..200 {
-            if self.ping().await {
-                return;
+            // Our own server, not another test's on the same port.
+            if self.process_id().await == Some(pid) {
+                return true;
+            }
+            if let Some(child) = &mut self.child
+                && child.try_wait().is_ok_and(|exited| exited.is_some())
+            {
+                self.child = None;
+                return false;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
@@ -363,15 +397,33 @@ impl RedisServer {
         );
     }
 
-    async fn ping(&self) -> bool {
+    /// The `process_id` that the server on the port reports (`INFO server`), once it answers.
+    async fn process_id(&self) -> Option<u32> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await else {
-            return false;
-        };
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").await.is_ok()
-            && s.read_exact(&mut buf).await.is_ok()
-            && &buf == b"+PONG\r\n"
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .ok()?;
+        s.write_all(b"INFO server\r\n").await.ok()?;
+        let mut reply = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = s.read(&mut buf).await.ok()?;
+            if n == 0 {
+                return None;
+            }
+            reply.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&reply);
+            if let Some(line) = text
+                .split("\r\n")
+                .find_map(|l| l.strip_prefix("process_id:"))
+                && text.contains("run_id:")
+            {
+                return line.trim().parse().ok();
+            }
+            if reply.len() > 64 * 1024 {
+                return None;
+            }
+        }
     }
 
     /// `redis://127.0.0.1:PORT/`.
@@ -395,7 +447,11 @@ impl RedisServer {
     /// Starts it again on the same port (with its data, when persistent).
     pub async fn restart(&mut self) {
         self.stop();
-        self.launch().await;
+        assert!(
+            self.launch().await,
+            "redis-server did not restart on port {}",
+            self.port
+        );
     }
 }
 

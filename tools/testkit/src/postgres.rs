@@ -71,7 +71,7 @@ impl PostgresServer {
     /// Creates a cluster in a fresh temporary directory and starts it (fsync off: a test's
     /// data does not need to survive the machine, only the server's own crashes).
     pub async fn start() -> PostgresServer {
-        let port = crate::refused_addr().await.port();
+        let port = crate::free_port();
         let bin = bin_dir();
         let dir = std::env::temp_dir().join(format!("backstop-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -109,8 +109,18 @@ impl PostgresServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        server.launch();
-        server
+        // The port was free when it was picked, but another test may take it before the
+        // server binds it: then another port.
+        for _ in 0..5 {
+            match server.launch() {
+                Ok(()) => return server,
+                Err(log) if log.contains("Address already in use") => {
+                    server.port = crate::free_port();
+                }
+                Err(log) => panic!("PostgreSQL did not start: {log}"),
+            }
+        }
+        panic!("PostgreSQL found no free loopback port in 5 tries");
     }
 
     fn command(&self, tool: &str) -> Command {
@@ -124,7 +134,8 @@ impl PostgresServer {
         }
     }
 
-    fn launch(&mut self) {
+    /// Starts the server on `self.port`; `Err`: what pg_ctl and the server's log said.
+    fn launch(&mut self) -> Result<(), String> {
         let data = self.dir.join("data");
         let options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c max_connections=50",
@@ -140,13 +151,15 @@ impl PostgresServer {
             .args(["-w", "-t", "30", "start"])
             .output()
             .expect("pg_ctl runs");
-        assert!(
-            out.status.success(),
-            "PostgreSQL did not start: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
-        );
+        if !out.status.success() {
+            return Err(format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+            ));
+        }
         self.running = true;
+        Ok(())
     }
 
     /// `postgres://postgres@127.0.0.1:PORT/postgres`.
@@ -171,7 +184,9 @@ impl PostgresServer {
     /// Starts it again on the same port, with its data.
     pub fn restart(&mut self) {
         self.stop();
-        self.launch();
+        if let Err(log) = self.launch() {
+            panic!("PostgreSQL did not restart on port {}: {log}", self.port);
+        }
     }
 }
 
