@@ -665,3 +665,46 @@ async fn a_cancelled_before_the_grpc_timeout_is_the_servers_own_answer() {
     let res = svc.oneshot(req).await.unwrap();
     assert_eq!(res.headers()["grpc-status"], "1");
 }
+
+#[tokio::test(start_paused = true)]
+async fn duration_max_and_no_deadline_never_panic() {
+    use tower::ServiceExt;
+    let client = tower::service_fn(|req: http::Request<tonic::body::Body>| async move {
+        let left = req.headers().get("grpc-timeout").cloned();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut res = http::Response::new(tonic::body::Body::empty());
+        if let Some(left) = left {
+            res.headers_mut().insert("x-left", left);
+        }
+        Ok::<_, tower::BoxError>(res)
+    });
+    for b in [
+        Backstop::grpc("refunds-grpc")
+            .no_deadline()
+            .attempt_timeout(Duration::MAX),
+        Backstop::grpc("refunds-grpc")
+            .deadline(Duration::MAX)
+            .attempt_timeout(Duration::MAX),
+    ] {
+        let svc = b.no_breaker().build().unwrap().layer(client);
+        let req = http::Request::post("http://refunds/test.Refunds/Issue")
+            .body(tonic::body::Body::empty())
+            .unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        // "Never" is 30 years ahead: the header says so, rounded up.
+        let left = grpc_timeout_long(&res.headers()["x-left"]);
+        assert!(left >= Duration::from_secs(86_400 * 365 * 30), "{left:?}");
+    }
+}
+
+/// A long `grpc-timeout` (minutes or hours) as a duration.
+fn grpc_timeout_long(value: &http::HeaderValue) -> Duration {
+    let value = value.to_str().unwrap();
+    let (n, unit) = value.split_at(value.len() - 1);
+    let n: u64 = n.parse().unwrap();
+    match unit {
+        "M" => Duration::from_secs(n * 60),
+        "H" => Duration::from_secs(n * 3600),
+        _ => grpc_timeout(&http::HeaderValue::from_str(value).unwrap()),
+    }
+}

@@ -278,7 +278,7 @@ async fn two_replicas_sharing_redis_refund_once_when_the_retry_lands_on_the_othe
     assert_eq!(refunds.lock().unwrap().len(), 1);
 }
 
-/// The refund handler of issue 13's report: books the refund, then awaits 1.5 s (its commit).
+/// A refund handler that books the refund, then awaits 1.5 s (its commit) before it answers.
 fn slow_refunds(refunds: Refunds) -> ReplayOrPlain {
     let handler = service_fn(move |req: Request<ReplayRequestBody>| {
         let refunds = refunds.clone();

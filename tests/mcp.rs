@@ -564,7 +564,7 @@ mod tower_mcp_router {
     use super::*;
     use backstop::mcp::{
         META_ERROR, ToolReplayLayer, codes,
-        tower_mcp::{ReplayToolLayer, RouterClient},
+        tower_mcp::{PerToolReplayLayer, RouterClient},
     };
     use backstop::replay::MemoryStore;
     use tower_mcp::{CallToolResult, McpRouter, ToolBuilder};
@@ -585,7 +585,7 @@ mod tower_mcp_router {
                     )))
                 }
             })
-            .layer(ReplayToolLayer::new("issue_refund", replay))
+            .layer(PerToolReplayLayer::new("issue_refund", replay))
             .build();
         let status = ToolBuilder::new("order_status")
             .description("An order's status")

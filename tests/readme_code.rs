@@ -177,12 +177,12 @@ async fn issue_refund(args: serde_json::Value) -> tower_mcp::Result<tower_mcp::C
 
 #[rustfmt::skip]
 async fn mcp_tower() -> Result<(), BoxError> {
-    use backstop::{mcp::{ToolReplayLayer, tower_mcp::{ReplayToolLayer, RouterClient}}, replay::MemoryStore};
+    use backstop::{mcp::{ToolReplayLayer, tower_mcp::{PerToolReplayLayer, RouterClient}}, replay::MemoryStore};
     use tower_mcp::{McpRouter, ToolBuilder};
     // README block 8
     let refund = ToolBuilder::new("issue_refund").description("Refund part of an order").destructive()
         .handler(issue_refund)
-        .layer(ReplayToolLayer::new("issue_refund", ToolReplayLayer::new(MemoryStore::default()).single_tenant()))
+        .layer(PerToolReplayLayer::new("issue_refund", ToolReplayLayer::new(MemoryStore::default()).single_tenant()))
         .build();
     let router = McpRouter::new().server_info("payments", "1.0").tool(refund);
     let payments = Backstop::mcp("payments-mcp").build()?.layer(RouterClient::connect(router).await?);

@@ -865,3 +865,80 @@ async fn an_unknown_outcome_becomes_a_tool_result_that_says_check_before_repeati
     );
     assert_eq!(result["content"][0]["text"], err.to_string());
 }
+
+/// `Duration::MAX` for every limit, and no deadline at all, mean "never": nothing panics on an
+/// instant it cannot represent, and each layer still answers (paused clock, a service that takes
+/// a moment, so that every timer is created).
+#[tokio::test(start_paused = true)]
+async fn duration_max_and_no_deadline_never_panic() {
+    use backstop::{
+        retry::RetryLayer,
+        timeout::{AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer},
+    };
+    let slow = || {
+        tower::service_fn(|_req: Request<Full<Bytes>>| async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            Ok::<_, BoxError>(Response::new(Full::<Bytes>::default()))
+        })
+    };
+    let get = || {
+        Request::get("http://limits.local/x")
+            .body(Full::default())
+            .unwrap()
+    };
+    let stacks = [
+        Backstop::http("limits-api")
+            .no_deadline()
+            .attempt_timeout(Duration::MAX),
+        Backstop::http("limits-api")
+            .deadline(Duration::MAX)
+            .attempt_timeout(Duration::MAX),
+        Backstop::http("limits-api").no_deadline(),
+    ];
+    for b in stacks {
+        let b = b
+            .budget(
+                Budget::new(backstop::budget::BudgetConfig::default().window(Duration::MAX))
+                    .unwrap(),
+            )
+            .breaker(
+                Breaker::new(
+                    BreakerConfig::default()
+                        .cooldown(Duration::MAX)
+                        .no_ratio_rule(),
+                )
+                .unwrap(),
+            );
+        let res = b.build().unwrap().layer(slow()).oneshot(get()).await;
+        assert_eq!(res.unwrap().status(), 200);
+    }
+    // A ratio rule's window cannot hold two endless attempts: said, not panicked.
+    let refused = Backstop::http("limits-api")
+        .no_deadline()
+        .attempt_timeout(Duration::MAX)
+        .build()
+        .unwrap_err();
+    assert!(refused.to_string().contains("failure window"), "{refused}");
+    let retry = RetryLayer::http()
+        .deadline(Duration::MAX)
+        .attempt_timeout(Duration::MAX)
+        .layer(slow());
+    assert_eq!(retry.oneshot(get()).await.unwrap().status(), 200);
+    let layered = tower::ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::MAX))
+        .layer(AttemptTimeoutLayer::new(Duration::MAX))
+        .layer(BodyTimeoutLayer::new(Some(Duration::MAX)))
+        .service(slow());
+    assert_eq!(layered.oneshot(get()).await.unwrap().status(), 200);
+    // A caller's deadline of `Duration::MAX` on the request itself.
+    let mut req = get();
+    req.extensions_mut()
+        .insert(backstop::Deadline::after(Duration::MAX));
+    let res = Backstop::http("limits-api")
+        .build()
+        .unwrap()
+        .layer(slow())
+        .oneshot(req)
+        .await;
+    assert_eq!(res.unwrap().status(), 200);
+}

@@ -190,3 +190,76 @@ where
     }
     out
 }
+
+/// tower's readiness contract, and what the stack does with it: its `poll_ready` is always
+/// ready, and a call whose client is not ready waits inside the call, bounded by its deadline.
+/// A `load_shed` outside the stack therefore never sheds; the call ends at its deadline instead,
+/// not sent. Without the stack, the same `load_shed` sheds at once. Paused clock.
+#[tokio::test(start_paused = true)]
+async fn load_shed_outside_sees_no_backpressure_and_the_deadline_bounds_the_wait_instead() {
+    use backstop::{BoxError, Deadline};
+    let client = || {
+        tower::service_fn(|req: http::Request<Body>| async move {
+            if req.uri().path() == "/hold" {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, BoxError>(http::Response::new(Body::default()))
+        })
+    };
+    // One call at a time: the first holds the client's only permit.
+    let limited = ServiceBuilder::new().concurrency_limit(1).service(client());
+    let api = Backstop::http("limited-api")
+        .preset(Preset::ReadOnly)
+        .no_breaker()
+        .deadline(Duration::from_secs(1))
+        .attempt_timeout(Duration::from_millis(800))
+        .build()
+        .unwrap()
+        .layer(limited);
+    let shed = ServiceBuilder::new().load_shed().service(api);
+    let holding = tokio::spawn(
+        shed.clone()
+            .oneshot(get("http://limited.local/hold".into())),
+    );
+    tokio::task::yield_now().await;
+    // The second call is not shed: the stack says it is ready, and waits for the client.
+    let mut second = get("http://limited.local/quick".into());
+    second
+        .extensions_mut()
+        .insert(Deadline::after(Duration::from_millis(100)));
+    let started = Instant::now();
+    let err = shed.clone().oneshot(second).await.unwrap_err();
+    assert!(
+        !err.is::<tower::load_shed::error::Overloaded>(),
+        "the stack's readiness hides the limit from load_shed: {err}"
+    );
+    let err = backstop::Error::from_box(err);
+    assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+    assert_eq!(err.outcome(), Outcome::NotSent, "{err}");
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_millis(100),
+        "its own deadline"
+    );
+    // Once the first call's attempt times out and frees the permit, calls go through again.
+    let first = backstop::Error::from_box(holding.await.unwrap().unwrap_err());
+    assert_eq!(first.outcome(), Outcome::Unknown, "{first}");
+    let res = shed.oneshot(get("http://limited.local/quick".into())).await;
+    assert!(res.is_ok());
+
+    // Without the stack, load_shed sees the limit and sheds the second call at once.
+    let bare = ServiceBuilder::new()
+        .load_shed()
+        .concurrency_limit(1)
+        .service(client());
+    let _holding = tokio::spawn(
+        bare.clone()
+            .oneshot(get("http://limited.local/hold".into())),
+    );
+    tokio::task::yield_now().await;
+    let err = bare
+        .oneshot(get("http://limited.local/quick".into()))
+        .await
+        .unwrap_err();
+    assert!(err.is::<tower::load_shed::error::Overloaded>(), "{err}");
+}

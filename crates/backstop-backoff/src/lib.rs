@@ -90,11 +90,6 @@ impl Default for Backoff {
 
 pub use backstop_core::InvalidConfig;
 
-/// The old name of [`InvalidConfig`]: every Backstop crate reports a bad configuration with
-/// the one type.
-#[deprecated(note = "use InvalidConfig")]
-pub type InvalidBackoff = InvalidConfig;
-
 impl Backoff {
     fn exp(kind: Kind, base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
         if base.is_zero() {

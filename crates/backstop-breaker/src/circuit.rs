@@ -18,11 +18,6 @@ const OPEN: u8 = 1;
 const HALF_OPEN: u8 = 2;
 const ISOLATED: u8 = 3;
 
-/// The old name of [`CircuitState`] (the breaker's state and the refusal's reason are one
-/// type now).
-#[deprecated(note = "renamed CircuitState (backstop_core::CircuitState)")]
-pub type State = CircuitState;
-
 fn state_from_u8(v: u8) -> CircuitState {
     match v {
         CLOSED => CircuitState::Closed,
@@ -34,7 +29,7 @@ fn state_from_u8(v: u8) -> CircuitState {
 
 /// A change of a circuit's state, as reported to the `on_transition` hook.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transition {
+pub struct CircuitTransition {
     /// The dependency.
     pub dependency: Dependency,
     /// The state before.
@@ -501,7 +496,7 @@ impl Inner {
         c.state.store(to, Ordering::Release);
         drop(guard);
 
-        let t = Transition {
+        let t = CircuitTransition {
             dependency: c.dependency.clone(),
             from: state_from_u8(was),
             to: state_from_u8(to),

@@ -1,8 +1,8 @@
-use crate::Transition;
+use crate::CircuitTransition;
 use backstop_core::InvalidConfig;
 use std::{fmt, sync::Arc, time::Duration};
 
-pub(crate) type Hook = Arc<dyn Fn(&Transition) + Send + Sync>;
+pub(crate) type Hook = Arc<dyn Fn(&CircuitTransition) + Send + Sync>;
 
 /// Configuration of a [`Breaker`](crate::Breaker); see the crate docs for the defaults.
 #[derive(Clone)]
@@ -129,7 +129,10 @@ impl BreakerConfig {
 
     /// Called on every state change (as well as the `tracing` event `backstop::breaker`).
     #[must_use]
-    pub fn on_transition(mut self, hook: impl Fn(&Transition) + Send + Sync + 'static) -> Self {
+    pub fn on_transition(
+        mut self,
+        hook: impl Fn(&CircuitTransition) + Send + Sync + 'static,
+    ) -> Self {
         self.on_transition = Some(Arc::new(hook));
         self
     }
@@ -146,12 +149,6 @@ impl BreakerConfig {
 
     /// The first cooldown after the circuit opens.
     pub fn base_cooldown(&self) -> Duration {
-        self.cooldown
-    }
-
-    /// The old name of [`base_cooldown`](Self::base_cooldown).
-    #[deprecated(note = "renamed base_cooldown")]
-    pub fn get_cooldown(&self) -> Duration {
         self.cooldown
     }
 

@@ -103,10 +103,6 @@ impl AttemptGate for Breaker {
     }
 }
 
-/// The old name of [`DependencyBreaker`] ("bound" read as "bounded").
-#[deprecated(note = "renamed DependencyBreaker")]
-pub type BoundBreaker = DependencyBreaker;
-
 /// A [`Breaker`]'s circuit for one dependency, from [`Breaker::bind`].
 #[derive(Clone)]
 pub struct DependencyBreaker {

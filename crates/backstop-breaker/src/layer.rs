@@ -141,7 +141,7 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Future, C, Req>;
+    type Future = BreakerFuture<S::Future, C, Req>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -156,14 +156,14 @@ where
             // Open: fail at once; the inner service is not touched.
             Err(open) => {
                 crate::circuit::count_rejection(&open);
-                ResponseFuture {
+                BreakerFuture {
                     state: State::Rejected { error: Some(open) },
                     _req: PhantomData,
                 }
             }
             Ok(permit) => {
                 let slow = self.breaker.inner.config.slow_call;
-                ResponseFuture {
+                BreakerFuture {
                     state: State::Running {
                         fut: self.inner.call(req),
                         permit: Some(permit),
@@ -179,15 +179,15 @@ where
 
 /// Response future of [`CircuitBreaker`].
 #[pin_project]
-pub struct ResponseFuture<F, C, Req> {
+pub struct BreakerFuture<F, C, Req> {
     #[pin]
     state: State<F, C>,
     _req: PhantomData<fn(Req)>,
 }
 
-impl<F, C, Req> fmt::Debug for ResponseFuture<F, C, Req> {
+impl<F, C, Req> fmt::Debug for BreakerFuture<F, C, Req> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+        f.debug_struct("BreakerFuture").finish_non_exhaustive()
     }
 }
 
@@ -222,7 +222,7 @@ pub(crate) fn signal(verdict: Verdict) -> Signal {
     }
 }
 
-impl<F, C, Req, T, E> Future for ResponseFuture<F, C, Req>
+impl<F, C, Req, T, E> Future for BreakerFuture<F, C, Req>
 where
     F: Future<Output = Result<T, E>>,
     E: Into<BoxError>,
@@ -234,7 +234,7 @@ where
         match self.project().state.project() {
             StateProj::Rejected { error } => Poll::Ready(Err(error
                 .take()
-                .expect("breaker ResponseFuture polled after completion")
+                .expect("breaker future polled after completion")
                 .into())),
             StateProj::Running {
                 fut,

@@ -87,10 +87,7 @@ mod sync;
 
 pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
-#[allow(deprecated)]
-pub use circuit::State;
-pub use circuit::{Breaker, CircuitStats, Transition};
+pub use circuit::{Breaker, CircuitStats, CircuitTransition};
 pub use config::BreakerConfig;
-#[allow(deprecated)]
-pub use gate::{BoundBreaker, DependencyBreaker};
-pub use layer::{BreakerLayer, CircuitBreaker, ResponseFuture};
+pub use gate::DependencyBreaker;
+pub use layer::{BreakerFuture, BreakerLayer, CircuitBreaker};

@@ -3,7 +3,7 @@
 
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::{
-    Breaker, BreakerConfig, BreakerLayer, CircuitOpen, CircuitState, Transition,
+    Breaker, BreakerConfig, BreakerLayer, CircuitOpen, CircuitState, CircuitTransition,
 };
 use backstop_budget::Budget;
 use backstop_core::{AttemptTimedOut, Dependency};
@@ -90,10 +90,10 @@ fn carrier() -> Dependency {
 /// The transitions a hook saw, as (from, to).
 type Seen = Arc<Mutex<Vec<(CircuitState, CircuitState)>>>;
 
-fn recorder() -> (Seen, impl Fn(&Transition) + Send + Sync + 'static) {
+fn recorder() -> (Seen, impl Fn(&CircuitTransition) + Send + Sync + 'static) {
     let seen: Seen = Arc::default();
     let s = seen.clone();
-    (seen, move |t: &Transition| {
+    (seen, move |t: &CircuitTransition| {
         assert_eq!(t.dependency.as_str(), "carrier-api");
         s.lock().unwrap().push((t.from, t.to));
     })

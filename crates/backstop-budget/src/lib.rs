@@ -292,10 +292,6 @@ impl RetryBudget for Budget {
     }
 }
 
-/// The old name of [`DependencyBudget`] ("bound" read as "bounded").
-#[deprecated(note = "renamed DependencyBudget")]
-pub type BoundBudget = DependencyBudget;
-
 /// A [`Budget`]'s account for one dependency, from [`Budget::bind`].
 #[derive(Clone)]
 pub struct DependencyBudget {

@@ -18,7 +18,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
-use backstop_journal::{Journal, JournalError, Resolution, RunSummary, Step, StepId, Transition};
+use backstop_journal::{
+    Journal, JournalError, Resolution, RunSummary, Step, StepId, StepTransition,
+};
 use clap::{Args, Parser, Subcommand};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use serde_json::{Value, json};
@@ -384,7 +386,7 @@ fn step_json(s: &Step) -> Value {
     })
 }
 
-fn transition_json(t: &Transition) -> Value {
+fn transition_json(t: &StepTransition) -> Value {
     json!({
         "from": t.from.map(|s| s.as_str()), "to": t.to.as_str(), "at_ms": t.at_ms,
         "attempts": t.attempts, "error": t.error, "actor": t.actor, "reason": t.reason,
@@ -393,7 +395,7 @@ fn transition_json(t: &Transition) -> Value {
 
 /// How long the step spent in each state it passed through, summed, in order of first visit.
 /// The state it is in now counts until now, unless it is final (a step over is not "waiting").
-fn time_in_states(history: &[Transition], now: i64) -> Vec<(&'static str, Option<i64>)> {
+fn time_in_states(history: &[StepTransition], now: i64) -> Vec<(&'static str, Option<i64>)> {
     let mut out: Vec<(&'static str, Option<i64>)> = Vec::new();
     for (i, t) in history.iter().enumerate() {
         let spent = match history.get(i + 1) {

@@ -12,8 +12,10 @@ use crate::{Deadline, Dependency, HasExtensions};
 /// timeout, breaker and idempotency layers and any leaf read it through [`Deadline::of`],
 /// [`Dependency::of`] and [`RetryScope::is_marked`](crate::RetryScope::is_marked).
 ///
-/// Those readers also accept a bare `Deadline`, `Dependency` or `RetryScope` that a caller put
-/// in the extensions itself.
+/// Those readers also accept a bare `Deadline` or `Dependency` that a caller put in the
+/// extensions itself; the retry-scope mark is only ever set by a retry layer ([`claim`]).
+///
+/// [`claim`]: CallContext::claim
 ///
 /// ```
 /// use backstop_core::plumbing::CallContext;
@@ -23,8 +25,7 @@ use crate::{Deadline, Dependency, HasExtensions};
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
-/// req.extensions_mut()
-///     .insert(CallContext::for_retry(Dependency::new("search-api"), Some(deadline)));
+/// CallContext::claim(&mut req, Dependency::new("search-api"), Some(deadline), None);
 /// assert!(RetryScope::is_marked(&req));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
 /// assert_eq!(Deadline::of(&req), Some(deadline));
@@ -39,16 +40,6 @@ pub struct CallContext {
 }
 
 impl CallContext {
-    /// The context of a call owned by a retry layer: its dependency and deadline, marked.
-    pub fn for_retry(dependency: Dependency, deadline: Option<Deadline>) -> Self {
-        CallContext {
-            deadline,
-            dependency: Some(dependency),
-            retry_scope: true,
-            attempt: 0,
-        }
-    }
-
     /// The context on a request, if a layer put one there.
     #[inline]
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<&CallContext> {

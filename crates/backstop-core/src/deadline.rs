@@ -2,6 +2,30 @@ use crate::HasExtensions;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// How far ahead an instant stands for "never": 30 years, where a limit too long for the clock
+/// to represent (`Duration::MAX`, say) ends.
+const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
+
+/// `now + d`, or 30 years from `now` when that instant cannot be represented: the one rule for
+/// every limit Backstop turns into an instant (deadlines, attempt timeouts, leases, TTLs), so
+/// that `Duration::MAX` means "never" and never panics.
+///
+/// ```
+/// use backstop_core::instant_after;
+/// use std::time::Duration;
+/// use tokio::time::Instant;
+///
+/// let now = Instant::now();
+/// assert_eq!(instant_after(now, Duration::from_secs(2)), now + Duration::from_secs(2));
+/// assert!(instant_after(now, Duration::MAX) > now + Duration::from_secs(86_400 * 365));
+/// ```
+#[inline]
+pub fn instant_after(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .or_else(|| now.checked_add(FAR_FUTURE))
+        .unwrap_or(now)
+}
+
 /// The instant by which a whole logical call (every attempt and every backoff sleep) must end.
 ///
 /// The deadline layer and the retry layer store it in the request's extensions (see
@@ -39,9 +63,7 @@ impl Deadline {
     #[inline]
     pub fn after_from(now: Instant, budget: Duration) -> Self {
         Deadline {
-            at: now
-                .checked_add(budget)
-                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30)),
+            at: instant_after(now, budget),
             length: Some(budget),
         }
     }
@@ -75,13 +97,6 @@ impl Deadline {
         ext.get::<crate::context::CallContext>()
             .and_then(|c| c.deadline)
             .or_else(|| ext.get::<Deadline>().copied())
-    }
-
-    /// The same as [`of`](Self::of), which reads the request alone too now.
-    #[deprecated(note = "the same as `Deadline::of`: the call context only travels in the request")]
-    #[inline]
-    pub fn on<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
-        Deadline::of(req)
     }
 
     /// Records this deadline on the request unless it already carries an earlier one, and

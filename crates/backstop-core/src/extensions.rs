@@ -185,37 +185,27 @@ impl UnvouchedKey {
 /// The mark of the outermost retry layer. A retry layer that finds it makes exactly one attempt
 /// and leaves retrying to the outer one.
 ///
-/// The outer layer sets it in the request's call context before its
-/// first attempt, so it reaches every layer further in, across tasks and futures too.
+/// Only a retry layer sets it, in the request's call context before its first attempt, so it
+/// reaches every layer further in, across tasks and futures too. Nothing else can: the mark
+/// silences every retry layer further in, so it is no caller's to set. Any other retrying code
+/// can read it: if a request carries it, someone outside is already retrying.
 ///
-/// Any other retrying code can honour it too: if a request carries it, someone outside is
-/// already retrying.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RetryScope;
+/// ```compile_fail
+/// // A caller cannot make the mark.
+/// let mark = backstop_core::RetryScope { _owner: () };
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryScope {
+    _owner: (),
+}
 
 impl RetryScope {
-    /// Whether a retry layer already owns the call: the request carries the mark (in its
-    /// call context, or a bare `RetryScope` a caller inserted).
+    /// Whether a retry layer already owns the call.
     #[inline]
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
-        let ext = req.extensions();
-        ext.get::<crate::context::CallContext>()
+        req.extensions()
+            .get::<crate::context::CallContext>()
             .is_some_and(|c| c.retry_scope)
-            || ext.get::<RetryScope>().is_some()
-    }
-
-    /// The same as [`is_marked`](Self::is_marked): the mark only ever travels in the request.
-    #[deprecated(
-        note = "the same as `RetryScope::is_marked`: the mark only travels in the request"
-    )]
-    #[inline]
-    pub fn is_marked_on<R: HasExtensions + ?Sized>(req: &R) -> bool {
-        RetryScope::is_marked(req)
-    }
-
-    /// Marks the call as owned by a retry layer.
-    pub fn mark<R: HasExtensions + ?Sized>(req: &mut R) {
-        crate::context::CallContext::of_mut(req).retry_scope = true;
     }
 }
 

@@ -45,7 +45,7 @@ mod run;
 mod verdict;
 
 pub use budget::{NoBudget, RetryBudget};
-pub use deadline::Deadline;
+pub use deadline::{Deadline, instant_after};
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,

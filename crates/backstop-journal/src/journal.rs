@@ -3,7 +3,7 @@
 //! workers never both move a step.
 
 use crate::model::{
-    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, Transition,
+    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
 };
 use std::{
     fmt,
@@ -652,7 +652,7 @@ impl Journal {
     }
 
     /// Every recorded transition of step `id`, oldest first.
-    pub async fn history(&self, id: &StepId) -> Result<Vec<Transition>, JournalError> {
+    pub async fn history(&self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
         type Row = (
             Option<String>,
             String,
@@ -680,7 +680,7 @@ impl Journal {
                     s.parse::<StepState>()
                         .map_err(|e| JournalError::Store(e.to_string()))
                 };
-                Ok(Transition {
+                Ok(StepTransition {
                     id: id.clone(),
                     from: from.as_deref().map(parse).transpose()?,
                     to: parse(&to)?,

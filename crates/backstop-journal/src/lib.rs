@@ -57,7 +57,7 @@ mod runner;
 pub use journal::{Change, Clock, Journal, JournalError};
 pub use layer::{ByOutcome, JournalLayer, Journaled, JournaledError, Judge};
 pub use model::{
-    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, Transition, UnknownState,
-    digest,
+    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
+    UnknownState, digest,
 };
 pub use runner::{CallResult, Next, Reconcile, Reconciled, Reconcilers, ResumeReport};

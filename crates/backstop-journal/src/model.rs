@@ -307,7 +307,7 @@ pub struct Step {
 
 /// One recorded change of a step's state.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transition {
+pub struct StepTransition {
     /// The step.
     pub id: StepId,
     /// From (`None`: the step was recorded).

@@ -64,7 +64,7 @@ fn failed(outcome: Outcome, retry_after: Option<Duration>) -> CallResult {
     }
 }
 
-fn states(history: &[backstop_journal::Transition]) -> Vec<&'static str> {
+fn states(history: &[backstop_journal::StepTransition]) -> Vec<&'static str> {
     history.iter().map(|t| t.to.as_str()).collect()
 }
 

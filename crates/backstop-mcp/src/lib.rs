@@ -16,7 +16,7 @@
 //! service, and [`rmcp::ReplayHandler`] puts replay in front of an rmcp `ServerHandler`'s tools.
 //!
 //! **tower-mcp** (feature `tower-mcp`): [`tower_mcp::RouterClient`] calls an `McpRouter`'s
-//! tools as a service of [`ToolCall`]s, and [`tower_mcp::ReplayToolLayer`] is a per-tool layer.
+//! tools as a service of [`ToolCall`]s, and [`tower_mcp::PerToolReplayLayer`] is a per-tool layer.
 //!
 //! ```
 //! use backstop_core::{Classify, Outcome, Verdict};

@@ -585,6 +585,9 @@ impl<H: ServerHandler> ReplayHandler<H> {
     }
 }
 
+// Every method goes to the handler, rmcp's legacy ones too (logging/setLevel,
+// resources/subscribe and unsubscribe, deprecated by rmcp for newer protocol versions): a client
+// on an older version sees the handler as it is.
 #[allow(deprecated)]
 impl<H: ServerHandler> ServerHandler for ReplayHandler<H> {
     fn call_tool(

@@ -5,7 +5,7 @@
 //! Backstop stack, for a runtime that hosts its tools in process. The call's key travels in
 //! the `RouterRequest`'s extensions, which tower-mcp hands to the tool's `RequestContext`.
 //!
-//! **Server.** [`ReplayToolLayer`] is a per-tool layer (`ToolBuilder::..layer(..)`): a call
+//! **Server.** [`PerToolReplayLayer`] is a per-tool layer (`ToolBuilder::..layer(..)`): a call
 //! that carries a key runs once and repeats get the stored result, with
 //! [`ToolReplayLayer`]'s guarantees. The layer's own refusals (a call with this key still
 //! running, a key reused for other arguments) come back as tool results with `isError: true`
@@ -35,7 +35,7 @@
 //! # }
 //! ```
 //!
-//! **Trace context.** [`ReplayTool`] runs the tool in a `tool` span whose parent is the W3C
+//! **Trace context.** [`PerToolReplay`] runs the tool in a `tool` span whose parent is the W3C
 //! trace context tower-mcp read from the call's `_meta` (see [`crate::trace`]).
 
 use crate::{
@@ -275,7 +275,7 @@ fn refusal(e: &RpcError) -> CallToolResult {
 /// A per-tool layer for tower-mcp's `ToolBuilder::layer`: keyed calls of the tool run once.
 ///
 /// ```
-/// use backstop_mcp::{ToolReplayLayer, tower_mcp::ReplayToolLayer};
+/// use backstop_mcp::{ToolReplayLayer, tower_mcp::PerToolReplayLayer};
 /// use backstop_replay::MemoryStore;
 /// use tower_mcp::{CallToolResult, ToolBuilder};
 ///
@@ -283,34 +283,34 @@ fn refusal(e: &RpcError) -> CallToolResult {
 /// let refund = ToolBuilder::new("issue_refund")
 ///     .description("Refund part of an order")
 ///     .handler(|args: serde_json::Value| async move { Ok(CallToolResult::text(format!("booked {args}"))) })
-///     .layer(ReplayToolLayer::new("issue_refund", replay))
+///     .layer(PerToolReplayLayer::new("issue_refund", replay))
 ///     .build();
 /// # let _ = refund;
 /// ```
 #[derive(Clone, Debug)]
-pub struct ReplayToolLayer {
+pub struct PerToolReplayLayer {
     tool: Arc<str>,
     replay: ToolReplayLayer,
 }
 
-impl ReplayToolLayer {
+impl PerToolReplayLayer {
     /// Replay for the tool named `tool` (the name is part of what a key stands for).
     pub fn new(tool: impl Into<Arc<str>>, replay: ToolReplayLayer) -> Self {
-        ReplayToolLayer {
+        PerToolReplayLayer {
             tool: tool.into(),
             replay,
         }
     }
 }
 
-impl<S> Layer<S> for ReplayToolLayer
+impl<S> Layer<S> for PerToolReplayLayer
 where
     S: Clone,
 {
-    type Service = ReplayTool<S>;
+    type Service = PerToolReplay<S>;
 
-    fn layer(&self, inner: S) -> ReplayTool<S> {
-        ReplayTool {
+    fn layer(&self, inner: S) -> PerToolReplay<S> {
+        PerToolReplay {
             tool: self.tool.clone(),
             direct: inner.clone(),
             replay: self.replay.layer(RunToolRequest { inner }),
@@ -318,17 +318,17 @@ where
     }
 }
 
-/// A tower-mcp tool behind [`ReplayToolLayer`].
+/// A tower-mcp tool behind [`PerToolReplayLayer`].
 #[derive(Clone)]
-pub struct ReplayTool<S> {
+pub struct PerToolReplay<S> {
     tool: Arc<str>,
     direct: S,
     replay: ToolReplay<RunToolRequest<S>>,
 }
 
-impl<S> fmt::Debug for ReplayTool<S> {
+impl<S> fmt::Debug for PerToolReplay<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReplayTool")
+        f.debug_struct("PerToolReplay")
             .field("tool", &self.tool)
             .finish_non_exhaustive()
     }
@@ -378,27 +378,27 @@ where
 /// A failure of the replayed tool, as tower-mcp reports a layer's errors (a tool result with
 /// `isError: true` and this text).
 #[derive(Debug)]
-pub struct ReplayToolError(String);
+pub struct PerToolReplayError(String);
 
-impl fmt::Display for ReplayToolError {
+impl fmt::Display for PerToolReplayError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
 }
 
-impl std::error::Error for ReplayToolError {}
+impl std::error::Error for PerToolReplayError {}
 
-impl<S> Service<ToolRequest> for ReplayTool<S>
+impl<S> Service<ToolRequest> for PerToolReplay<S>
 where
     S: Service<ToolRequest, Response = CallToolResult> + Clone + Send + 'static,
     S::Error: fmt::Display,
     S::Future: Send + 'static,
 {
     type Response = CallToolResult;
-    type Error = ReplayToolError;
-    type Future = BoxFuture<Result<CallToolResult, ReplayToolError>>;
+    type Error = PerToolReplayError;
+    type Future = BoxFuture<Result<CallToolResult, PerToolReplayError>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ReplayToolError>> {
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), PerToolReplayError>> {
         Poll::Ready(Ok(()))
     }
 
@@ -414,7 +414,7 @@ where
                     direct
                         .oneshot(req)
                         .await
-                        .map_err(|e| ReplayToolError(e.to_string()))
+                        .map_err(|e| PerToolReplayError(e.to_string()))
                 }
                 .instrument(span),
             );

@@ -1,5 +1,5 @@
 use crate::NotCopyable;
-use crate::words::{Diagnosis, ErrorKind, Told};
+use crate::error_kind::{Diagnosis, ErrorKind, Told};
 use backstop_classify::Verdict;
 use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
 use std::{error::Error, fmt, time::Duration};

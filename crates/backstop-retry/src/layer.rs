@@ -1,6 +1,6 @@
 use crate::{
     AttemptGate, CallHook, CloneRequest, HttpResend, NoBudget, NoHook, Resend, RetryBudget,
-    future::{Call, ResponseFuture},
+    future::{Call, RetryFuture},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -21,10 +21,10 @@ use tower_service::Service;
 /// The default number of attempts: one call and two retries.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
-pub(crate) struct Policy<C, P, K, H> {
+/// What every call's future reads: shared by the layer's services through one `Arc`.
+pub(crate) struct Policy<C, P, H> {
     pub(crate) classifier: C,
     pub(crate) resend: P,
-    pub(crate) key: K,
     pub(crate) hook: H,
     pub(crate) settings: Settings,
 }
@@ -150,12 +150,6 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
         }
     }
 
-    /// The old name of [`resend`](Self::resend).
-    #[deprecated(note = "renamed resend (backstop::replay is the server's replay)")]
-    pub fn replay<P2>(self, resend: P2) -> RetryLayer<C, P2, K, H> {
-        self.resend(resend)
-    }
-
     /// Names the one dependency every request goes to.
     pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency, H> {
         self.dependency_key(name.into())
@@ -250,14 +244,6 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
         self
     }
 
-    /// Does nothing any more: the call's context (the retry mark, the dependency, the
-    /// deadline) always travels in the request's extensions.
-    #[deprecated(note = "the call's context always travels with the request now")]
-    #[must_use]
-    pub fn mark_requests(self, _yes: bool) -> Self {
-        self
-    }
-
     /// What the layer is configured to allow a call: attempts, attempt timeout, deadline.
     pub fn limits(&self) -> Limits {
         Limits {
@@ -265,24 +251,6 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
             attempt_timeout: self.settings.attempt_timeout,
             deadline: self.settings.deadline,
         }
-    }
-
-    /// The configured maximum attempts.
-    #[deprecated(note = "use limits().max_attempts")]
-    pub fn get_max_attempts(&self) -> u32 {
-        self.settings.max_attempts
-    }
-
-    /// The configured attempt timeout.
-    #[deprecated(note = "use limits().attempt_timeout")]
-    pub fn get_attempt_timeout(&self) -> Option<Duration> {
-        self.settings.attempt_timeout
-    }
-
-    /// The configured deadline.
-    #[deprecated(note = "use limits().deadline")]
-    pub fn get_deadline(&self) -> Option<Duration> {
-        self.settings.deadline
     }
 }
 
@@ -305,10 +273,10 @@ impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K,
         Retry {
             inner,
             ready: false,
+            key: self.key.clone(),
             policy: Arc::new(Policy {
                 classifier: self.classifier.clone(),
                 resend: self.resend.clone(),
-                key: self.key.clone(),
                 hook: self.hook.clone(),
                 settings: self.settings.clone(),
             }),
@@ -321,15 +289,18 @@ impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K,
 /// `Clone`: clones share the policy, the RNG source and the budget.
 pub struct Retry<S, C, P = CloneRequest, K = Dependency, H = NoHook> {
     inner: S,
-    policy: Arc<Policy<C, P, K, H>>,
+    /// How each request's dependency is found.
+    key: K,
+    policy: Arc<Policy<C, P, H>>,
     /// The inner service said it was ready in the last `poll_ready`.
     ready: bool,
 }
 
-impl<S: Clone, C, P, K, H> Clone for Retry<S, C, P, K, H> {
+impl<S: Clone, C, P, K: Clone, H> Clone for Retry<S, C, P, K, H> {
     fn clone(&self) -> Self {
         Retry {
             inner: self.inner.clone(),
+            key: self.key.clone(),
             policy: self.policy.clone(),
             ready: false,
         }
@@ -374,7 +345,7 @@ where
 {
     type Response = S::Response;
     type Error = H::Error;
-    type Future = ResponseFuture<S, Req, C, P, K, H>;
+    type Future = RetryFuture<S, Req, C, P, H>;
 
     /// Never waits. When the inner service is ready, the first attempt is sent from `call`;
     /// when it is not, the call's future waits for it, and that wait is bounded by the call's
@@ -400,7 +371,7 @@ where
         let policy = self.policy.clone();
         let dependency = match Dependency::on(&req) {
             Some(d) if !nested => d.clone(),
-            _ => policy.key.dependency(&req),
+            _ => self.key.dependency(&req),
         };
         let hooked = if nested {
             None
@@ -408,7 +379,7 @@ where
             match policy.hook.begin(&mut req, &dependency) {
                 Ok(state) => Some(state),
                 // Nothing is sent: the ready service stays here for the next call.
-                Err(refused) => return ResponseFuture::refused(policy, refused),
+                Err(refused) => return RetryFuture::refused(policy, refused),
             }
         };
         // The clock is read once per call: the budget, the deadline and the attempt timer share
@@ -438,6 +409,6 @@ where
             self.inner.clone()
         };
         let call = Call::new(svc, dependency, deadline, now, nested);
-        ResponseFuture::start(policy, call, req, ready, hooked)
+        RetryFuture::start(policy, call, req, ready, hooked)
     }
 }

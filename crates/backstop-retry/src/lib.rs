@@ -80,31 +80,27 @@
 
 mod body;
 mod error;
+mod error_kind;
 mod future;
 mod hook;
 mod layer;
 mod obs;
-mod replay;
+mod resend;
 mod stream_body;
-mod words;
 
 pub use backstop_core::RetryScope;
 pub use backstop_core::{AttemptGate, NoBudget, RetryBudget, Ticket};
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
-pub use body::{BufferBody, BufferBodyLayer, ReplayBody};
+pub use body::{BufferBody, BufferBodyLayer, ResendBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
-pub use future::ResponseFuture;
+pub use error_kind::{Diagnosis, ErrorKind, Told};
 pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
-#[allow(deprecated)]
-pub use replay::{
-    CloneRequest, CopyableBody, HttpReplay, HttpResend, NotCopyable, NotReplayable, Resend,
-};
+pub use resend::{CloneRequest, CopyableBody, HttpResend, NotCopyable, Resend};
 pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
-pub use words::{Diagnosis, ErrorKind, Told};
 
 /// Future types.
 pub mod futures {
     pub use crate::body::BufferBodyFuture;
-    pub use crate::future::ResponseFuture;
+    pub use crate::future::RetryFuture;
 }

@@ -335,7 +335,7 @@ impl<B: StreamedBody> Resend<Request<B>> for StreamingResend {
             .extensions()
             .get::<BodyTee<B>>()
             .ok_or_else(|| NotCopyable::new("its body was not prepared for copying"))?;
-        Ok(crate::replay::with_parts_of(
+        Ok(crate::resend::with_parts_of(
             req,
             B::from_reader(tee.reader()?),
         ))

@@ -170,12 +170,6 @@ impl<T> Registry<T> {
         false
     }
 
-    /// The old name of [`tracked`](Self::tracked).
-    #[deprecated(note = "renamed tracked")]
-    pub fn get_tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
-        self.tracked(dep)
-    }
-
     /// The state of `dep` if it is tracked.
     pub fn tracked(&self, dep: &Dependency) -> Option<Arc<T>> {
         read(self.shard(dep)).get(dep).map(|s| s.state.clone())

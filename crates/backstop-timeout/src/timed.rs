@@ -77,9 +77,7 @@ impl AttemptCutoff {
         deadline: Option<Deadline>,
     ) -> Result<Option<AttemptCutoff>, DeadlinePassed> {
         let own = limit.map(|limit| AttemptCutoff {
-            at: now
-                .checked_add(limit)
-                .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365)),
+            at: backstop_core::instant_after(now, limit),
             expiry: Expiry::Attempt { limit },
         });
         let Some(deadline) = deadline else {

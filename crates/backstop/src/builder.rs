@@ -1,21 +1,29 @@
-use crate::BoxErrors;
+use crate::box_errors::BoxErrors;
 use crate::{
     DeadLetterSink,
     attempt_header::AttemptCount,
-    finish::{Reconcile, Shared, StackHook},
+    stack_hook::{Reconcile, Shared, StackHook},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
 use backstop_budget::Budget;
-use backstop_classify::HttpClassifier;
-use backstop_core::{Dependency, HumanDuration, InvalidConfig};
+use backstop_classify::{Classify, HttpClassifier};
+use backstop_core::{BoxError, Dependency, HasExtensions, HumanDuration, InvalidConfig};
 use backstop_idempotency::{
-    HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
+    HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey, ToolKeys,
 };
-use backstop_retry::{CloneRequest, HttpResend, Retry, RetryLayer};
+use backstop_retry::{CloneRequest, HttpResend, Resend, Retry, RetryLayer, futures::RetryFuture};
 use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
-use std::{fmt, sync::Arc, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
 use tower_layer::Layer;
+use tower_service::Service;
 
 /// The default overall deadline of a call: 30 s.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
@@ -44,7 +52,7 @@ pub enum Preset {
 
 /// How the composed stack makes a key when the caller gave none, as the preset chooses.
 #[derive(Clone, Copy, Debug)]
-pub enum KeyGenerator {
+pub(crate) enum KeyGenerator {
     /// A random key per logical call.
     Random,
     /// No key unless the caller or the runtime gave one.
@@ -67,7 +75,7 @@ impl<Req> MakeKey<Req> for KeyGenerator {
 /// ```
 ///
 /// All of it in one layer and one future per call: the retry layer runs the call-level work as
-/// its hook ([`StackHook`]) and keeps the deadline, the breaker and the attempt timeout itself.
+/// its hook ([`CallHook`](crate::retry::CallHook)) and keeps the deadline, the breaker and the attempt timeout itself.
 ///
 /// The deadline is kept by the retry layer itself (`RetryLayer::deadline`): waits never cross
 /// it, the attempt timeout cuts the last attempt to fit it, and a caller's tighter deadline on
@@ -224,15 +232,6 @@ impl<C, P, I> Backstop<C, P, I> {
             sink: None,
             reconcile: None,
         }
-    }
-
-    /// Does nothing any more: the call's context (the retry mark, the dependency, the
-    /// deadline) always travels in the request's extensions, across tasks and futures. See
-    /// `backstop_core::CallContext`.
-    #[deprecated(note = "the call's context always travels with the request now")]
-    #[must_use]
-    pub fn mark_requests(self) -> Self {
-        self
     }
 
     /// How side effects are treated (see [`Preset`]).
@@ -430,7 +429,7 @@ impl<C, P, I> Backstop<C, P, I> {
         };
         if let Some(b) = &breaker {
             let window = b.config().window();
-            if b.config().has_ratio_rule() && window < timeout * 2 {
+            if b.config().has_ratio_rule() && window < timeout.saturating_mul(2) {
                 return Err(InvalidConfig::new(format!(
                     "the breaker's failure window ({}) is shorter than two attempt timeouts (2 x {}): \
                      lengthen the window (BreakerConfig::failure_ratio) or shorten attempt_timeout",
@@ -555,15 +554,113 @@ impl<S> Transport<S> for CloneRequest {
     }
 }
 
-/// The service a [`BackstopLayer`] builds: every error is an [`Error`](crate::Error).
+/// The service a [`BackstopLayer`] builds over the client `S`: every error is an
+/// [`Error`](crate::Error).
 ///
 /// One retry layer over the client, whatever the configuration: it keeps the deadline, times
 /// each attempt and asks the breaker before each one itself, and runs the call-level work
-/// ([`StackHook`]: idempotency key, call span, errors and dead letters) once per call as its hook.
-/// For HTTP the response's body is returned as a [`TimedBody`](backstop_timeout::TimedBody):
-/// the attempt's limit and the deadline keep running while the caller reads it.
-pub type BackstopService<S, C, P, I> =
-    Retry<<P as Transport<S>>::Client, C, P, Dependency, StackHook<I>>;
+/// (idempotency key, call span, errors and dead letters) once per call. For HTTP the response's
+/// body is returned as a [`TimedBody`](backstop_timeout::TimedBody): the attempt's limit and the
+/// deadline keep running while the caller reads it. `C` is the classifier, `P` how requests are
+/// copied for each attempt (and so how the client is wrapped, [`Transport`]), `I` where the
+/// idempotency key goes.
+pub struct BackstopService<S, C, P: Transport<S>, I> {
+    inner: Retry<P::Client, C, P, Dependency, StackHook<I>>,
+}
+
+impl<S, C, P: Transport<S>, I> Clone for BackstopService<S, C, P, I>
+where
+    P::Client: Clone,
+{
+    fn clone(&self) -> Self {
+        BackstopService {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S, C, P: Transport<S>, I> fmt::Debug for BackstopService<S, C, P, I>
+where
+    P::Client: fmt::Debug,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackstopService")
+            .field("retry", &self.inner)
+            .finish()
+    }
+}
+
+impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
+where
+    P: Transport<S> + Resend<Req>,
+    P::Client: Service<Req> + Clone,
+    <P::Client as Service<Req>>::Error: Into<BoxError>,
+    <P::Client as Service<Req>>::Response: HasExtensions,
+    Req: HasExtensions,
+    C: Classify<Req, <P::Client as Service<Req>>::Response, <P::Client as Service<Req>>::Error>,
+    I: Inject<Req>,
+{
+    type Response = <P::Client as Service<Req>>::Response;
+    type Error = crate::Error;
+    type Future = BackstopFuture<S, C, P, I, Req>;
+
+    #[inline]
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    #[inline]
+    fn call(&mut self, req: Req) -> Self::Future {
+        BackstopFuture {
+            inner: self.inner.call(req),
+        }
+    }
+}
+
+/// Response future of [`BackstopService`].
+#[pin_project::pin_project]
+pub struct BackstopFuture<S, C, P, I, Req>
+where
+    P: Transport<S>,
+    P::Client: Service<Req>,
+    <P::Client as Service<Req>>::Response: HasExtensions,
+    Req: HasExtensions,
+    I: Inject<Req>,
+{
+    #[pin]
+    inner: RetryFuture<P::Client, Req, C, P, StackHook<I>>,
+}
+
+impl<S, C, P, I, Req> fmt::Debug for BackstopFuture<S, C, P, I, Req>
+where
+    P: Transport<S>,
+    P::Client: Service<Req>,
+    <P::Client as Service<Req>>::Response: HasExtensions,
+    Req: HasExtensions,
+    I: Inject<Req>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl<S, C, P, I, Req> Future for BackstopFuture<S, C, P, I, Req>
+where
+    P: Transport<S> + Resend<Req>,
+    P::Client: Service<Req>,
+    <P::Client as Service<Req>>::Error: Into<BoxError>,
+    <P::Client as Service<Req>>::Response: HasExtensions,
+    Req: HasExtensions,
+    C: Classify<Req, <P::Client as Service<Req>>::Response, <P::Client as Service<Req>>::Error>,
+    I: Inject<Req>,
+{
+    type Output = Result<<P::Client as Service<Req>>::Response, crate::Error>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project().inner.poll(cx)
+    }
+}
 
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
@@ -621,6 +718,8 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<
             attempt_header: self.attempt_header.clone(),
         };
         let client = self.transport.wrap(inner, &settings);
-        self.retry.layer(client)
+        BackstopService {
+            inner: self.retry.layer(client),
+        }
     }
 }

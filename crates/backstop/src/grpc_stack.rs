@@ -1,6 +1,11 @@
 //! The composed stack for gRPC calls (tonic's channel, or any gRPC-over-HTTP/2 client).
 
-use crate::{Backstop, BoxErrors, Transport, TransportSettings, attempt_header::AttemptCount};
+use crate::{
+    Backstop,
+    attempt_header::AttemptCount,
+    box_errors::BoxErrors,
+    builder::{Transport, TransportSettings},
+};
 use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{BoxError, Deadline, Dependency, plumbing::CallContext};
 use backstop_idempotency::{HttpKeys, IdempotencyLayer};

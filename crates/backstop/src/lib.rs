@@ -111,7 +111,6 @@ mod box_errors;
 mod builder;
 mod dead_letter;
 mod error;
-mod finish;
 #[cfg(feature = "grpc")]
 mod grpc_stack;
 #[cfg(feature = "journal")]
@@ -120,11 +119,11 @@ mod journaled;
 mod mcp_stack;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
+mod stack_hook;
 
-pub use box_errors::{BoxErrors, BoxErrorsFuture};
 pub use builder::{
-    Backstop, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset,
-    Transport, TransportSettings,
+    Backstop, BackstopFuture, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT,
+    DEFAULT_DEADLINE, Preset,
 };
 #[cfg(feature = "json")]
 pub use dead_letter::JsonLinesSink;
@@ -199,9 +198,6 @@ pub mod classify {
 /// assert!(Backoff::full_jitter(Duration::from_secs(5), Duration::from_secs(1)).is_err());
 /// ```
 pub mod backoff {
-    #[doc(hidden)]
-    #[allow(deprecated)]
-    pub use backstop_backoff::InvalidBackoff;
     #[doc(inline)]
     pub use backstop_backoff::{Backoff, DEFAULT_BASE, DEFAULT_CAP, RngSource, Schedule};
 }
@@ -272,12 +268,9 @@ pub mod retry {
     #[doc(inline)]
     pub use backstop_retry::{
         AttemptRecord, BufferBody, BufferBodyLayer, CallHook, CloneRequest, CopyableBody,
-        DEFAULT_MAX_ATTEMPTS, Diagnosis, HttpResend, Limits, NoHook, NotCopyable, ReplayBody,
-        Resend, Retry, RetryError, RetryHistory, RetryLayer, StopReason, Told, futures,
+        DEFAULT_MAX_ATTEMPTS, Diagnosis, HttpResend, Limits, NoHook, NotCopyable, Resend,
+        ResendBody, Retry, RetryError, RetryHistory, RetryLayer, StopReason, Told, futures,
     };
-    #[doc(hidden)]
-    #[allow(deprecated)]
-    pub use backstop_retry::{HttpReplay, NotReplayable};
 }
 
 /// The per-dependency retry budget: retries as a share of requests.
@@ -302,9 +295,6 @@ pub mod retry {
 /// assert!(!budget.withdraw(&carrier));
 /// ```
 pub mod budget {
-    #[doc(hidden)]
-    #[allow(deprecated)]
-    pub use backstop_budget::BoundBudget;
     #[doc(inline)]
     pub use backstop_budget::{Budget, BudgetConfig, BudgetStats, DependencyBudget};
     #[doc(inline)]
@@ -342,13 +332,10 @@ pub mod budget {
 /// # }
 /// ```
 pub mod breaker {
-    #[doc(hidden)]
-    #[allow(deprecated)]
-    pub use backstop_breaker::{BoundBreaker, State};
     #[doc(inline)]
     pub use backstop_breaker::{
-        Breaker, BreakerConfig, BreakerLayer, CircuitBreaker, CircuitStats, DependencyBreaker,
-        ResponseFuture, Transition,
+        Breaker, BreakerConfig, BreakerFuture, BreakerLayer, CircuitBreaker, CircuitStats,
+        CircuitTransition, DependencyBreaker,
     };
     #[doc(inline)]
     pub use backstop_core::{AttemptGate, CircuitState, Ticket};
@@ -394,7 +381,11 @@ pub mod state {
 /// ```
 pub mod idempotency {
     #[doc(inline)]
-    pub use backstop_idempotency::*;
+    pub use backstop_idempotency::{
+        ActionContext, HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, InvalidKey, KeyFormat,
+        KeyFuture, KeyedRequest, MAX_KEY_LEN, MakeKey, NoKey, RandomKey, SetIdempotencyKey,
+        ToolKeys,
+    };
 }
 
 /// Server-side idempotency: run a keyed request once, replay its result to every repeat.
@@ -417,7 +408,17 @@ pub mod idempotency {
 #[cfg(feature = "replay")]
 pub mod replay {
     #[doc(inline)]
-    pub use backstop_replay::*;
+    pub use backstop_replay::{
+        BodyError, Claim, Fingerprint, Lease, MemoryStore, Principal, Replay, ReplayFuture,
+        ReplayLayer, ReplayRequestBody, ReplayResponseBody, ReplayStore, StoreError, StoreFuture,
+        StoredResponse, decode, encode, scope_of,
+    };
+    #[cfg(feature = "redis")]
+    #[doc(inline)]
+    pub use backstop_replay::{OnVolatile, Persistence, RedisStore};
+    #[cfg(feature = "postgres")]
+    #[doc(inline)]
+    pub use backstop_replay::{PgStore, PgTransaction};
 }
 
 /// The durable step journal: every tool call's transitions written before they matter,
@@ -428,7 +429,12 @@ pub mod replay {
 pub mod journal {
     pub use crate::journaled::HttpJudge;
     #[doc(inline)]
-    pub use backstop_journal::*;
+    pub use backstop_journal::{
+        ByOutcome, CallResult, Change, Clock, Journal, JournalError, JournalLayer, Journaled,
+        JournaledError, Judge, NewStep, Next, Reconcile, Reconciled, Reconcilers, Resolution,
+        ResumeReport, RunSummary, Step, StepId, StepKind, StepState, StepTransition, UnknownState,
+        digest,
+    };
 }
 
 /// `reqwest::Client` under the stack: [`ReqwestService`](reqwest::ReqwestService), or
@@ -458,7 +464,10 @@ pub mod mcp {
     #[cfg(feature = "tower-mcp")]
     pub mod tower_mcp {
         #[doc(inline)]
-        pub use backstop_mcp::tower_mcp::*;
+        pub use backstop_mcp::tower_mcp::{
+            KeyFromHeader, KeyFromHeaderLayer, PerToolReplay, PerToolReplayError,
+            PerToolReplayLayer, RouterClient, from_result, to_result,
+        };
     }
 
     /// rmcp's client and server handler under the stack. Feature `rmcp`.
@@ -466,7 +475,11 @@ pub mod mcp {
     pub mod rmcp {
         pub use crate::mcp_stack::error_result;
         #[doc(inline)]
-        pub use backstop_mcp::rmcp::*;
+        pub use backstop_mcp::rmcp::{
+            KeyHeader, ReplayHandler, RmcpClient, from_error_data, from_rmcp_response,
+            from_rmcp_result, from_service_error, hints_of, to_error_data, to_params,
+            to_rmcp_response, to_rmcp_result,
+        };
     }
 }
 
@@ -489,13 +502,12 @@ pub mod grpc {
     pub use backstop_retry::{BodyTee, StreamedBody, StreamingResend, TeeReader};
 }
 
-/// Not part of the public API: the composed stack's own pieces, public only because
-/// [`BackstopService`] names them. Anything here may change in any release.
-#[doc(hidden)]
-pub mod plumbing {
+/// How the composed stack wraps the client for each attempt: the pieces between its retry
+/// layer and the client, for each kind of request ([`Transport`](transport::Transport)).
+pub mod transport {
     pub use crate::attempt_header::AttemptCount;
-    pub use crate::builder::KeyGenerator;
-    pub use crate::finish::{StackCall, StackHook};
+    pub use crate::box_errors::{BoxErrors, BoxErrorsFuture};
+    pub use crate::builder::{Transport, TransportSettings};
     #[cfg(feature = "grpc")]
-    pub use crate::grpc_stack::GrpcAttempt;
+    pub use crate::grpc_stack::{GrpcAttempt, GrpcAttemptFuture};
 }

@@ -1,4 +1,4 @@
-use crate::body::ReplayBody;
+use crate::body::ResendBody;
 use std::{borrow::Cow, error::Error, fmt};
 
 /// Why a request could not be copied for another attempt (a streamed body, say): the call
@@ -37,8 +37,7 @@ impl Error for NotCopyable {}
 ///
 /// The retry layer resends requests, it never rebuilds them: the original is kept and each
 /// attempt sends a copy of it, so every attempt carries the same headers, idempotency key and
-/// body. (Called `Replay` before 0.2; `backstop::replay` is the server's replay of stored
-/// results.)
+/// body. (The client resends; the server side, `backstop::replay`, replays stored results.)
 pub trait Resend<Req> {
     /// Readies a request to be kept for copies, once per call, before the first copy: a
     /// streaming body is set up to be copied as it is sent ([`StreamingResend`](crate::StreamingResend)).
@@ -93,7 +92,7 @@ pub(crate) fn with_parts_of<B, B2>(req: &http::Request<B>, body: B2) -> http::Re
 /// A request body that can be sent again.
 ///
 /// Every `Clone` body is (`Full<Bytes>`, `Empty<Bytes>`, `String`, `()`); a streaming body is
-/// not, unless [`BufferBodyLayer`](crate::BufferBodyLayer) buffered it into a [`ReplayBody`].
+/// not, unless [`BufferBodyLayer`](crate::BufferBodyLayer) buffered it into a [`ResendBody`].
 pub trait CopyableBody: Sized {
     /// A copy of the body for another attempt.
     fn copy_body(&self) -> Result<Self, NotCopyable>;
@@ -105,21 +104,8 @@ impl<B: Clone> CopyableBody for B {
     }
 }
 
-impl<B> CopyableBody for ReplayBody<B> {
+impl<B> CopyableBody for ResendBody<B> {
     fn copy_body(&self) -> Result<Self, NotCopyable> {
         self.try_clone()
     }
 }
-
-/// The old name of [`HttpResend`].
-#[deprecated(note = "renamed HttpResend")]
-pub type HttpReplay = HttpResend;
-
-/// The old name of [`HttpResend`], as a value.
-#[deprecated(note = "renamed HttpResend")]
-#[allow(non_upper_case_globals)]
-pub const HttpReplay: HttpResend = HttpResend;
-
-/// The old name of [`NotCopyable`].
-#[deprecated(note = "renamed NotCopyable (it is not about replay safety)")]
-pub type NotReplayable = NotCopyable;

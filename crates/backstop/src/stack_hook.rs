@@ -25,7 +25,7 @@ pub(crate) struct Shared<I> {
 ///
 /// A hook rather than a layer of its own: every layer a call goes through moves its whole
 /// future once more and polls it once more.
-pub struct StackHook<I> {
+pub(crate) struct StackHook<I> {
     shared: Arc<Shared<I>>,
 }
 
@@ -61,7 +61,7 @@ struct Letterhead {
 }
 
 /// What [`StackHook`] keeps for one call: its span, and what a dead letter would need.
-pub struct StackCall {
+pub(crate) struct StackCall {
     span: tracing::Span,
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.
