@@ -5,7 +5,7 @@
 use backstop::{
     BoxError, CircuitOpen, Dependency, Outcome,
     backoff::{Backoff, RngSource},
-    breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitState},
+    breaker::{Breaker, BreakerConfig, CircuitState},
     budget::Budget,
     retry::{RetryError, RetryLayer},
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
@@ -44,7 +44,7 @@ fn stack(
                 .rng(RngSource::seeded(2))
                 .budget(Arc::new(budget.clone())),
         )
-        .layer(BreakerLayer::http(breaker.clone()))
+        .layer(backstop::breaker::http_layer(breaker.clone()))
         .layer(AttemptTimeoutLayer::new(Duration::from_secs(1)))
         .service(Client::builder(TokioExecutor::new()).build_http())
 }

@@ -157,6 +157,7 @@ pub(crate) struct Inner {
 ///
 /// ```
 /// use backstop_breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitOpen};
+/// use backstop_classify::HttpClassifier;
 /// use backstop_core::{BoxError, CircuitState, Dependency};
 /// use tower::{Layer, ServiceExt, service_fn};
 ///
@@ -166,7 +167,9 @@ pub(crate) struct Inner {
 /// let down = service_fn(|_req: http::Request<()>| async {
 ///     Ok::<_, BoxError>(http::Response::builder().status(503).body(())?)
 /// });
-/// let svc = BreakerLayer::http(breaker.clone()).dependency("carrier-api").layer(down);
+/// let svc = BreakerLayer::new(breaker.clone(), HttpClassifier::new())
+///     .dependency("carrier-api")
+///     .layer(down);
 /// for _ in 0..2 {
 ///     svc.clone().oneshot(http::Request::new(())).await?; // two 503s in a row
 /// }

@@ -1,8 +1,5 @@
 use crate::{Breaker, circuit::Permit, circuit::Signal};
-use backstop_classify::HttpClassifier;
-use backstop_core::{
-    BoxError, ByAuthority, CircuitOpen, Dependency, DependencyKey, HasExtensions, Outcome,
-};
+use backstop_core::{BoxError, CircuitOpen, Dependency, DependencyKey, HasExtensions, Outcome};
 use backstop_core::{Classify, Verdict};
 use pin_project::pin_project;
 use std::{
@@ -21,24 +18,13 @@ use tower_service::Service;
 /// Applies [`CircuitBreaker`] to a service.
 ///
 /// Place it inside the retry layer (each attempt counts) and outside the attempt timeout (a
-/// timed-out attempt is a failure).
+/// timed-out attempt is a failure). `C` judges each result (an HTTP classifier, say: the facade's
+/// `backstop::breaker::http_layer` gives one); `K` finds each request's dependency.
 #[derive(Clone, Debug)]
-pub struct BreakerLayer<C = HttpClassifier, K = Dependency> {
+pub struct BreakerLayer<C, K = Dependency> {
     breaker: Breaker,
     classifier: Arc<C>,
     key: K,
-}
-
-impl BreakerLayer<HttpClassifier, ByAuthority> {
-    /// An HTTP breaker: the default [`HttpClassifier`], one circuit per URI authority unless
-    /// [`dependency`](Self::dependency) names it.
-    pub fn http(breaker: Breaker) -> Self {
-        BreakerLayer {
-            breaker,
-            classifier: Arc::new(HttpClassifier::new()),
-            key: ByAuthority,
-        }
-    }
 }
 
 impl<C> BreakerLayer<C> {
@@ -95,7 +81,7 @@ impl<S, C, K: Clone> Layer<S> for BreakerLayer<C, K> {
 
 /// Fails calls fast while a dependency's circuit is open; see the crate docs.
 #[derive(Clone)]
-pub struct CircuitBreaker<S, C = HttpClassifier, K = Dependency> {
+pub struct CircuitBreaker<S, C, K = Dependency> {
     inner: S,
     breaker: Breaker,
     classifier: Arc<C>,

@@ -14,7 +14,7 @@
 //! (optionally for a longer cooldown). A trial whose future is dropped gives its slot back, so
 //! the breaker can never stay half-open for good.
 //!
-//! What counts comes from the [classifier](backstop_classify::Classify): retryable failures
+//! What counts comes from the [classifier](backstop_core::Classify): retryable failures
 //! (5xx, 429, timeouts, connection errors) and unrecognised errors are failures; a response the
 //! dependency chose to give (2xx, 3xx, 4xx) is a success, since the dependency answered; a call
 //! that was never sent, or that the caller cancelled, counts for nothing.
@@ -49,6 +49,7 @@
 //!
 //! ```
 //! use backstop_breaker::{Breaker, BreakerConfig, BreakerLayer};
+//! use backstop_classify::HttpClassifier;
 //! use backstop_core::{BoxError, CircuitOpen};
 //! use std::time::Duration;
 //! use tower::{Layer, ServiceExt, service_fn};
@@ -59,7 +60,9 @@
 //! let down = service_fn(|_req: http::Request<()>| async {
 //!     Ok::<_, std::io::Error>(http::Response::builder().status(503).body(()).unwrap())
 //! });
-//! let svc = BreakerLayer::http(breaker.clone()).dependency("carrier-api").layer(down);
+//! let svc = BreakerLayer::new(breaker.clone(), HttpClassifier::new())
+//!     .dependency("carrier-api")
+//!     .layer(down);
 //!
 //! for _ in 0..2 {
 //!     let res = svc.clone().oneshot(http::Request::new(())).await.unwrap();

@@ -8,7 +8,7 @@
 //! `isError: true` as the tool's answer (returned as it is, for the model to read). The tool's
 //! annotations choose how each call is treated ([`ToolPolicy`]) unless the caller does.
 //!
-//! **Server side.** [`ToolReplayLayer`] runs a keyed `tools/call` once and replays its stored
+//! **Server side** (feature `server`). [`ToolReplayLayer`] runs a keyed `tools/call` once and replays its stored
 //! result to every repeat, with the replay layer's stores and guarantees, its refusals told as
 //! JSON-RPC errors ([`codes`]).
 //!
@@ -38,6 +38,7 @@
 mod call;
 mod classify;
 mod policy;
+#[cfg(feature = "server")]
 mod replay;
 #[cfg(feature = "rmcp")]
 pub mod rmcp;
@@ -51,4 +52,5 @@ pub use call::{
 };
 pub use classify::{McpClassifier, verdict_of, verdict_of_rpc};
 pub use policy::{ToolCatalog, ToolHints, ToolPolicy};
+#[cfg(feature = "server")]
 pub use replay::{ToolReplay, ToolReplayLayer};

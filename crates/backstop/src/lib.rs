@@ -91,7 +91,7 @@
 //! let carrier = ServiceBuilder::new()
 //!     .layer(DeadlineLayer::new(Duration::from_secs(10)))
 //!     .layer(RetryLayer::http().dependency("carrier-api").budget(Arc::new(budget.clone())))
-//!     .layer(BreakerLayer::http(breaker.clone()))
+//!     .layer(backstop::breaker::http_layer(breaker.clone()))
 //!     .layer(AttemptTimeoutLayer::new(Duration::from_secs(3)))
 //!     .service(client);
 //!
@@ -339,6 +339,32 @@ pub mod breaker {
     };
     #[doc(inline)]
     pub use backstop_core::{AttemptGate, CircuitState, Ticket};
+
+    /// A breaker layer for HTTP: the default [`HttpClassifier`](crate::classify::HttpClassifier)
+    /// judges each result, and each URI authority has its own circuit unless
+    /// [`dependency`](BreakerLayer::dependency) names one.
+    ///
+    /// ```
+    /// use backstop::breaker::{Breaker, BreakerConfig, http_layer};
+    /// use tower::{Layer, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    /// let down = service_fn(|_req: http::Request<()>| async {
+    ///     Ok::<_, std::io::Error>(http::Response::builder().status(503).body(()).unwrap())
+    /// });
+    /// let svc = http_layer(breaker).dependency("carrier-api").layer(down);
+    /// assert_eq!(svc.clone().oneshot(http::Request::new(())).await.unwrap().status(), 503);
+    /// assert!(svc.oneshot(http::Request::new(())).await.is_err(), "open: refused");
+    /// # }
+    /// ```
+    pub fn http_layer(
+        breaker: Breaker,
+    ) -> BreakerLayer<backstop_classify::HttpClassifier, backstop_core::ByAuthority> {
+        BreakerLayer::new(breaker, backstop_classify::HttpClassifier::new())
+            .dependency_key(backstop_core::ByAuthority)
+    }
 }
 
 /// Per-dependency shared state: the bounded registry and sliding counters the budget and the
@@ -448,7 +474,7 @@ pub mod reqwest {
 
 /// MCP tool calls both ways: [`Backstop::mcp`] builds the stack for a tool server's calls
 /// ([`McpClassifier`](mcp::McpClassifier), keys in `_meta`, each tool's policy from its
-/// annotations), and [`ToolReplayLayer`](mcp::ToolReplayLayer) runs a keyed call once on the
+/// annotations), and [`ToolReplayLayer`](mcp::ToolReplayLayer) (with feature `replay`) runs a keyed call once on the
 /// server. Feature `mcp`; with `rmcp`, the official SDK's client and server handler
 /// ([`mcp::rmcp`]).
 #[cfg(feature = "mcp")]
@@ -456,18 +482,24 @@ pub mod mcp {
     #[doc(inline)]
     pub use backstop_mcp::{
         META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, McpClassifier, RpcError, ToolCall,
-        ToolCatalog, ToolError, ToolHints, ToolPolicy, ToolReplay, ToolReplayLayer, ToolResult,
-        codes, trace, verdict_of, verdict_of_rpc,
+        ToolCatalog, ToolError, ToolHints, ToolPolicy, ToolResult, codes, trace, verdict_of,
+        verdict_of_rpc,
     };
+    /// The tool servers' replay (feature `replay`).
+    #[cfg(feature = "replay")]
+    #[doc(inline)]
+    pub use backstop_mcp::{ToolReplay, ToolReplayLayer};
 
     /// tower-mcp's router under the stack, and its per-tool replay layer. Feature `tower-mcp`.
     #[cfg(feature = "tower-mcp")]
     pub mod tower_mcp {
         #[doc(inline)]
         pub use backstop_mcp::tower_mcp::{
-            KeyFromHeader, KeyFromHeaderLayer, PerToolReplay, PerToolReplayError,
-            PerToolReplayLayer, RouterClient, from_result, to_result,
+            KeyFromHeader, KeyFromHeaderLayer, RouterClient, from_result, to_result,
         };
+        #[cfg(feature = "replay")]
+        #[doc(inline)]
+        pub use backstop_mcp::tower_mcp::{PerToolReplay, PerToolReplayError, PerToolReplayLayer};
     }
 
     /// rmcp's client and server handler under the stack. Feature `rmcp`.
@@ -475,10 +507,14 @@ pub mod mcp {
     pub mod rmcp {
         pub use crate::mcp_stack::error_result;
         #[doc(inline)]
+        #[cfg(feature = "replay")]
+        #[doc(inline)]
+        pub use backstop_mcp::rmcp::ReplayHandler;
+        #[doc(inline)]
         pub use backstop_mcp::rmcp::{
-            KeyHeader, ReplayHandler, RmcpClient, from_error_data, from_rmcp_response,
-            from_rmcp_result, from_service_error, hints_of, to_error_data, to_params,
-            to_rmcp_response, to_rmcp_result,
+            KeyHeader, RmcpClient, from_error_data, from_rmcp_response, from_rmcp_result,
+            from_service_error, hints_of, to_error_data, to_params, to_rmcp_response,
+            to_rmcp_result,
         };
     }
 }

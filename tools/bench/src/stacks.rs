@@ -3,7 +3,7 @@
 use backstop::{
     Backstop, BackstopLayer,
     backoff::RngSource,
-    breaker::{Breaker, BreakerConfig, BreakerLayer},
+    breaker::{Breaker, BreakerConfig},
     budget::Budget,
     classify::HttpClassifier,
     idempotency::HttpKeys,
@@ -320,7 +320,7 @@ pub fn retry_gate_timeout() -> impl Bench {
 
 /// The breaker alone.
 pub fn breaker_only() -> impl Bench {
-    BreakerLayer::http(Breaker::default())
+    backstop::breaker::http_layer(Breaker::default())
         .dependency("carrier-api")
         .layer(ok_service())
 }
@@ -342,7 +342,7 @@ pub fn open_breaker() -> (Svc, Arc<std::sync::atomic::AtomicU64>) {
     breaker.isolate(&"carrier-api".into());
     (
         boxed(
-            BreakerLayer::http(breaker)
+            backstop::breaker::http_layer(breaker)
                 .dependency("carrier-api")
                 .layer(counting),
         ),

@@ -117,7 +117,7 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     let (transitions, hook) = recorder();
     let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
 
@@ -160,7 +160,7 @@ async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_coold
         .on_transition(hook);
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Status(500));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
 
@@ -223,7 +223,7 @@ async fn half_open_admits_exactly_the_trial_calls_and_fails_the_rest_fast() {
     )
     .unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
@@ -260,7 +260,7 @@ fn poll_once<F: Future>(f: std::pin::Pin<&mut F>) -> Poll<F::Output> {
 async fn a_cancelled_trial_gives_its_slot_back() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
@@ -305,7 +305,7 @@ where
 async fn a_cancelled_call_while_closed_is_no_failure() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Hang);
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     for _ in 0..10 {
@@ -321,7 +321,7 @@ async fn a_cancelled_call_while_closed_is_no_failure() {
 async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
     let breaker = Breaker::new(BreakerConfig::default()).unwrap();
     let dep = Dep::new(Answer::Ok);
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     // Alternate success and failure: never 5 in a row.
@@ -346,7 +346,7 @@ async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
 async fn old_failures_leave_the_window() {
     let breaker = Breaker::new(BreakerConfig::default().no_consecutive_rule()).unwrap();
     let dep = Dep::new(Answer::Status(502));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     for _ in 0..15 {
@@ -369,7 +369,7 @@ async fn old_failures_leave_the_window() {
 async fn client_errors_are_successes_for_the_breaker() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
     let dep = Dep::new(Answer::Status(400));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     for status in [400, 404, 409, 422, 400, 401, 403, 400] {
@@ -387,7 +387,7 @@ async fn slow_calls_count_as_failures_when_configured() {
         .slow_call(Duration::from_millis(500));
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Slow(Duration::from_millis(400)));
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     for _ in 0..5 {
@@ -406,7 +406,7 @@ async fn isolate_and_reset_by_hand() {
     let (transitions, hook) = recorder();
     let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
     let dep = Dep::new(Answer::Ok);
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     breaker.isolate(&carrier());
@@ -438,13 +438,13 @@ async fn each_dependency_has_its_own_circuit_and_stacks_share_one_breaker() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let down = Dep::new(Answer::Status(503));
     let up = Dep::new(Answer::Ok);
-    let carrier_a = BreakerLayer::http(breaker.clone())
+    let carrier_a = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(down.service());
-    let carrier_b = BreakerLayer::http(breaker.clone())
+    let carrier_b = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(up.service());
-    let billing = BreakerLayer::http(breaker.clone())
+    let billing = backstop::breaker::http_layer(breaker.clone())
         .dependency("billing-api")
         .layer(up.service());
     call(&carrier_a).await.unwrap();
@@ -501,11 +501,11 @@ async fn many_tasks_hammering_one_dependency_lose_no_count() {
     )
     .unwrap();
     let dep = Dep::new(Answer::Ok);
-    let svc = BreakerLayer::http(breaker.clone())
+    let svc = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(dep.service());
     let failing = Dep::new(Answer::Status(503));
-    let bad = BreakerLayer::http(breaker.clone())
+    let bad = backstop::breaker::http_layer(breaker.clone())
         .dependency("carrier-api")
         .layer(failing.service());
     let mut tasks = Vec::new();
@@ -538,7 +538,7 @@ async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
     let (breaker, budget, dep) = story_parts();
     let svc = story_retry()
         .budget(Arc::new(budget.clone()))
-        .layer(BreakerLayer::http(breaker.clone()).layer(dep.service()));
+        .layer(backstop::breaker::http_layer(breaker.clone()).layer(dep.service()));
     an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
 }
 
@@ -609,7 +609,7 @@ async fn an_open_circuit_stops_retries_at_once<S>(
 async fn per_authority_circuits_when_no_name_is_given() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = BreakerLayer::http(breaker.clone()).layer(dep.service());
+    let svc = backstop::breaker::http_layer(breaker.clone()).layer(dep.service());
     svc.clone()
         .oneshot(Request::get("http://a.example/x").body(()).unwrap())
         .await
