@@ -1,4 +1,5 @@
 use crate::{Deadline, Dependency, HasExtensions};
+use tokio::time::Instant;
 
 /// The per-call facts Backstop's layers share: the deadline, the dependency and the retry-scope
 /// mark.
@@ -25,7 +26,7 @@ use crate::{Deadline, Dependency, HasExtensions};
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
-/// CallContext::claim(&mut req, Dependency::new("search-api"), Some(deadline), None);
+/// CallContext::claim(&mut req, Dependency::new("search-api"), Some(deadline), None, None);
 /// assert!(RetryScope::is_marked(&req));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
 /// assert_eq!(Deadline::of(&req), Some(deadline));
@@ -37,6 +38,9 @@ pub struct CallContext {
     pub(crate) retry_scope: bool,
     /// The outermost retry layer's attempt number (1 for the first), 0 before any.
     pub(crate) attempt: u32,
+    /// When the retry layer that made this attempt cuts it (its attempt timeout or the
+    /// deadline, whichever ends first), if it does.
+    pub(crate) attempt_end: Option<Instant>,
 }
 
 impl CallContext {
@@ -58,20 +62,29 @@ impl CallContext {
 
     /// Records that a retry layer owns the call to `dependency`, within `deadline`: what a
     /// retry layer does to a request before its first attempt.
+    /// `attempt_end` is when the retry layer cuts this attempt (a layer further in that keeps
+    /// the same limit, the composed stack's body timer, reads it instead of planning again).
     #[inline]
     pub fn claim<R: HasExtensions + ?Sized>(
         req: &mut R,
         dependency: Dependency,
         deadline: Option<Deadline>,
         attempt: Option<u32>,
+        attempt_end: Option<Instant>,
     ) {
         let ctx = CallContext::of_mut(req);
         ctx.retry_scope = true;
         ctx.dependency = Some(dependency);
         ctx.deadline = deadline;
+        ctx.attempt_end = attempt_end;
         if let Some(attempt) = attempt {
             ctx.attempt = attempt;
         }
+    }
+
+    /// When the retry layer that made this attempt cuts it, if it does.
+    pub fn attempt_end(&self) -> Option<Instant> {
+        self.attempt_end
     }
 
     /// The attempt number of the retry layer that owns the call (1 for the first attempt), if
@@ -107,7 +120,7 @@ mod tests {
     #[test]
     fn claim_marks_the_request_and_nothing_else() {
         let mut req = http::Request::new(());
-        CallContext::claim(&mut req, Dependency::new("outer"), None, Some(1));
+        CallContext::claim(&mut req, Dependency::new("outer"), None, Some(1), None);
         assert!(RetryScope::is_marked(&req));
         assert_eq!(Dependency::of(&req).unwrap().as_str(), "outer");
         // Another request made meanwhile carries nothing.

@@ -1,7 +1,7 @@
 //! The attempt's limit and the deadline over the response body.
 
 use crate::timed::AttemptCutoff;
-use backstop_core::{BoxError, Deadline, Dependency, HasExtensions};
+use backstop_core::{BoxError, Deadline, Dependency, HasExtensions, plumbing::CallContext};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 use std::{
@@ -64,6 +64,7 @@ use tower_service::Service;
 pub struct BodyTimeoutLayer {
     limit: Option<Duration>,
     dependency: Option<Dependency>,
+    handed_down: bool,
 }
 
 impl BodyTimeoutLayer {
@@ -73,7 +74,18 @@ impl BodyTimeoutLayer {
         BodyTimeoutLayer {
             limit,
             dependency: None,
+            handed_down: false,
         }
+    }
+
+    /// Under a retry layer with the same attempt timeout (the composed stack's case): each
+    /// body ends at the end that retry layer planned for its attempt, read from the request's
+    /// call context, instead of being planned again from a clock read of its own. A request
+    /// that carries no plan is planned here as usual.
+    #[must_use]
+    pub fn handed_down(mut self) -> Self {
+        self.handed_down = true;
+        self
     }
 
     /// The dependency named in errors when the request does not name one in its extensions.
@@ -91,6 +103,7 @@ impl<S> Layer<S> for BodyTimeoutLayer {
             inner,
             limit: self.limit,
             dependency: self.dependency.clone(),
+            handed_down: self.handed_down,
         }
     }
 }
@@ -101,6 +114,7 @@ pub struct BodyTimeout<S> {
     inner: S,
     limit: Option<Duration>,
     dependency: Option<Dependency>,
+    handed_down: bool,
 }
 
 impl<S> BodyTimeout<S> {
@@ -126,6 +140,28 @@ where
 
     #[inline]
     fn call(&mut self, req: Req) -> Self::Future {
+        if self.handed_down
+            && let Some(ctx) = CallContext::of(&req)
+            && let Some(at) = ctx.attempt_end()
+        {
+            let expiry = match ctx.deadline() {
+                Some(d) if d.instant() == at => {
+                    crate::timed::Expiry::Deadline { length: d.length() }
+                }
+                _ => match self.limit {
+                    Some(limit) => crate::timed::Expiry::Attempt { limit },
+                    None => crate::timed::Expiry::Deadline { length: None },
+                },
+            };
+            let dependency = ctx
+                .dependency()
+                .cloned()
+                .or_else(|| self.dependency.clone());
+            return BodyTimeoutFuture {
+                inner: self.inner.call(req),
+                end: Some((AttemptCutoff { at, expiry }, dependency)),
+            };
+        }
         // A deadline already passed is the attempt's business (it is not sent); here it only
         // means the body has no time at all.
         let end = match AttemptCutoff::plan(Instant::now(), self.limit, Deadline::of(&req)) {

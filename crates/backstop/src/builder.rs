@@ -543,7 +543,11 @@ impl<S> Transport<S> for HttpResend {
             inner: client,
             header: settings.attempt_header.clone(),
         };
-        BoxErrors(BodyTimeoutLayer::new(settings.attempt_timeout).layer(client))
+        BoxErrors(
+            BodyTimeoutLayer::new(settings.attempt_timeout)
+                .handed_down()
+                .layer(client),
+        )
     }
 }
 

@@ -61,7 +61,11 @@ impl<S> Transport<S> for StreamingResend {
             inner: client,
             attempt_timeout: settings.attempt_timeout,
         };
-        BoxErrors(BodyTimeoutLayer::new(settings.attempt_timeout).layer(client))
+        BoxErrors(
+            BodyTimeoutLayer::new(settings.attempt_timeout)
+                .handed_down()
+                .layer(client),
+        )
     }
 }
 

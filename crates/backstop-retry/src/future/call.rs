@@ -170,6 +170,7 @@ where
             self.dependency.clone(),
             self.deadline,
             attempt,
+            self.cutoff.map(|c| c.at),
         );
         self.sent = true;
         // A span the service makes in its own `call` (tower-http's `TraceLayer`) is the
