@@ -13,12 +13,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
 
+/// A body that never ends.
+type Stalled = StreamBody<futures_util::stream::Pending<Result<http_body::Frame<Bytes>, BoxError>>>;
+
 /// Headers at once, then a body that never ends.
 fn stalls() -> impl tower::Service<
     http::Request<Full<Bytes>>,
-    Response = http::Response<
-        StreamBody<futures_util::stream::Pending<Result<http_body::Frame<Bytes>, BoxError>>>,
-    >,
+    Response = http::Response<Stalled>,
     Error = BoxError,
     Future: Send,
 > + Clone {
