@@ -142,24 +142,15 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         if self.handed_down
             && let Some(ctx) = CallContext::of(&req)
-            && let Some(at) = ctx.attempt_end()
+            && let Some(end) = AttemptCutoff::handed_down(ctx, self.limit)
         {
-            let expiry = match ctx.deadline() {
-                Some(d) if d.instant() == at => {
-                    crate::timed::Expiry::Deadline { length: d.length() }
-                }
-                _ => match self.limit {
-                    Some(limit) => crate::timed::Expiry::Attempt { limit },
-                    None => crate::timed::Expiry::Deadline { length: None },
-                },
-            };
             let dependency = ctx
                 .dependency()
                 .cloned()
                 .or_else(|| self.dependency.clone());
             return BodyTimeoutFuture {
                 inner: self.inner.call(req),
-                end: Some((AttemptCutoff { at, expiry }, dependency)),
+                end: Some((end, dependency)),
             };
         }
         // A deadline already passed is the attempt's business (it is not sent); here it only

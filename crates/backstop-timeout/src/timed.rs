@@ -1,4 +1,7 @@
-use backstop_core::{AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, Outcome};
+use backstop_core::{
+    AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, Outcome,
+    plumbing::CallContext,
+};
 use pin_project::pin_project;
 use std::{
     future::Future,
@@ -98,6 +101,21 @@ impl AttemptCutoff {
                 },
             },
         }))
+    }
+
+    /// The end a retry layer outside planned for this attempt and put in its call context
+    /// ([`CallContext::claim`](backstop_core::plumbing::CallContext::claim)), for a layer
+    /// further in whose own `limit` is that retry layer's attempt timeout: read, not planned
+    /// again. `None` when no retry layer planned one.
+    #[inline]
+    pub fn handed_down(ctx: &CallContext, limit: Option<Duration>) -> Option<AttemptCutoff> {
+        let at = ctx.attempt_end()?;
+        let expiry = match (ctx.deadline(), limit) {
+            (Some(d), _) if d.instant() == at => Expiry::Deadline { length: d.length() },
+            (_, Some(limit)) => Expiry::Attempt { limit },
+            (_, None) => Expiry::Deadline { length: None },
+        };
+        Some(AttemptCutoff { at, expiry })
     }
 
     /// The error of an attempt cut at this end.

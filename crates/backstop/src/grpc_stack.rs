@@ -70,7 +70,8 @@ impl<S> Transport<S> for StreamingResend {
 }
 
 /// Sets gRPC's per-attempt metadata, `grpc-timeout` (the time the attempt has: its timeout and
-/// the call's deadline, whichever ends first, by [`AttemptCutoff::plan`]) and, on a retry,
+/// the call's deadline, whichever ends first, as the retry layer planned it with
+/// [`AttemptCutoff::plan`] and handed it down in the call context) and, on a retry,
 /// `grpc-previous-rpc-attempts`, and keeps the attempt's end the stack's own.
 ///
 /// The `grpc-timeout` sent starts two more timers for the same instant: the client's (tonic's
@@ -105,10 +106,15 @@ where
         let now = Instant::now();
         let context = CallContext::of(&req);
         let dependency = context.and_then(CallContext::dependency).cloned();
-        let cutoff = match AttemptCutoff::plan(now, self.attempt_timeout, Deadline::of(&req)) {
-            Ok(cutoff) => cutoff,
-            // No time left: nothing is sent.
-            Err(passed) => return GrpcAttemptFuture::failed(passed.error(dependency)),
+        // The end the retry layer planned for the attempt, or, under none, planned here.
+        let handed = context.and_then(|c| AttemptCutoff::handed_down(c, self.attempt_timeout));
+        let cutoff = match handed {
+            Some(cutoff) => Some(cutoff),
+            None => match AttemptCutoff::plan(now, self.attempt_timeout, Deadline::of(&req)) {
+                Ok(cutoff) => cutoff,
+                // No time left: nothing is sent.
+                Err(passed) => return GrpcAttemptFuture::failed(passed.error(dependency)),
+            },
         };
         if let Some(cutoff) = cutoff {
             req.headers_mut().insert(

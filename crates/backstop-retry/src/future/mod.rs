@@ -180,7 +180,7 @@ where
                     attempt: InFlight::new(fut),
                     call,
                 },
-                Err((ended, verdict)) => after_first(&policy, call, ended, verdict, parent),
+                Err((ended, verdict)) => Self::after_first(&policy, call, ended, verdict, parent),
             }
         } else {
             let first = if copies {
@@ -196,85 +196,69 @@ where
             hooked,
         }
     }
-}
 
-/// The first attempt ended with `ended` and `verdict` without succeeding: the call's next state,
-/// ended (nested: the result as it is; or stopped) or retrying. Decided before anything is
-/// boxed: a call that stops after one attempt allocates only its history and its error.
-fn after_first<S, Req, C, P, H>(
-    policy: &Arc<Policy<C, P, H>>,
-    call: Call<S, Req>,
-    ended: Ended<S::Response, S::Error>,
-    verdict: Verdict,
-    parent: Option<&Span>,
-) -> State<S, Req, C, P, H>
-where
-    S: Service<Req>,
-    S::Error: Into<BoxError>,
-    S::Response: HasExtensions,
-    Req: HasExtensions,
-    C: Classify<Req, S::Response, S::Error>,
-    P: Resend<Req>,
-    H: CallHook<Req, S::Response>,
-{
-    if call.nested {
-        return State::Ended(Some(ended.raw()));
-    }
-    let mut retries = Retries::default();
-    match retries.decide(policy, &call, verdict) {
-        Decision::Stop(stopped) => {
-            let history = std::mem::take(&mut retries.history);
-            State::Ended(Some(call.finish(history, ended, verdict, stopped)))
+    /// The first attempt ended with `ended` and `verdict` without succeeding: the call's next state,
+    /// ended (nested: the result as it is; or stopped) or retrying. Decided before anything is
+    /// boxed: a call that stops after one attempt allocates only its history and its error.
+    fn after_first(
+        policy: &Arc<Policy<C, P, H>>,
+        call: Call<S, Req>,
+        ended: Ended<S::Response, S::Error>,
+        verdict: Verdict,
+        parent: Option<&Span>,
+    ) -> State<S, Req, C, P, H> {
+        if call.nested {
+            return State::Ended(Some(ended.raw()));
         }
-        Decision::Retry(wait) => {
-            State::Retrying(Retrying::after(policy.clone(), call, retries, wait, parent))
+        let mut retries = Retries::default();
+        match retries.decide(policy, &call, verdict) {
+            Decision::Stop(stopped) => {
+                let history = std::mem::take(&mut retries.history);
+                State::Ended(Some(call.finish(history, ended, verdict, stopped)))
+            }
+            Decision::Retry(wait) => {
+                State::Retrying(Retrying::after(policy.clone(), call, retries, wait, parent))
+            }
         }
     }
-}
 
-/// Polls the call, in whichever state it is, to its result (the hook's `end` aside).
-#[inline]
-fn drive<S, Req, C, P, H>(
-    mut state: Pin<&mut State<S, Req, C, P, H>>,
-    policy: &Arc<Policy<C, P, H>>,
-    parent: Option<&Span>,
-    cx: &mut Context<'_>,
-) -> Poll<Result<S::Response, BoxError>>
-where
-    S: Service<Req>,
-    S::Error: Into<BoxError>,
-    S::Response: HasExtensions,
-    Req: HasExtensions,
-    C: Classify<Req, S::Response, S::Error>,
-    P: Resend<Req>,
-    H: CallHook<Req, S::Response>,
-{
-    loop {
-        let next = match state.as_mut().project() {
-            StateProj::First { attempt, call } => {
-                match ready!(attempt.poll_end(call, policy, cx)) {
-                    // The common case, kept short: the response goes back as it is.
-                    Attempted::Succeeded(res) => {
-                        if !call.nested {
-                            call.finish_at_once();
+    /// Polls the call, in whichever state it is, to its result (the hook's `end` aside).
+    #[inline]
+    fn drive(
+        mut state: Pin<&mut State<S, Req, C, P, H>>,
+        policy: &Arc<Policy<C, P, H>>,
+        parent: Option<&Span>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<S::Response, BoxError>> {
+        loop {
+            let next = match state.as_mut().project() {
+                StateProj::First { attempt, call } => {
+                    match ready!(attempt.poll_end(call, policy, cx)) {
+                        // The common case, kept short: the response goes back as it is.
+                        Attempted::Succeeded(res) => {
+                            if !call.nested {
+                                call.finish_at_once();
+                            }
+                            state.set(State::Ended(None));
+                            return Poll::Ready(Ok(res));
                         }
-                        state.set(State::Ended(None));
-                        return Poll::Ready(Ok(res));
-                    }
-                    Attempted::Other(ended, verdict) => {
-                        // The call moves on: out of the first state, into its next.
-                        let call = take_call(state.as_mut());
-                        state.set(after_first(policy, call, ended, verdict, parent));
-                        continue;
+                        Attempted::Other(ended, verdict) => {
+                            // The call moves on: out of the first state, into its next.
+                            let call = take_call(state.as_mut());
+                            state.set(Self::after_first(policy, call, ended, verdict, parent));
+                            continue;
+                        }
                     }
                 }
-            }
-            StateProj::Retrying(rest) => ready!(rest.as_mut().poll(cx)),
-            StateProj::Ended(result) => result.take().expect("RetryFuture polled after completion"),
-            StateProj::Refused(_) => panic!("RetryFuture polled after completion"),
-        };
-        state.set(State::Ended(None));
-        return Poll::Ready(next);
+                StateProj::Retrying(rest) => ready!(rest.as_mut().poll(cx)),
+                StateProj::Ended(result) => {
+                    result.take().expect("RetryFuture polled after completion")
+                }
+                StateProj::Refused(_) => panic!("RetryFuture polled after completion"),
+            };
+            state.set(State::Ended(None));
+            return Poll::Ready(next);
+        }
     }
 }
 
@@ -312,13 +296,13 @@ where
             }
             // An outer retry layer owns the call: its raw result goes back, with no call-level
             // work of this layer's (no span, no error mapping, no dead letter).
-            let result = ready!(drive(this.state, this.policy, None, cx));
+            let result = ready!(Self::drive(this.state, this.policy, None, cx));
             return Poll::Ready(result.map_err(|e| policy.hook.pass(e)));
         };
         let result = {
             let parent = policy.hook.span(hooked);
             let _entered = parent.map(Span::enter);
-            ready!(drive(this.state, this.policy, parent, cx))
+            ready!(Self::drive(this.state, this.policy, parent, cx))
         };
         Poll::Ready(policy.hook.end(hooked, result))
     }
