@@ -2,24 +2,35 @@
 //! library ([`run`]) for programs that show the same tables.
 //!
 //! ```text
-//! backstop journal runs                      recent runs, their state, steps needing attention
-//! backstop journal show RUN                  a table of the run's steps
+//! backstop journal runs [--state STATE]      recent runs, their state, steps needing attention
+//! backstop journal show RUN                  the run's record, its steps and what happened to it
 //! backstop journal stuck                     steps waiting for a person, parked steps
 //! backstop journal resolve RUN STEP --succeeded|--failed|--retry --by WHO --why WHY
+//! backstop journal cancel RUN --by WHO --why WHY
+//! backstop journal retry RUN STEP --by WHO --why WHY
+//! backstop journal stub RUN STEP --result JSON --by WHO --why WHY
 //! ```
+//!
+//! `STATE` is one of `pending`, `succeeded`, `failed`, `cancelled`, `needs_human`. `cancel`
+//! stops a run for good (the worker running it stops within a third of its lease); `retry`
+//! sends a failed step again with the same key; `stub` writes the result the workflow will see
+//! instead of calling the tool. Each is recorded with who and why, and `retry` and `stub` put
+//! the run back to pending for a worker to go on with.
 //!
 //! The journal is `--db URL` (or `BACKSTOP_JOURNAL`): a SQLite file (`path/to/journal.db` or
 //! `sqlite://path`) or `postgres://...`; the default is `backstop-journal.db` here. `--json` on
 //! every command prints JSON for scripts. Exit codes: 0 done; 1 the journal's database failed;
-//! 2 the command line is wrong; 3 no such journal, run or step; 4 the repair was refused (the
-//! step is over, or another worker moved it); 5 `stuck --fail-if-any` found steps.
+//! 2 the command line is wrong (a `--result` that is not JSON too); 3 no such journal, run or
+//! step; 4 the action was refused (the step or the run is over, or another worker moved it);
+//! 5 `stuck --fail-if-any` found steps.
 #![forbid(unsafe_code)]
 // docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 use backstop_journal::{
-    Journal, JournalError, Resolution, RunSummary, Step, StepId, StepTransition,
+    Journal, JournalError, Resolution, Run, RunEvent, RunState, RunSummary, Step, StepId,
+    StepTransition,
 };
 use clap::{Args, Parser, Subcommand};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
@@ -63,6 +74,9 @@ enum JournalCommand {
         /// How many runs, most recently changed first.
         #[arg(long, default_value_t = 20)]
         limit: u32,
+        /// Only runs in this state: pending, succeeded, failed, cancelled, needs_human.
+        #[arg(long, value_parser = parse_run_state)]
+        state: Option<RunState>,
     },
     /// One run's steps: state, attempts, key, last error, time in each state.
     Show {
@@ -77,6 +91,64 @@ enum JournalCommand {
     },
     /// Repairs a step that is not over, recording who and why.
     Resolve(ResolveArgs),
+    /// Cancels a run: no worker runs it again.
+    Cancel {
+        /// The run.
+        run: String,
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Sends a failed step again, with the same key; its run goes back to pending.
+    Retry {
+        /// The run.
+        run: String,
+        /// The step.
+        step: String,
+        /// The tool call within the step, when it has one.
+        #[arg(long, default_value = "")]
+        call: String,
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Writes the result the workflow will see for a step, instead of calling its tool.
+    Stub {
+        /// The run.
+        run: String,
+        /// The step.
+        step: String,
+        /// The tool call within the step, when it has one.
+        #[arg(long, default_value = "")]
+        call: String,
+        /// The result, as JSON.
+        #[arg(long, value_parser = parse_json)]
+        result: String,
+        #[command(flatten)]
+        who: Who,
+    },
+}
+
+/// Who acts, and why (recorded in the history).
+#[derive(Args, Debug)]
+struct Who {
+    /// Who decides.
+    #[arg(long)]
+    by: String,
+    /// Why, in words.
+    #[arg(long)]
+    why: String,
+}
+
+fn parse_run_state(s: &str) -> Result<RunState, String> {
+    s.parse().map_err(|_| {
+        let names: Vec<_> = RunState::ALL.iter().map(|s| s.as_str()).collect();
+        format!("{s:?} is not a run state: one of {}", names.join(", "))
+    })
+}
+
+fn parse_json(s: &str) -> Result<String, String> {
+    serde_json::from_str::<Value>(s)
+        .map(|_| s.to_owned())
+        .map_err(|e| format!("the result must be JSON ({e}); a string is quoted: '\"text\"'"))
 }
 
 #[derive(Args, Debug)]
@@ -119,7 +191,9 @@ impl From<JournalError> for Failure {
     fn from(e: JournalError) -> Self {
         let code = match e {
             JournalError::NotFound(_) => 3,
-            JournalError::Conflict { .. } | JournalError::AlreadyDone(_) => 4,
+            JournalError::Conflict { .. }
+            | JournalError::AlreadyDone(_)
+            | JournalError::RunRefused { .. } => 4,
             _ => 1,
         };
         Failure {
@@ -177,8 +251,11 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
     let j = open(&args.db).await?;
     let now = j.now_ms();
     match args.command {
-        JournalCommand::Runs { limit } => {
-            let runs = j.runs(limit).await?;
+        JournalCommand::Runs { limit, state } => {
+            let runs = match state {
+                Some(state) => j.runs_in(state, limit).await?,
+                None => j.runs(limit).await?,
+            };
             if args.json {
                 print_json(&Value::Array(runs.iter().map(run_json).collect()));
             } else if runs.is_empty() {
@@ -186,6 +263,7 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
             } else {
                 let mut t = table(&[
                     "run",
+                    "workflow",
                     "state",
                     "steps",
                     "done",
@@ -198,7 +276,8 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
                 for r in &runs {
                     t.add_row(vec![
                         r.run.clone(),
-                        r.state().to_owned(),
+                        r.workflow.clone().unwrap_or_default(),
+                        r.state.to_string(),
                         r.steps.to_string(),
                         r.done.to_string(),
                         r.needs_human.to_string(),
@@ -213,21 +292,34 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
             Ok(0)
         }
         JournalCommand::Show { run } => {
-            let steps = j.run(&run).await?;
-            if steps.is_empty() {
+            // A fixed number of queries, however many steps: the record, the steps, every
+            // transition of the run, the run's events.
+            let Some(record) = j.run_record(&run).await? else {
                 return Err(Failure {
                     code: 3,
                     message: format!(
                         "run {run} is not in the journal (see `backstop journal runs`)"
                     ),
                 });
-            }
-            let mut rows = Vec::with_capacity(steps.len());
-            for s in &steps {
-                rows.push((s, j.history(&s.id).await?));
-            }
+            };
+            let steps = j.run(&run).await?;
+            let mut history = j.run_history(&run).await?;
+            let events = j.run_events(&run).await?;
+            let rows: Vec<(&Step, Vec<StepTransition>)> = steps
+                .iter()
+                .map(|s| {
+                    let (mine, rest) = std::mem::take(&mut history)
+                        .into_iter()
+                        .partition(|t| t.id == s.id);
+                    history = rest;
+                    (s, mine)
+                })
+                .collect();
             if args.json {
-                let v = rows
+                let v = json!({
+                    "run": run_record_json(&record),
+                    "events": events.iter().map(event_json).collect::<Vec<_>>(),
+                    "steps": rows
                     .iter()
                     .map(|(s, h)| {
                         let mut v = step_json(s);
@@ -240,8 +332,9 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
                         );
                         v
                     })
-                    .collect();
-                print_json(&Value::Array(v));
+                    .collect::<Vec<_>>(),
+                });
+                print_json(&v);
             } else {
                 let mut t = table(&[
                     "step",
@@ -283,8 +376,31 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
                         times,
                     ]);
                 }
-                println!("run {run}");
-                println!("{t}");
+                let mut head = format!("run {run}: {}", record.state);
+                if let Some(w) = &record.workflow {
+                    head.push_str(&format!(" (workflow {w})"));
+                }
+                if let Some(e) = &record.error {
+                    head.push_str(&format!(": {e}"));
+                }
+                println!("{head}");
+                if steps.is_empty() {
+                    println!("no steps yet");
+                } else {
+                    println!("{t}");
+                }
+                for e in &events {
+                    println!(
+                        "{} {} by {}{}",
+                        ago(now, e.at_ms),
+                        e.action,
+                        e.actor,
+                        e.reason
+                            .as_deref()
+                            .map(|r| format!(": {r}"))
+                            .unwrap_or_default()
+                    );
+                }
             }
             Ok(0)
         }
@@ -354,6 +470,52 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
             }
             Ok(0)
         }
+        JournalCommand::Cancel { run, who } => {
+            let record = j.cancel_run(&run, &who.by, &who.why).await?;
+            if args.json {
+                print_json(&run_record_json(&record));
+            } else {
+                println!("run {run} is cancelled (by {}: {})", who.by, who.why);
+            }
+            Ok(0)
+        }
+        JournalCommand::Retry {
+            run,
+            step,
+            call,
+            who,
+        } => {
+            let id = StepId::new(&run, &step, &call);
+            let step = j.retry_step(&id, &who.by, &who.why).await?;
+            if args.json {
+                print_json(&step_json(&step));
+            } else {
+                println!(
+                    "step {id} is {} and will be sent again with key {} (by {}: {})",
+                    step.state, step.key, who.by, who.why
+                );
+            }
+            Ok(0)
+        }
+        JournalCommand::Stub {
+            run,
+            step,
+            call,
+            result,
+            who,
+        } => {
+            let id = StepId::new(&run, &step, &call);
+            let step = j.stub_step(&id, &result, &who.by, &who.why).await?;
+            if args.json {
+                print_json(&step_json(&step));
+            } else {
+                println!(
+                    "step {id} is {} with the result you gave (by {}: {})",
+                    step.state, who.by, who.why
+                );
+            }
+            Ok(0)
+        }
     }
 }
 
@@ -370,10 +532,24 @@ fn print_json(v: &Value) {
 
 fn run_json(r: &RunSummary) -> Value {
     json!({
-        "run": r.run, "state": r.state(), "steps": r.steps, "done": r.done,
-        "needs_human": r.needs_human, "parked": r.parked, "unknown": r.unknown,
-        "updated_ms": r.updated_ms, "claimed_by": r.claimed_by,
+        "run": r.run, "workflow": r.workflow, "state": r.state.as_str(), "steps": r.steps,
+        "done": r.done, "needs_human": r.needs_human, "parked": r.parked, "unknown": r.unknown,
+        "updated_ms": r.updated_ms, "claimed_by": r.claimed_by, "wake_ms": r.wake_ms,
+        "error": r.error,
     })
+}
+
+fn run_record_json(r: &Run) -> Value {
+    json!({
+        "run": r.id, "workflow": r.workflow, "input": r.input, "state": r.state.as_str(),
+        "output": r.output, "error": r.error, "claimed_by": r.claimed_by,
+        "claim_until_ms": r.claim_until, "wake_ms": r.wake_ms, "created_ms": r.created_ms,
+        "updated_ms": r.updated_ms,
+    })
+}
+
+fn event_json(e: &RunEvent) -> Value {
+    json!({ "at_ms": e.at_ms, "actor": e.actor, "action": e.action, "reason": e.reason })
 }
 
 fn step_json(s: &Step) -> Value {

@@ -86,7 +86,9 @@ fn operate(db: &str) {
 
     let (code, out, _) = backstop(db, &["--json", "show", "run-1"]);
     assert_eq!(code, 0);
-    let steps: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let shown: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(shown["run"]["state"], "needs_human");
+    let steps = &shown["steps"];
     assert_eq!(steps.as_array().unwrap().len(), 3);
     assert_eq!(steps[1]["state"], "requires_reconciliation");
     // pending, sent, unknown, requires_reconciliation, and the hand-over to a person.

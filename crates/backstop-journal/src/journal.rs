@@ -2,9 +2,7 @@
 //! written in a transaction with its history row, compare-and-set on the state so that two
 //! workers never both move a step.
 
-use crate::model::{
-    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
-};
+use crate::model::{NewStep, Resolution, Step, StepId, StepKind, StepState, StepTransition};
 use std::{
     fmt,
     sync::Arc,
@@ -41,6 +39,14 @@ pub enum JournalError {
     AlreadyDone(Box<Step>),
     /// The step is parked until its time: it was not sent.
     Parked(Box<Step>),
+    /// The run cannot do what was asked (it is over, it was started as another workflow, or
+    /// another worker holds it): nothing was written.
+    RunRefused {
+        /// The run.
+        run: String,
+        /// Why, in words.
+        why: String,
+    },
 }
 
 impl fmt::Display for JournalError {
@@ -87,6 +93,7 @@ impl fmt::Display for JournalError {
                 step.id,
                 step.park_until.unwrap_or_default()
             ),
+            JournalError::RunRefused { run, why } => write!(f, "run {run}: {why}"),
         }
     }
 }
@@ -111,7 +118,7 @@ fn system_clock() -> Clock {
 }
 
 #[derive(Clone)]
-enum Backend {
+pub(crate) enum Backend {
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::SqlitePool),
     #[cfg(feature = "postgres")]
@@ -124,22 +131,23 @@ macro_rules! with_pool {
     ($self:expr, |$pool:ident, $sql:ident| $body:expr) => {
         match &$self.backend {
             #[cfg(feature = "sqlite")]
-            Backend::Sqlite($pool) => {
+            $crate::journal::Backend::Sqlite($pool) => {
                 let $sql = |s: &str| to_sqlite(s);
                 $body
             }
             #[cfg(feature = "postgres")]
-            Backend::Postgres($pool) => {
+            $crate::journal::Backend::Postgres($pool) => {
                 let $sql = |s: &str| s.to_owned();
                 $body
             }
         }
     };
 }
+pub(crate) use with_pool;
 
 /// SQLite's positional parameters are `?N`; the statements are written with PostgreSQL's `$N`.
 #[cfg(feature = "sqlite")]
-fn to_sqlite(sql: &str) -> String {
+pub(crate) fn to_sqlite(sql: &str) -> String {
     let mut out = String::with_capacity(sql.len());
     let mut chars = sql.chars().peekable();
     while let Some(c) = chars.next() {
@@ -155,7 +163,7 @@ fn to_sqlite(sql: &str) -> String {
 /// The durable step journal, on SQLite or PostgreSQL. Cheap to clone (a pool).
 #[derive(Clone)]
 pub struct Journal {
-    backend: Backend,
+    pub(crate) backend: Backend,
     clock: Clock,
 }
 
@@ -167,15 +175,16 @@ impl fmt::Debug for Journal {
     }
 }
 
-const STEP_COLUMNS: &str = "run_id, step_id, call_id, tool, idem_key, args_digest, kind, state, \
+pub(crate) const STEP_COLUMNS: &str = "run_id, step_id, call_id, tool, idem_key, args_digest, kind, state, \
      attempts, last_error, result, provider_ref, park_until, attention, created_ms, updated_ms, sent_ms";
 
 /// The schema, version by version; each backend's DDL differs only in the id column.
 fn migrations(serial: &str) -> Vec<(i64, String)> {
-    vec![(
-        1,
-        format!(
-            "CREATE TABLE IF NOT EXISTS backstop_journal_steps (
+    vec![
+        (
+            1,
+            format!(
+                "CREATE TABLE IF NOT EXISTS backstop_journal_steps (
                 run_id TEXT NOT NULL, step_id TEXT NOT NULL, call_id TEXT NOT NULL,
                 tool TEXT NOT NULL, idem_key TEXT NOT NULL, args_digest TEXT NOT NULL,
                 kind TEXT NOT NULL, state TEXT NOT NULL, attempts BIGINT NOT NULL,
@@ -194,8 +203,27 @@ fn migrations(serial: &str) -> Vec<(i64, String)> {
              CREATE TABLE IF NOT EXISTS backstop_journal_runs (
                 run_id TEXT PRIMARY KEY, created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL,
                 claimed_by TEXT, claim_until BIGINT);"
+            ),
         ),
-    )]
+        (
+            2,
+            format!(
+                "ALTER TABLE backstop_journal_runs ADD COLUMN workflow TEXT;
+             ALTER TABLE backstop_journal_runs ADD COLUMN input TEXT;
+             ALTER TABLE backstop_journal_runs ADD COLUMN state TEXT NOT NULL DEFAULT 'pending';
+             ALTER TABLE backstop_journal_runs ADD COLUMN output TEXT;
+             ALTER TABLE backstop_journal_runs ADD COLUMN error TEXT;
+             ALTER TABLE backstop_journal_runs ADD COLUMN wake_ms BIGINT;
+             CREATE INDEX IF NOT EXISTS backstop_journal_runs_state
+                ON backstop_journal_runs (state, claim_until);
+             CREATE TABLE IF NOT EXISTS backstop_journal_run_events (
+                id {serial}, run_id TEXT NOT NULL, at_ms BIGINT NOT NULL, actor TEXT NOT NULL,
+                action TEXT NOT NULL, reason TEXT);
+             CREATE INDEX IF NOT EXISTS backstop_journal_run_events_run
+                ON backstop_journal_run_events (run_id, id)"
+            ),
+        ),
+    ]
 }
 
 /// What a transition writes besides the state.
@@ -614,25 +642,6 @@ impl Journal {
         })
     }
 
-    /// The most recently changed runs, at most `limit`.
-    pub async fn runs(&self, limit: u32) -> Result<Vec<RunSummary>, JournalError> {
-        let ids: Vec<(String, i64, Option<String>)> = with_pool!(self, |pool, sql| {
-            sqlx::query_as(&sql(
-                "SELECT run_id, updated_ms, claimed_by FROM backstop_journal_runs
-                 ORDER BY updated_ms DESC, run_id LIMIT $1",
-            ))
-            .bind(i64::from(limit))
-            .fetch_all(pool)
-            .await?
-        });
-        let mut out = Vec::with_capacity(ids.len());
-        for (run, updated_ms, claimed_by) in ids {
-            let steps = self.run(&run).await?;
-            out.push(summarise(run, &steps, updated_ms, claimed_by));
-        }
-        Ok(out)
-    }
-
     /// Steps waiting for a person, and parked steps (with when they wake).
     pub async fn stuck(&self) -> Result<Vec<Step>, JournalError> {
         with_pool!(self, |pool, sql| {
@@ -653,7 +662,22 @@ impl Journal {
 
     /// Every recorded transition of step `id`, oldest first.
     pub async fn history(&self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
+        self.transitions(&id.run, Some(id)).await
+    }
+
+    /// Every recorded transition of every step of `run`, oldest first, in one query.
+    pub async fn run_history(&self, run: &str) -> Result<Vec<StepTransition>, JournalError> {
+        self.transitions(run, None).await
+    }
+
+    async fn transitions(
+        &self,
+        run: &str,
+        step: Option<&StepId>,
+    ) -> Result<Vec<StepTransition>, JournalError> {
         type Row = (
+            String,
+            String,
             Option<String>,
             String,
             i64,
@@ -662,35 +686,45 @@ impl Journal {
             String,
             Option<String>,
         );
+        let one = if step.is_some() {
+            "AND step_id = $2 AND call_id = $3"
+        } else {
+            ""
+        };
+        let query = format!(
+            "SELECT step_id, call_id, from_state, to_state, at_ms, attempts, error, actor, reason
+             FROM backstop_journal_transitions WHERE run_id = $1 {one} ORDER BY id"
+        );
         let rows: Vec<Row> = with_pool!(self, |pool, sql| {
-            sqlx::query_as(&sql(
-                "SELECT from_state, to_state, at_ms, attempts, error, actor, reason
-                 FROM backstop_journal_transitions
-                 WHERE run_id = $1 AND step_id = $2 AND call_id = $3 ORDER BY id",
-            ))
-            .bind(&*id.run)
-            .bind(&*id.step)
-            .bind(&*id.call)
-            .fetch_all(pool)
-            .await?
+            let statement = sql(&query);
+            let mut q = sqlx::query_as(&statement).bind(run);
+            if let Some(id) = step {
+                q = q.bind(&*id.step).bind(&*id.call);
+            }
+            q.fetch_all(pool).await?
         });
+        let parse = |s: &str| {
+            s.parse::<StepState>()
+                .map_err(|e| JournalError::Store(e.to_string()))
+        };
         rows.into_iter()
-            .map(|(from, to, at_ms, attempts, error, actor, reason)| {
-                let parse = |s: &str| {
-                    s.parse::<StepState>()
-                        .map_err(|e| JournalError::Store(e.to_string()))
-                };
-                Ok(StepTransition {
-                    id: id.clone(),
-                    from: from.as_deref().map(parse).transpose()?,
-                    to: parse(&to)?,
-                    at_ms,
-                    attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-                    error,
-                    actor,
-                    reason,
-                })
-            })
+            .map(
+                |(step_id, call_id, from, to, at_ms, attempts, error, actor, reason)| {
+                    Ok(StepTransition {
+                        id: match step {
+                            Some(id) => id.clone(),
+                            None => StepId::new(run, &step_id, &call_id),
+                        },
+                        from: from.as_deref().map(parse).transpose()?,
+                        to: parse(&to)?,
+                        at_ms,
+                        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+                        error,
+                        actor,
+                        reason,
+                    })
+                },
+            )
             .collect()
     }
 
@@ -718,66 +752,6 @@ impl Journal {
             .rows_affected();
             Ok(claimed == 1)
         })
-    }
-
-    /// Claims the run that has waited longest among those with work left (a step not final)
-    /// and no live claim. On PostgreSQL the row is picked `FOR UPDATE SKIP LOCKED`, so workers
-    /// claiming at the same moment take different runs.
-    pub async fn claim_next(
-        &self,
-        worker: &str,
-        lease: Duration,
-    ) -> Result<Option<String>, JournalError> {
-        let now = self.now_ms();
-        let until = now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX));
-        const PENDING_WORK: &str = "EXISTS (SELECT 1 FROM backstop_journal_steps s
-             WHERE s.run_id = r.run_id AND s.state NOT IN
-             ('succeeded', 'failed_after_execution', 'reconciled_succeeded', 'reconciled_failed',
-              'compensated') AND s.attention IS NULL)";
-        match &self.backend {
-            #[cfg(feature = "postgres")]
-            Backend::Postgres(pool) => {
-                let mut tx = pool.begin().await?;
-                let run: Option<String> = sqlx::query_scalar(&format!(
-                    "SELECT r.run_id FROM backstop_journal_runs r
-                     WHERE (r.claim_until IS NULL OR r.claim_until < $1) AND {PENDING_WORK}
-                     ORDER BY r.updated_ms, r.run_id LIMIT 1 FOR UPDATE SKIP LOCKED"
-                ))
-                .bind(now)
-                .fetch_optional(&mut *tx)
-                .await?;
-                if let Some(run) = &run {
-                    sqlx::query(
-                        "UPDATE backstop_journal_runs SET claimed_by = $1, claim_until = $2
-                         WHERE run_id = $3",
-                    )
-                    .bind(worker)
-                    .bind(until)
-                    .bind(run)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                tx.commit().await?;
-                Ok(run)
-            }
-            #[cfg(feature = "sqlite")]
-            Backend::Sqlite(pool) => {
-                // SQLite has one writer at a time: the statement is the claim.
-                let run: Option<String> = sqlx::query_scalar(&to_sqlite(&format!(
-                    "UPDATE backstop_journal_runs SET claimed_by = $1, claim_until = $2
-                     WHERE run_id = (SELECT r.run_id FROM backstop_journal_runs r
-                        WHERE (r.claim_until IS NULL OR r.claim_until < $3) AND {PENDING_WORK}
-                        ORDER BY r.updated_ms, r.run_id LIMIT 1)
-                     RETURNING run_id"
-                )))
-                .bind(worker)
-                .bind(until)
-                .bind(now)
-                .fetch_optional(pool)
-                .await?;
-                Ok(run)
-            }
-        }
     }
 
     /// Gives `run` back (only `worker`'s own claim).
@@ -833,27 +807,9 @@ impl Journal {
             reason: Some(why.to_owned()),
             ..Change::default()
         };
-        self.move_step(id, &[step.state], to, change, true).await
-    }
-}
-
-fn summarise(
-    run: String,
-    steps: &[Step],
-    updated_ms: i64,
-    claimed_by: Option<String>,
-) -> RunSummary {
-    let count = |f: &dyn Fn(&Step) -> bool| {
-        u32::try_from(steps.iter().filter(|s| f(s)).count()).unwrap_or(u32::MAX)
-    };
-    RunSummary {
-        run,
-        steps: u32::try_from(steps.len()).unwrap_or(u32::MAX),
-        done: count(&|s| s.state.is_final()),
-        needs_human: count(&|s| s.attention.is_some()),
-        parked: count(&|s| s.state == StepState::Parked),
-        unknown: count(&|s| s.state.outcome() == backstop_core::Outcome::Unknown),
-        updated_ms,
-        claimed_by,
+        let step = self.move_step(id, &[step.state], to, change, true).await?;
+        self.reopen_run(&id.run, who, &format!("step {id} resolved: {why}"))
+            .await?;
+        Ok(step)
     }
 }

@@ -52,7 +52,10 @@ mod journal;
 mod layer;
 mod model;
 mod obs;
+mod operator;
+mod run;
 mod runner;
+mod worker;
 
 pub use journal::{Change, Clock, Journal, JournalError};
 pub use layer::{ByOutcome, JournalLayer, Journaled, JournaledError, Judge};
@@ -60,4 +63,6 @@ pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
     UnknownState, digest,
 };
+pub use run::{Run, RunEvent, RunOutcome, RunState};
 pub use runner::{CallResult, Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
+pub use worker::{RunContext, RunEnd, RunError, RunReport, Worker, WorkflowResult};

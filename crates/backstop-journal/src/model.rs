@@ -326,11 +326,15 @@ pub struct StepTransition {
     pub reason: Option<String>,
 }
 
-/// A run, summarised.
+/// A run, summarised: its record and counts of its steps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunSummary {
     /// The run.
     pub run: String,
+    /// Its workflow, when it was started as one.
+    pub workflow: Option<String>,
+    /// Where it is, as its record says.
+    pub state: crate::RunState,
     /// Its steps.
     pub steps: u32,
     /// Steps over (succeeded, failed, reconciled, compensated).
@@ -341,27 +345,14 @@ pub struct RunSummary {
     pub parked: u32,
     /// Steps whose outcome is unknown (sent, unknown, requires reconciliation).
     pub unknown: u32,
-    /// When any of its steps last changed.
+    /// When it last changed.
     pub updated_ms: i64,
     /// The worker holding the run, if one does.
     pub claimed_by: Option<String>,
-}
-
-impl RunSummary {
-    /// `done`, `needs_human`, `parked`, `in_doubt` or `in_progress`.
-    pub fn state(&self) -> &'static str {
-        if self.needs_human > 0 {
-            "needs_human"
-        } else if self.done == self.steps {
-            "done"
-        } else if self.unknown > 0 {
-            "in_doubt"
-        } else if self.parked > 0 {
-            "parked"
-        } else {
-            "in_progress"
-        }
-    }
+    /// Not claimed before this time, if set.
+    pub wake_ms: Option<i64>,
+    /// Why it failed, was cancelled, waits for a person or was deferred.
+    pub error: Option<String>,
 }
 
 /// An operator's repair of a step, recorded with who and why.

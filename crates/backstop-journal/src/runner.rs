@@ -475,6 +475,8 @@ impl Journal {
         let step = self
             .move_step(&step.id, &[step.state], step.state, change, true)
             .await?;
+        self.run_waits_for_person(&step.id.run, &format!("step {}: {why}", step.id))
+            .await?;
         crate::obs::human(&step);
         Ok(Next::Human { why })
     }

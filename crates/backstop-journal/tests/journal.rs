@@ -9,44 +9,27 @@ use backstop_journal::{
 };
 #[cfg(feature = "postgres")]
 use backstop_testkit::PostgresServer;
+use backstop_testkit::{ManualClock, fresh_dir};
 use std::{
     future::Future,
     path::PathBuf,
     sync::{
         Arc,
-        atomic::{AtomicI64, AtomicU32, Ordering},
+        atomic::{AtomicU32, Ordering},
     },
     time::Duration,
 };
 use tower::{Service, ServiceExt, service_fn};
 
-/// A clock the test moves by hand (milliseconds since the epoch).
-#[derive(Clone)]
-struct TestClock(Arc<AtomicI64>);
-
-impl TestClock {
-    fn new() -> Self {
-        TestClock(Arc::new(AtomicI64::new(1_767_225_600_000)))
-    }
-    fn advance(&self, by: Duration) {
-        self.0
-            .fetch_add(i64::try_from(by.as_millis()).unwrap(), Ordering::SeqCst);
-    }
-    fn install(&self, journal: Journal) -> Journal {
-        let t = self.0.clone();
-        journal.with_clock(Arc::new(move || t.load(Ordering::SeqCst)))
-    }
-}
-
 fn temp_db(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("backstop-journal-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join("journal.db")
+    fresh_dir(&format!("journal-{name}")).join("journal.db")
 }
 
-async fn sqlite(name: &str, clock: &TestClock) -> Journal {
-    clock.install(Journal::sqlite(temp_db(name)).await.unwrap())
+async fn sqlite(name: &str, clock: &ManualClock) -> Journal {
+    Journal::sqlite(temp_db(name))
+        .await
+        .unwrap()
+        .with_clock(clock.reader())
 }
 
 fn ok(result: &str) -> CallResult {
@@ -70,7 +53,7 @@ fn states(history: &[backstop_journal::StepTransition]) -> Vec<&'static str> {
 
 // --- scenarios, each run on both stores ------------------------------------------------------
 
-async fn a_done_step_is_not_called_again(j: &Journal, clock: &TestClock) {
+async fn a_done_step_is_not_called_again(j: &Journal, clock: &ManualClock) {
     let step = NewStep::tool_call("r-done", "invoice", "c1", "billing", b"{\"eur\":40}");
     let calls = AtomicU32::new(0);
     let done = j
@@ -190,7 +173,7 @@ async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_ha
     );
 }
 
-async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, clock: &TestClock) {
+async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, clock: &ManualClock) {
     let step = NewStep::tool_call("r-human", "refund", "c1", "payments", b"{\"eur\":12}");
     j.execute(&step, |_| async { failed(Outcome::Unknown, None) })
         .await
@@ -233,7 +216,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
     ));
     let summary = j.runs(100).await.unwrap();
     let run = summary.iter().find(|r| r.run == "r-human").unwrap();
-    assert_eq!(run.state(), "needs_human");
+    assert_eq!(run.state, backstop_journal::RunState::NeedsHuman);
 
     let s = j
         .resolve(
@@ -262,7 +245,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
     );
 }
 
-async fn an_open_circuit_parks_the_step_until_its_time(j: &Journal, clock: &TestClock) {
+async fn an_open_circuit_parks_the_step_until_its_time(j: &Journal, clock: &ManualClock) {
     let step = NewStep::tool_call("r-park", "label", "c1", "carrier", b"{}");
     let s = j
         .execute(&step, |_| async {
@@ -341,7 +324,7 @@ async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
     ));
 }
 
-async fn two_workers_never_hold_one_run(j: &Journal, clock: &TestClock) {
+async fn two_workers_never_hold_one_run(j: &Journal, clock: &ManualClock) {
     let step = NewStep::tool_call("r-claim", "s", "c", "t", b"");
     j.begin(&step).await.unwrap();
     let lease = Duration::from_secs(60);
@@ -468,7 +451,7 @@ async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
     );
 }
 
-async fn all(j: Journal, clock: TestClock) {
+async fn all(j: Journal, clock: ManualClock) {
     a_compensation_is_a_journaled_step_of_its_own(&j).await;
     a_done_step_is_not_called_again(&j, &clock).await;
     an_unknown_step_is_reconciled_before_it_is_sent_again(&j).await;
@@ -482,7 +465,7 @@ async fn all(j: Journal, clock: TestClock) {
 
 #[tokio::test]
 async fn every_scenario_on_sqlite() {
-    let clock = TestClock::new();
+    let clock = ManualClock::new();
     all(sqlite("all", &clock).await, clock).await;
 }
 
@@ -493,16 +476,22 @@ async fn every_scenario_on_sqlite() {
 #[tokio::test]
 async fn every_scenario_on_postgres() {
     let pg = PostgresServer::start().await;
-    let clock = TestClock::new();
-    let j = clock.install(Journal::postgres(&pg.url()).await.unwrap());
+    let clock = ManualClock::new();
+    let j = Journal::postgres(&pg.url())
+        .await
+        .unwrap()
+        .with_clock(clock.reader());
     all(j, clock).await;
 }
 
 #[tokio::test]
 async fn the_sqlite_file_keeps_everything_across_reopening() {
-    let clock = TestClock::new();
+    let clock = ManualClock::new();
     let path = temp_db("reopen");
-    let j = clock.install(Journal::sqlite(&path).await.unwrap());
+    let j = Journal::sqlite(&path)
+        .await
+        .unwrap()
+        .with_clock(clock.reader());
     let step = NewStep::tool_call("r-reopen", "s", "c", "t", b"");
     j.execute(&step, |_| async { ok("kept") }).await.unwrap();
     drop(j);
@@ -560,7 +549,7 @@ async fn postgres_workers_claiming_together_take_different_runs() {
 
 #[tokio::test]
 async fn sqlite_claim_next_takes_each_run_once() {
-    let clock = TestClock::new();
+    let clock = ManualClock::new();
     let j = sqlite("claim-next", &clock).await;
     for i in 0..5 {
         j.begin(&NewStep::tool_call(&format!("run-{i}"), "s", "c", "t", b""))
@@ -625,6 +614,6 @@ async fn postgres_racing_moves_let_exactly_one_through() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_racing_moves_let_exactly_one_through() {
-    let clock = TestClock::new();
+    let clock = ManualClock::new();
     racing_moves_let_exactly_one_through(sqlite("race", &clock).await).await;
 }

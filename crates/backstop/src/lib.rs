@@ -458,8 +458,9 @@ pub mod journal {
     pub use backstop_journal::{
         ByOutcome, CallResult, Change, Clock, Journal, JournalError, JournalLayer, Journaled,
         JournaledError, Judge, NewStep, Next, Reconcile, Reconciled, Reconcilers, Resolution,
-        ResumeReport, RunSummary, Step, StepId, StepKind, StepState, StepTransition, UnknownState,
-        digest,
+        ResumeReport, Run, RunContext, RunEnd, RunError, RunEvent, RunOutcome, RunReport, RunState,
+        RunSummary, Step, StepId, StepKind, StepState, StepTransition, UnknownState, Worker,
+        WorkflowResult, digest,
     };
 }
 

@@ -17,9 +17,11 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod clock;
 mod postgres;
 mod proxy;
 
+pub use clock::{ManualClock, fresh_dir};
 pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
 
