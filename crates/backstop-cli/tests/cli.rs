@@ -2,7 +2,7 @@
 //! journal and a PostgreSQL one that a workflow wrote.
 
 use backstop_core::Outcome;
-use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, Step};
+use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, RunOutcome, Step};
 use std::{process::Command, time::Duration};
 
 fn backstop(db: &str, args: &[&str]) -> (i32, String, String) {
@@ -57,6 +57,104 @@ async fn write_a_run(j: &Journal) {
     })
     .await
     .unwrap();
+}
+
+/// A run of workflow `charge` whose charge failed for good: the run failed.
+async fn write_a_failed_run(j: &Journal) {
+    j.start_run("run-2", "charge", Some("{\"eur\":40}"))
+        .await
+        .unwrap();
+    let charge = NewStep::tool_call("run-2", "charge", "", "payments", b"{}");
+    j.execute(&charge, |_| async {
+        CallResult::Failed {
+            outcome: Outcome::Completed,
+            error: "payments answered 422: card declined".into(),
+            retry_after: None,
+        }
+    })
+    .await
+    .unwrap();
+    j.finish_run(
+        "run-2",
+        "worker-1",
+        RunOutcome::Failed {
+            error: "step run-2/charge failed: card declined".into(),
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// The operator steers runs: by state, retry, stub, cancel; each refusal with its exit code.
+fn steer(db: &str) {
+    let (code, out, err) = backstop(db, &["runs", "--state", "failed"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("run-2") && !out.contains("run-1"), "{out}");
+    let (code, _, err) = backstop(db, &["runs", "--state", "done"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("not a run state") && err.contains("needs_human"),
+        "{err}"
+    );
+
+    let who = ["--by", "ana", "--why", "the customer updated the card"];
+    let (code, out, err) = backstop(db, &[&["retry", "run-2", "charge"][..], &who].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("pending") && out.contains("sent again with key"),
+        "{out}"
+    );
+    let (code, out, _) = backstop(db, &["--json", "runs", "--state", "pending"]);
+    assert_eq!(code, 0);
+    let pending: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        pending
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["run"] == "run-2" && r["workflow"] == "charge"),
+        "{out}"
+    );
+
+    let (code, _, err) = backstop(
+        db,
+        &[&["stub", "run-2", "charge", "--result", "ch_9"][..], &who].concat(),
+    );
+    assert_eq!(code, 2, "a result that is not JSON: {err}");
+    assert!(err.contains("must be JSON"), "{err}");
+    let (code, out, err) = backstop(
+        db,
+        &[
+            &["stub", "run-2", "charge", "--result", "\"ch_9\""][..],
+            &who,
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("reconciled_succeeded"), "{out}");
+
+    let (code, out, err) = backstop(db, &[&["cancel", "run-2"][..], &who].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("cancelled"), "{out}");
+    let (code, _, err) = backstop(db, &[&["cancel", "run-2"][..], &who].concat());
+    assert_eq!(code, 4, "a cancelled run is over: {err}");
+    let (code, _, err) = backstop(db, &[&["retry", "run-2", "charge"][..], &who].concat());
+    assert_eq!(code, 4, "{err}");
+    let (code, _, _) = backstop(db, &[&["cancel", "run-404"][..], &who].concat());
+    assert_eq!(code, 3);
+    let (code, _, _) = backstop(db, &[&["retry", "run-2", "nope"][..], &who].concat());
+    assert_eq!(code, 3);
+
+    let (code, out, _) = backstop(db, &["show", "run-2"]);
+    assert_eq!(code, 0);
+    for want in [
+        "run run-2: cancelled (workflow charge)",
+        "failed by worker-1",
+        "reopened by ana",
+        "cancelled by ana: the customer updated the card",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
 }
 
 fn operate(db: &str) {
@@ -154,20 +252,30 @@ async fn the_operator_reads_and_repairs_a_sqlite_journal() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let db = dir.join("journal.db");
-    write_a_run(&Journal::sqlite(&db).await.unwrap()).await;
-    tokio::task::spawn_blocking(move || operate(db.to_str().unwrap()))
-        .await
-        .unwrap();
+    let j = Journal::sqlite(&db).await.unwrap();
+    write_a_run(&j).await;
+    write_a_failed_run(&j).await;
+    tokio::task::spawn_blocking(move || {
+        operate(db.to_str().unwrap());
+        steer(db.to_str().unwrap());
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
 async fn the_operator_reads_and_repairs_a_postgres_journal() {
     let pg = backstop_testkit::PostgresServer::start().await;
     let url = pg.url();
-    write_a_run(&Journal::postgres(&url).await.unwrap()).await;
-    tokio::task::spawn_blocking(move || operate(&url))
-        .await
-        .unwrap();
+    let j = Journal::postgres(&url).await.unwrap();
+    write_a_run(&j).await;
+    write_a_failed_run(&j).await;
+    tokio::task::spawn_blocking(move || {
+        operate(&url);
+        steer(&url);
+    })
+    .await
+    .unwrap();
 }
 
 #[test]
