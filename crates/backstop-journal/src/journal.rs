@@ -26,10 +26,15 @@ pub enum JournalError {
         /// The move asked for.
         to: StepState,
     },
-    /// A step with these ids was recorded with other arguments: a different call, refused.
+    /// A step with these ids was recorded for another call (another tool, or other
+    /// arguments): the new call is refused, and nothing is sent.
     ArgsChanged {
         /// The step.
         id: StepId,
+        /// The recorded call: its tool and its arguments' digest.
+        recorded: (String, String),
+        /// The refused call: its tool and its arguments' digest.
+        refused: (String, String),
     },
     /// The step's outcome is unknown: it must be reconciled before anything sends it again.
     NeedsReconciliation(Box<Step>),
@@ -72,9 +77,18 @@ impl fmt::Display for JournalError {
                     ),
                 }
             }
-            JournalError::ArgsChanged { id } => write!(
+            JournalError::ArgsChanged {
+                id,
+                recorded,
+                refused,
+            } => write!(
                 f,
-                "step {id} was recorded with other arguments: a different call cannot reuse its ids"
+                "step {id} was recorded for a call to {} with arguments {}, and this call to {} \
+                 has arguments {}: a different call cannot reuse a step's ids (it was not sent)",
+                recorded.0,
+                short(&recorded.1),
+                refused.0,
+                short(&refused.1)
             ),
             JournalError::NeedsReconciliation(step) => write!(
                 f,
@@ -99,6 +113,14 @@ impl fmt::Display for JournalError {
 }
 
 impl std::error::Error for JournalError {}
+
+/// A digest as shown in words: its first 12 characters.
+fn short(digest: &str) -> String {
+    match digest.get(..12) {
+        Some(head) if digest.len() > 12 => format!("{head}…"),
+        _ => digest.to_owned(),
+    }
+}
 
 impl From<sqlx::Error> for JournalError {
     fn from(e: sqlx::Error) -> Self {
@@ -514,8 +536,12 @@ impl Journal {
             .step(id)
             .await?
             .ok_or_else(|| JournalError::NotFound(format!("step {id}")))?;
-        if !inserted && step.args_digest != new.args_digest {
-            return Err(JournalError::ArgsChanged { id: id.clone() });
+        if !inserted && (step.args_digest != new.args_digest || step.tool != new.tool) {
+            return Err(JournalError::ArgsChanged {
+                id: id.clone(),
+                recorded: (step.tool, step.args_digest),
+                refused: (new.tool.clone(), new.args_digest.clone()),
+            });
         }
         Ok(step)
     }

@@ -18,6 +18,69 @@ use std::{
 use tower_layer::Layer;
 use tower_service::Service;
 
+/// What a journaled call's arguments are: the bytes digested into its step's identity
+/// ([`Step::args_digest`](crate::Step::args_digest)), so that a different call made under a
+/// recorded step's ids is refused before it is sent.
+pub trait CallArgs<Req> {
+    /// The call's arguments.
+    fn call_args(&self, req: &Req) -> Vec<u8>;
+}
+
+/// The arguments a caller states for a call, in the request's extensions next to its
+/// `ActionContext`: a tool call's JSON arguments, a body's bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepArgs(Arc<[u8]>);
+
+impl StepArgs {
+    /// The arguments `args`.
+    pub fn new(args: impl AsRef<[u8]>) -> Self {
+        StepArgs(Arc::from(args.as_ref()))
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The default for HTTP: the request's [`StepArgs`] when it carries them, and always its method
+/// and URI (the body is the caller's to state: it is not read here).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RequestLine;
+
+impl<B> CallArgs<http::Request<B>> for RequestLine {
+    fn call_args(&self, req: &http::Request<B>) -> Vec<u8> {
+        let mut args = format!("{} {}", req.method(), req.uri()).into_bytes();
+        if let Some(stated) = req.extensions().get::<StepArgs>() {
+            args.push(b'\n');
+            args.extend_from_slice(stated.as_bytes());
+        }
+        args
+    }
+}
+
+/// For any kind of request: its [`StepArgs`], or none.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StatedArgs;
+
+impl<Req: HasExtensions> CallArgs<Req> for StatedArgs {
+    fn call_args(&self, req: &Req) -> Vec<u8> {
+        req.extensions()
+            .get::<StepArgs>()
+            .map(|a| a.as_bytes().to_vec())
+            .unwrap_or_default()
+    }
+}
+
+impl<Req, F> CallArgs<Req> for F
+where
+    F: Fn(&Req) -> Vec<u8>,
+{
+    fn call_args(&self, req: &Req) -> Vec<u8> {
+        self(req)
+    }
+}
+
 /// Judges how a call ended, for the journal.
 pub trait Judge<T, E> {
     /// The call's end, as the journal records it.
@@ -119,12 +182,15 @@ impl<E: ReportsOutcome> ReportsOutcome for JournaledError<E> {
 /// without a tool-call context passes through unjournaled.
 ///
 /// The step's key is the one the idempotency layer derives from the same ids, so a resumed
-/// run sends the key the crashed one did.
+/// run sends the key the crashed one did. The call's arguments ([`CallArgs`]; for HTTP its
+/// method, URI and any [`StepArgs`]) are part of the step's identity: a different call under a
+/// recorded step's ids is refused ([`JournalError::ArgsChanged`]) and not sent.
 #[derive(Clone)]
-pub struct JournalLayer<J = ByOutcome> {
+pub struct JournalLayer<J = ByOutcome, A = RequestLine> {
     journal: Journal,
     tool: Option<Arc<str>>,
     judge: J,
+    args: A,
 }
 
 impl fmt::Debug for JournalLayer {
@@ -144,11 +210,12 @@ impl JournalLayer {
             journal,
             tool: None,
             judge: ByOutcome,
+            args: RequestLine,
         }
     }
 }
 
-impl<J> JournalLayer<J> {
+impl<J, A> JournalLayer<J, A> {
     /// Names the tool the steps call.
     #[must_use]
     pub fn tool(mut self, tool: &str) -> Self {
@@ -158,17 +225,29 @@ impl<J> JournalLayer<J> {
 
     /// Judges results with `judge` (an HTTP 5xx is an `Ok` response, say; or to store the
     /// result).
-    pub fn judge<J2>(self, judge: J2) -> JournalLayer<J2> {
+    pub fn judge<J2>(self, judge: J2) -> JournalLayer<J2, A> {
         JournalLayer {
             journal: self.journal,
             tool: self.tool,
             judge,
+            args: self.args,
+        }
+    }
+
+    /// Reads each call's arguments with `args` ([`StatedArgs`] for requests that are not
+    /// HTTP, or a function of the request).
+    pub fn args<A2>(self, args: A2) -> JournalLayer<J, A2> {
+        JournalLayer {
+            journal: self.journal,
+            tool: self.tool,
+            judge: self.judge,
+            args,
         }
     }
 }
 
-impl<S, J: Clone> Layer<S> for JournalLayer<J> {
-    type Service = Journaled<S, J>;
+impl<S, J: Clone, A: Clone> Layer<S> for JournalLayer<J, A> {
+    type Service = Journaled<S, J, A>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Journaled {
@@ -176,20 +255,22 @@ impl<S, J: Clone> Layer<S> for JournalLayer<J> {
             journal: self.journal.clone(),
             tool: self.tool.clone(),
             judge: self.judge.clone(),
+            args: self.args.clone(),
         }
     }
 }
 
 /// See [`JournalLayer`].
 #[derive(Clone)]
-pub struct Journaled<S, J = ByOutcome> {
+pub struct Journaled<S, J = ByOutcome, A = RequestLine> {
     inner: S,
     journal: Journal,
     tool: Option<Arc<str>>,
     judge: J,
+    args: A,
 }
 
-impl<S: fmt::Debug, J> fmt::Debug for Journaled<S, J> {
+impl<S: fmt::Debug, J, A> fmt::Debug for Journaled<S, J, A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Journaled")
             .field("inner", &self.inner)
@@ -198,8 +279,9 @@ impl<S: fmt::Debug, J> fmt::Debug for Journaled<S, J> {
     }
 }
 
-impl<S, Req, J> Service<Req> for Journaled<S, J>
+impl<S, Req, J, A> Service<Req> for Journaled<S, J, A>
 where
+    A: CallArgs<Req>,
     S: Service<Req> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Response: Send + 'static,
@@ -237,9 +319,9 @@ where
         };
         let journal = self.journal.clone();
         let judge = self.judge.clone();
+        let args = self.args.call_args(&req);
         Box::pin(async move {
-            // The arguments are the request's business: the ids name the step.
-            let new = NewStep::tool_call(&run_id, &step_id, &call_id, &tool, b"");
+            let new = NewStep::tool_call(&run_id, &step_id, &call_id, &tool, &args);
             let refused = JournaledError::Journal;
             let step = journal.begin(&new).await.map_err(refused)?;
             match Next::for_step(&step, journal.now_ms()) {

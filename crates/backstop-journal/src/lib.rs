@@ -58,7 +58,10 @@ mod runner;
 mod worker;
 
 pub use journal::{Change, Clock, Journal, JournalError};
-pub use layer::{ByOutcome, JournalLayer, Journaled, JournaledError, Judge};
+pub use layer::{
+    ByOutcome, CallArgs, JournalLayer, Journaled, JournaledError, Judge, RequestLine, StatedArgs,
+    StepArgs,
+};
 pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
     UnknownState, digest,

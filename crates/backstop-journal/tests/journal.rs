@@ -389,6 +389,40 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
     let e = again.unwrap_err();
     assert!(e.to_string().contains("not sent again"), "{e}");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // The same ids for another call (another URI, or other stated arguments): refused, named,
+    // and not sent.
+    let mut elsewhere = with_context();
+    *elsewhere.uri_mut() = "/labels?parcel=2".parse().unwrap();
+    let refused = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(elsewhere)
+        .await
+        .unwrap_err();
+    let why = refused.journal().expect("the journal refused it");
+    assert!(
+        matches!(why, JournalError::ArgsChanged { recorded, refused, .. }
+            if recorded.0 == "carrier" && recorded.1 != refused.1),
+        "{why:?}"
+    );
+    let words = refused.to_string();
+    assert!(
+        words.contains("r-layer/label/c1")
+            && words.contains("a different call cannot reuse a step's ids")
+            && words.contains("not sent"),
+        "{words}"
+    );
+    let mut stated = with_context();
+    stated
+        .extensions_mut()
+        .insert(backstop_journal::StepArgs::new(b"{\"parcel\":2}"));
+    let refused = svc.ready().await.unwrap().call(stated).await.unwrap_err();
+    assert!(matches!(
+        refused.journal(),
+        Some(JournalError::ArgsChanged { .. })
+    ));
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "neither was sent");
     // No tool-call context: passes through, unjournaled.
     svc.ready()
         .await
