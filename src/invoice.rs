@@ -4,19 +4,21 @@
 //!
 //! The services ([`World`]) run in the parent process; the workflow runs in a child process
 //! ([`worker_main`], `src/bin/invoice_worker.rs`) so that it can be killed with SIGKILL at any
-//! point: between two journal writes ([`KillAt`] points `begun`, `sent`, `recorded`), or in the
-//! service just after it acted and before it answers (`effect`). A second worker resumes the
-//! run from the journal: it reconciles every step whose outcome is unknown with its service
+//! point ([`KillAt`]): before the first step, between two journal writes, in the service just
+//! after it acted and before it answers, between two steps, after the last one, while another
+//! worker recovers the run, while the run waits for a parked step. Another worker process,
+//! running the journal's [`Worker`] loop and nothing else, claims the run once the dead one's
+//! lease has run out: it reconciles every step whose outcome is unknown with its service
 //! (billing and the mailer by key, inventory by the order it reserved for) before sending
-//! anything again.
+//! anything again, and runs the workflow from the top (done steps return their results).
 //!
 //! Billing honours idempotency keys; inventory and the mailer do not (each `POST` reserves or
 //! sends once more), which is what makes reconciliation, not the key, the guard there.
 
 use backstop::{Backstop, BackstopService, BoxError, Outcome};
 use backstop_journal::{
-    CallResult, Change, Journal, JournalError, NewStep, Next, Reconciled, Reconcilers, Step,
-    StepState,
+    CallResult, Journal, JournalError, NewStep, Next, Reconciled, Reconcilers, Resolution,
+    RunContext, RunEnd, Step, Worker, WorkflowResult,
 };
 use backstop_testkit::{Action, Seen, TestServer};
 use bytes::Bytes;
@@ -38,14 +40,18 @@ pub const STEPS: [(&str, &str); 3] = [
     ("send-email", "mailer"),
 ];
 
-/// Where a worker is killed: `<step>:<point>`, the point one of `begun` (after `pending` is
-/// written), `sent` (after `sent` is written, before the call), `effect` (in the service, after
-/// it acted, before it answers) or `recorded` (after the outcome is written).
+/// Where a worker is killed: `run:start` (the run claimed, before its first step), or
+/// `<step>:<point>`, the point one of `begun` (after `pending` is written), `sent` (after
+/// `sent` is written, before the call), `effect` (in the service, after it acted, before it
+/// answers) or `recorded` (after the outcome is written: between two steps, or after the last
+/// one before the run is finished). Two more are for a worker that recovers a run:
+/// `reconcile:<tool>` (in the reconcile hook, while it asks the service) and `run:deferred`
+/// (the run deferred to a parked step's time, the worker waiting for it).
 pub type KillAt = String;
 
-/// Every kill point of the workflow, in the order a run passes them.
+/// Every kill point a run passes on its way, in order.
 pub fn kill_points() -> Vec<KillAt> {
-    let mut points = Vec::new();
+    let mut points = vec!["run:start".to_owned()];
     for (step, _) in STEPS {
         for point in ["begun", "sent", "effect", "recorded"] {
             points.push(format!("{step}:{point}"));
@@ -86,6 +92,8 @@ struct Ledger {
     kill: Option<(String, u32)>,
     /// The mailer's lookup is down (503).
     mailer_lookup_down: bool,
+    /// The mailer answers this many more sends with `503` and `Retry-After: 1`, doing nothing.
+    mailer_busy: u32,
 }
 
 /// The billing, inventory and mailer services on 127.0.0.1.
@@ -170,6 +178,10 @@ impl World {
                     "reservation",
                 );
             }
+            ("POST", "/messages") if l.mailer_busy > 0 => {
+                l.mailer_busy -= 1;
+                return Action::respond(503, &[("retry-after", "1")], "{}");
+            }
             ("POST", "/messages") => {
                 // The mailer sends again on every POST; it keeps the key for lookups only.
                 let id = format!("msg_{}", l.messages.len() + 1);
@@ -209,6 +221,11 @@ impl World {
     /// answers.
     pub fn kill_after_effect(&self, step: &str, pid: u32) {
         self.ledger.lock().expect("ledger").kill = Some((step.to_owned(), pid));
+    }
+
+    /// The mailer turns the next `sends` emails away with `503` and `Retry-After: 1`.
+    pub fn make_mailer_busy(&self, sends: u32) {
+        self.ledger.lock().expect("ledger").mailer_busy = sends;
     }
 
     /// Takes the mailer's lookup down: a step it must reconcile goes to a person.
@@ -273,9 +290,10 @@ pub fn fresh_db(dir: &Path) -> PathBuf {
     dir.join("journal.db")
 }
 
-/// The worker's entry: `worker DB URL RUN KILL_AT [naive]` (after the program name).
-/// Exit codes: 0 the run is done, 3 another worker holds it, 4 a step needs a person, 5 a step
-/// failed or is parked, 1 anything else.
+/// The worker's entry: `worker DB URL RUN KILL_AT [naive]` (after the program name): starts
+/// the run (again: the same start is the same run) and runs a [`Worker`] until it has handled
+/// it. Exit codes: 0 the run succeeded, 3 it could not be claimed within 20 s, 4 it waits for
+/// a person, 5 it failed, 6 it was cancelled, 1 anything else.
 pub fn worker_main(args: &[String]) -> i32 {
     let [db, url, run, kill_at, rest @ ..] = args else {
         eprintln!("usage: worker DB URL RUN KILL_AT|- [naive]");
@@ -372,15 +390,24 @@ impl Tools {
                     result: Some(String::from_utf8_lossy(&body).into_owned()),
                 }
             }
-            Ok(res) => CallResult::Failed {
-                outcome: if res.status().is_server_error() {
-                    Outcome::Unknown
-                } else {
-                    Outcome::Completed
-                },
-                error: format!("{} answered {}", step.tool, res.status()),
-                retry_after: None,
-            },
+            Ok(res) => {
+                // A 429 or 503 that says when to come back was not acted on: the step parks.
+                let retry_after = res
+                    .headers()
+                    .get(http::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                    .map(Duration::from_secs)
+                    .filter(|_| matches!(res.status().as_u16(), 429 | 503));
+                CallResult::Failed {
+                    outcome: match retry_after {
+                        Some(_) => Outcome::NotSent,
+                        None if res.status().is_server_error() => Outcome::Unknown,
+                        None => Outcome::Completed,
+                    },
+                    error: format!("{} answered {}", step.tool, res.status()),
+                    retry_after,
+                }
+            }
             Err(e) => CallResult::from_result::<(), _>(&Err(e), |_| None),
         }
     }
@@ -429,15 +456,79 @@ impl Tools {
 /// free for another after this (short, for the demo and the crash test).
 pub const LEASE: Duration = Duration::from_millis(800);
 
-/// Claims (or renews) `run`, waiting up to 10 s for a dead worker's lease to run out.
-async fn claim(journal: &Journal, run: &str, worker: &str) -> Result<bool, JournalError> {
-    for _ in 0..40 {
-        if journal.claim(run, worker, LEASE).await? {
-            return Ok(true);
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+/// The workflow's name in the journal.
+pub const WORKFLOW: &str = "invoice";
+
+/// The arguments of `step` for `run` (the email names the invoice, which a resumed run reads
+/// back from the journal).
+fn step_args(run: &str, step: &str, invoice: &str) -> String {
+    match step {
+        "create-invoice" => format!(r#"{{"order":"ord-{run}","eur":40}}"#),
+        "reserve-inventory" => format!(r#"{{"order":"ord-{run}","sku":"sku-7","qty":1}}"#),
+        _ => format!(r#"{{"to":"ana@example.com","invoice":"{invoice}"}}"#),
     }
-    Ok(false)
+}
+
+/// The workflow: three journaled steps, each through the Backstop stack; `kill_at` names where
+/// this process kills itself.
+async fn invoice_workflow(
+    ctx: RunContext,
+    tools: Arc<Tools>,
+    kill_at: Option<String>,
+) -> WorkflowResult {
+    let kill_at = kill_at.as_deref();
+    checkpoint(kill_at, "run", "start");
+    let run = ctx.run_id().to_owned();
+    let mut invoice = String::new();
+    for (step, tool) in STEPS {
+        let args = step_args(&run, step, &invoice);
+        let new = NewStep::tool_call(&run, step, "", tool, args.as_bytes());
+        if kill_at == Some(&format!("{step}:begun")) {
+            // Killed right after `pending` is written, before `sent` is.
+            ctx.journal().begin(&new).await?;
+            checkpoint(kill_at, step, "begun");
+        }
+        let (path, field) = match step {
+            "create-invoice" => ("/invoices", "invoice"),
+            "reserve-inventory" => ("/reservations", "reservation"),
+            _ => ("/messages", "message"),
+        };
+        let t = tools.clone();
+        let done = ctx
+            .step_as(&new, |sent| async move {
+                checkpoint(kill_at, step, "sent");
+                t.call(&sent, path, args, field).await
+            })
+            .await?;
+        checkpoint(kill_at, step, "recorded");
+        if step == "create-invoice" {
+            invoice = done.provider_ref.unwrap_or_default();
+        }
+    }
+    Ok(Some(format!(r#"{{"invoice":"{invoice}"}}"#)))
+}
+
+/// What a runtime without reconciliation does with a resumed run: every step whose outcome is
+/// unknown is sent again, without asking.
+async fn resend_without_asking(journal: &Journal, run: &str) -> Result<(), JournalError> {
+    let plan = match journal.plan(run).await {
+        Ok(plan) => plan,
+        Err(JournalError::NotFound(_)) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for (step, next) in plan {
+        if matches!(next, Next::Reconcile | Next::Human { .. }) {
+            journal
+                .resolve(
+                    &step.id,
+                    Resolution::Retry,
+                    "naive",
+                    "resend without asking",
+                )
+                .await?;
+        }
+    }
+    Ok(())
 }
 
 async fn work(
@@ -448,96 +539,61 @@ async fn work(
     naive: bool,
 ) -> Result<i32, BoxError> {
     let journal = Journal::open(db).await?;
-    let worker = format!("worker-{}", std::process::id());
     let tools = Arc::new(Tools::new(url)?);
-    // A run already in the journal is resumed: claimed, then reconciled before anything is
-    // sent again.
-    if !journal.run(run).await?.is_empty() {
-        if !claim(&journal, run, &worker).await? {
-            return Ok(3);
-        }
-        if !naive {
-            let mut hooks = Reconcilers::new();
-            for (_, tool) in STEPS {
-                let t = tools.clone();
-                hooks = hooks.tool(tool, move |s: &Step| {
-                    let (t, s) = (t.clone(), s.clone());
-                    async move { t.lookup(&s).await }
-                });
-            }
-            let report = journal.reconcile_run(run, &hooks).await?;
-            if !report.human.is_empty() {
-                return Ok(4);
-            }
-        }
-    }
-    let mut invoice = String::new();
-    for (step, tool) in STEPS {
-        let args = match step {
-            "create-invoice" => format!(r#"{{"order":"ord-{run}","eur":40}}"#),
-            "reserve-inventory" => format!(r#"{{"order":"ord-{run}","sku":"sku-7","qty":1}}"#),
-            _ => format!(r#"{{"to":"ana@example.com","invoice":"{invoice}"}}"#),
-        };
-        let new = NewStep::tool_call(run, step, "", tool, args.as_bytes());
-        let mut s = match journal.begin(&new).await {
-            Ok(s) => s,
-            // The email's arguments name the invoice, which a resumed run knows again.
-            Err(JournalError::ArgsChanged { .. }) => return Ok(5),
-            Err(e) => return Err(e.into()),
-        };
-        // The claim is renewed at every step; a worker that dies lets it run out.
-        if !claim(&journal, run, &worker).await? {
-            return Ok(3);
-        }
-        checkpoint(kill_at, step, "begun");
-        match Next::for_step(&s, journal.now_ms()) {
-            Next::Done => {
-                if step == "create-invoice" {
-                    invoice = s.provider_ref.clone().unwrap_or_default();
+    journal
+        .start_run(run, WORKFLOW, Some(&format!(r#"{{"order":"ord-{run}"}}"#)))
+        .await?;
+    let mut hooks = Reconcilers::new();
+    if naive {
+        resend_without_asking(&journal, run).await?;
+    } else {
+        for (_, tool) in STEPS {
+            let (t, kill) = (tools.clone(), kill_at.map(str::to_owned));
+            hooks = hooks.tool(tool, move |s: &Step| {
+                let (t, s, kill) = (t.clone(), s.clone(), kill.clone());
+                async move {
+                    // Killed while it recovers another worker's run.
+                    checkpoint(kill.as_deref(), "reconcile", &s.tool);
+                    t.lookup(&s).await
                 }
-                continue;
-            }
-            Next::Resend => {}
-            Next::Wake { .. } => return Ok(5),
-            Next::Reconcile | Next::Human { .. } if naive => {
-                // What a runtime without reconciliation does: it sends the step again.
-                s = journal
-                    .resolve(
-                        &s.id,
-                        backstop_journal::Resolution::Retry,
-                        "naive",
-                        "resend without asking",
-                    )
-                    .await?;
-            }
-            Next::Reconcile | Next::Human { .. } => return Ok(4),
-        }
-        let sent = journal
-            .transition(&s.id, &[s.state], StepState::Sent, Change::attempt())
-            .await?;
-        checkpoint(kill_at, step, "sent");
-        let (path, field) = match step {
-            "create-invoice" => ("/invoices", "invoice"),
-            "reserve-inventory" => ("/reservations", "reservation"),
-            _ => ("/messages", "message"),
-        };
-        let result = tools.call(&sent, path, args, field).await;
-        let done = journal.record(&s.id, result).await?;
-        checkpoint(kill_at, step, "recorded");
-        if !done.state.succeeded() {
-            eprintln!(
-                "worker: step {step} ended {}: {}",
-                done.state,
-                done.last_error.unwrap_or_default()
-            );
-            return Ok(5);
-        }
-        if step == "create-invoice" {
-            invoice = done.provider_ref.unwrap_or_default();
+            });
         }
     }
-    journal.release(run, &worker).await?;
-    Ok(0)
+    let (t, kill) = (tools.clone(), kill_at.map(str::to_owned));
+    let worker = Worker::new(journal, &format!("worker-{}", std::process::id()))
+        .workflow(WORKFLOW, move |ctx| {
+            invoice_workflow(ctx, t.clone(), kill.clone())
+        })
+        .reconcilers(hooks)
+        .lease(LEASE)
+        .poll_interval(Duration::from_millis(50));
+    // The worker loop is the only recovery: it claims the run once the dead worker's lease has
+    // run out (or once a parked step is due), reconciles, and runs the workflow again.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match worker.run_once().await? {
+            Some(report) if report.run == run => match report.end {
+                RunEnd::Succeeded { .. } => return Ok(0),
+                RunEnd::NeedsHuman { why } => {
+                    eprintln!("worker: {why}");
+                    return Ok(4);
+                }
+                RunEnd::Deferred { why, .. } => {
+                    eprintln!("worker: {why}; waiting for its time");
+                    checkpoint(kill_at, "run", "deferred");
+                }
+                RunEnd::Released { why } => eprintln!("worker: {why}"),
+                RunEnd::Failed { error } => {
+                    eprintln!("worker: the run failed: {error}");
+                    return Ok(5);
+                }
+                RunEnd::Cancelled => return Ok(6),
+            },
+            Some(_) => {}
+            None if tokio::time::Instant::now() > deadline => return Ok(3),
+            None => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
 }
 
 /// The operator's table for `run`, as `backstop journal show` prints it.

@@ -1,14 +1,17 @@
-//! The invoice workflow's worker, a real child process, killed with SIGKILL at every
-//! transition point in turn (`src/invoice.rs`: after `pending` is written, after `sent` is
-//! written, in the service after it acted and before it answers, after the outcome is
-//! written, for each of the three steps), then resumed by a second worker. Counted: duplicate
-//! effects (must be 0), runs that converged to a known state, runs handed to a person.
+//! The invoice workflow's worker, a real child process, killed with SIGKILL at every point in
+//! turn (`src/invoice.rs`: before the first step; for each of the three steps after `pending`
+//! is written, after `sent` is written, in the service after it acted and before it answers,
+//! after the outcome is written, which is between two steps or after the last one), then
+//! recovered by a second worker process whose worker loop is the only recovery there is; also
+//! killed while it recovers another's run, and while the run waits for a parked step. Counted:
+//! duplicate effects (must be 0), runs that converged to a known state, runs handed to a
+//! person.
 //!
 //! The same kill points with a resume that does not reconcile (it sends unknown steps again)
 //! show what the guard is worth: inventory and the mailer do not honour keys, so that resume
 //! reserves and emails twice.
 
-use backstop_journal::{Journal, StepState};
+use backstop_journal::{Journal, RunState, StepId, StepState};
 use backstop_workspace::invoice::{self, World};
 use std::path::Path;
 
@@ -101,10 +104,10 @@ async fn every_kill_point(naive: bool, pg: Option<&str>) -> Tally {
 async fn killed_at_every_transition_and_resumed_the_journal_allows_no_duplicate() {
     let t = every_kill_point(false, None).await;
     println!("journal and reconciliation: {t:?}");
-    assert_eq!(t.points, 12);
+    assert_eq!(t.points, 13);
     assert_eq!(t.duplicates, 0, "{t:?}");
     assert_eq!(
-        t.converged, 12,
+        t.converged, 13,
         "every run converged to a known state: {t:?}"
     );
     assert_eq!(t.human, 0);
@@ -162,7 +165,100 @@ async fn on_postgres_killed_at_every_transition_and_resumed_no_duplicate() {
     println!("journal on PostgreSQL: {t:?}");
     assert_eq!(
         (t.points, t.duplicates, t.converged, t.human),
-        (12, 0, 12, 0),
+        (13, 0, 13, 0),
         "{t:?}"
     );
+}
+
+/// Runs a worker process for `run` killed at `kill_at` (`None`: to the end) and returns its
+/// exit (`Err("killed")` when it died).
+async fn worker_process(
+    world: &World,
+    db: &str,
+    run: &str,
+    kill_at: Option<&str>,
+    effect_of: Option<&str>,
+) -> Result<i32, String> {
+    let exe = Path::new(env!("CARGO_BIN_EXE_invoice_worker"));
+    let mut child = invoice::spawn_worker(exe, db, &world.url(), run, kill_at, false);
+    if let Some(step) = effect_of {
+        world.kill_after_effect(step, child.id());
+    }
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    invoice::worker_exit(status)
+}
+
+/// A worker killed while it recovers a run (in the reconcile hook, asking inventory what
+/// became of the reservation the first worker made): a third worker recovers both deaths.
+async fn killed_during_recovery(db: &str, run: &str) {
+    let world = World::start().await;
+    let killed = Err("killed".to_owned());
+    let first = worker_process(&world, db, run, None, Some("reserve-inventory")).await;
+    assert_eq!(first, killed, "killed after inventory reserved");
+    let second = worker_process(&world, db, run, Some("reconcile:inventory"), None).await;
+    assert_eq!(second, killed, "killed while reconciling");
+    let third = worker_process(&world, db, run, None, None).await;
+    assert_eq!(third, Ok(0), "the third worker finishes the run");
+    assert_eq!(
+        world.effects(),
+        invoice::Effects {
+            invoices: 1,
+            reservations: 1,
+            messages: 1
+        }
+    );
+    let journal = Journal::open(db).await.unwrap();
+    let record = journal.run_record(run).await.unwrap().unwrap();
+    assert_eq!(record.state, RunState::Succeeded);
+}
+
+/// A worker killed while the run waits for a parked step (the mailer said to come back in a
+/// second): the next worker claims it when it is due, with nobody calling anything, and the
+/// email goes out once.
+async fn killed_during_a_parked_wait(db: &str, run: &str) {
+    let world = World::start().await;
+    // Every attempt the stack makes is turned away, each saying when to come back.
+    world.make_mailer_busy(backstop::retry::DEFAULT_MAX_ATTEMPTS);
+    let first = worker_process(&world, db, run, Some("run:deferred"), None).await;
+    assert_eq!(first, Err("killed".to_owned()), "killed while it waited");
+    let journal = Journal::open(db).await.unwrap();
+    let email = StepId::new(run, "send-email", "");
+    assert_eq!(
+        journal.step(&email).await.unwrap().unwrap().state,
+        StepState::Parked
+    );
+    assert_eq!(world.effects().messages, 0);
+    let second = worker_process(&world, db, run, None, None).await;
+    assert_eq!(second, Ok(0));
+    assert_eq!(world.effects().messages, 1, "sent once, when it was due");
+    assert_eq!(world.effects().duplicates(), 0);
+    let history: Vec<_> = journal
+        .history(&email)
+        .await
+        .unwrap()
+        .iter()
+        .map(|t| t.to.as_str())
+        .collect();
+    assert!(
+        history.ends_with(&["parked", "sent", "succeeded"]),
+        "{history:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_while_recovering_or_waiting_the_run_still_converges() {
+    let dir = std::env::temp_dir().join(format!("backstop-crash-{}-recovery", std::process::id()));
+    let db = invoice::fresh_db(&dir).to_string_lossy().into_owned();
+    killed_during_recovery(&db, "run-recovery").await;
+    killed_during_a_parked_wait(&db, "run-parked").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_killed_while_recovering_or_waiting_the_run_still_converges() {
+    let pg = backstop_testkit::PostgresServer::start().await;
+    killed_during_recovery(&pg.url(), "run-recovery").await;
+    killed_during_a_parked_wait(&pg.url(), "run-parked").await;
 }
