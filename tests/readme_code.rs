@@ -61,11 +61,30 @@ async fn replay_server() -> Result<(), BoxError> {
 
 #[rustfmt::skip]
 async fn journal() -> Result<(), BoxError> {
+    use backstop::journal::{HttpJudge, Judge, RunContext, Worker};
+    use tower::ServiceExt;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let shutdown = std::future::ready(());
     // README block 3
     let journal = Journal::sqlite("journal.db").await?;            // or Journal::postgres(url) for several workers
-    let stack = Backstop::http("billing").build()?.journaled(journal.clone()).layer(client);
-    // every call carrying ActionContext::tool_call(run, step, call) is now a journaled step
+    let billing = Backstop::http("billing").honours_keys().build()?.layer(client);
+    let worker = Worker::new(journal.clone(), "worker-1").workflow("invoice", move |ctx: RunContext| {
+        let billing = billing.clone();
+        async move {
+            let invoice = ctx
+                .step("create-invoice", "billing", br#"{"eur":40}"#, |sent| async move {
+                    let req = http::Request::post("http://billing.local/invoices")
+                        .header("idempotency-key", &sent.key)         // the same key on every attempt and after a crash
+                        .body(Full::from(r#"{"eur":40}"#))
+                        .expect("a valid request");
+                    HttpJudge::default().judge(&billing.oneshot(req).await)
+                })
+                .await?;                                               // parked, failed, unknown: the worker knows what to do
+            Ok(invoice.provider_ref)
+        }
+    });
+    journal.start_run("order-4812", "invoice", Some(r#"{"order":"ORD-4812"}"#)).await?;
+    worker.run_until(shutdown).await?;                                 // until `shutdown` (any future) completes
     // end
     let _ = ActionContext::tool_call("r", "s", "c");
     Ok(())
