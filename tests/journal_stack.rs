@@ -119,9 +119,10 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .unwrap()
         .unwrap();
     assert_eq!(unknown.state, StepState::Unknown);
+    // The same call again (a different one under these ids would be refused as such).
     let refused = svc
         .clone()
-        .oneshot(post(server.url("/invoices"), "r3", "invoice"))
+        .oneshot(post(server.url("/hang"), "r3", "invoice"))
         .await;
     let e = refused.unwrap_err();
     assert!(

@@ -2,12 +2,21 @@
 //! written in a transaction with its history row, compare-and-set on the state so that two
 //! workers never both move a step.
 
-use crate::model::{NewStep, Resolution, Step, StepId, StepKind, StepState, StepTransition};
+use crate::model::{NewStep, Resolution, Step, StepId, StepState, StepTransition};
 use std::{
     fmt,
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
+
+/// What identifies a call a step makes: its tool and its arguments' digest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallIdentity {
+    /// The tool (or dependency) called.
+    pub tool: String,
+    /// The digest of its arguments ([`digest`](crate::digest)).
+    pub args_digest: String,
+}
 
 /// Why a journal operation failed. Nothing is half-written: each operation is one transaction.
 #[derive(Debug)]
@@ -31,10 +40,10 @@ pub enum JournalError {
     ArgsChanged {
         /// The step.
         id: StepId,
-        /// The recorded call: its tool and its arguments' digest.
-        recorded: (String, String),
-        /// The refused call: its tool and its arguments' digest.
-        refused: (String, String),
+        /// The recorded call.
+        recorded: Box<CallIdentity>,
+        /// The refused call.
+        refused: Box<CallIdentity>,
     },
     /// The step's outcome is unknown: it must be reconciled before anything sends it again.
     NeedsReconciliation(Box<Step>),
@@ -85,10 +94,10 @@ impl fmt::Display for JournalError {
                 f,
                 "step {id} was recorded for a call to {} with arguments {}, and this call to {} \
                  has arguments {}: a different call cannot reuse a step's ids (it was not sent)",
-                recorded.0,
-                short(&recorded.1),
-                refused.0,
-                short(&refused.1)
+                recorded.tool,
+                short(&recorded.args_digest),
+                refused.tool,
+                short(&refused.args_digest)
             ),
             JournalError::NeedsReconciliation(step) => write!(
                 f,
@@ -186,6 +195,9 @@ pub(crate) fn to_sqlite(sql: &str) -> String {
 #[derive(Clone)]
 pub struct Journal {
     pub(crate) backend: Backend,
+    /// The connections a step's two writes use, on PostgreSQL.
+    #[cfg(feature = "postgres")]
+    pub(crate) step_conns: Option<Arc<crate::step_conns::StepConnections>>,
     clock: Clock,
 }
 
@@ -286,8 +298,8 @@ macro_rules! step_from_row {
         let state: String = row.try_get("state")?;
         let kind: String = row.try_get("kind")?;
         let attempts: i64 = row.try_get("attempts")?;
-        Step {
-            id: StepId::new(
+        $crate::model::Step {
+            id: $crate::model::StepId::new(
                 &row.try_get::<String, _>("run_id")?,
                 &row.try_get::<String, _>("step_id")?,
                 &row.try_get::<String, _>("call_id")?,
@@ -295,7 +307,7 @@ macro_rules! step_from_row {
             tool: row.try_get("tool")?,
             key: row.try_get("idem_key")?,
             args_digest: row.try_get("args_digest")?,
-            kind: StepKind::parse(&kind),
+            kind: $crate::model::StepKind::parse(&kind),
             state: state
                 .parse()
                 .map_err(|e: crate::model::UnknownState| JournalError::Store(e.to_string()))?,
@@ -311,6 +323,7 @@ macro_rules! step_from_row {
         }
     }};
 }
+pub(crate) use step_from_row;
 
 /// Writes one history row inside the transaction `$tx`.
 macro_rules! insert_transition {
@@ -374,12 +387,15 @@ impl Journal {
     #[cfg(feature = "postgres")]
     pub async fn postgres(url: &str) -> Result<Journal, JournalError> {
         // A database that cannot be reached is an error within seconds, not a hang.
+        let options: sqlx::postgres::PgConnectOptions = url.parse()?;
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(5))
-            .connect(url)
+            .connect_with(options.clone())
             .await?;
-        Journal::from_backend(Backend::Postgres(pool)).await
+        let mut journal = Journal::from_backend(Backend::Postgres(pool)).await?;
+        journal.step_conns = Some(crate::step_conns::StepConnections::new(options));
+        Ok(journal)
     }
 
     /// Opens the journal a URL names: `sqlite://PATH` (or a path ending in `.db`/`.sqlite`),
@@ -410,6 +426,8 @@ impl Journal {
     async fn from_backend(backend: Backend) -> Result<Journal, JournalError> {
         let journal = Journal {
             backend,
+            #[cfg(feature = "postgres")]
+            step_conns: None,
             clock: system_clock(),
         };
         journal.migrate().await?;
@@ -539,8 +557,14 @@ impl Journal {
         if !inserted && (step.args_digest != new.args_digest || step.tool != new.tool) {
             return Err(JournalError::ArgsChanged {
                 id: id.clone(),
-                recorded: (step.tool, step.args_digest),
-                refused: (new.tool.clone(), new.args_digest.clone()),
+                recorded: Box::new(CallIdentity {
+                    tool: step.tool,
+                    args_digest: step.args_digest,
+                }),
+                refused: Box::new(CallIdentity {
+                    tool: new.tool.clone(),
+                    args_digest: new.args_digest.clone(),
+                }),
             });
         }
         Ok(step)

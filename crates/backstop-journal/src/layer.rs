@@ -2,9 +2,9 @@
 //! caller writing journal code.
 
 use crate::{
-    journal::{Change, Journal, JournalError},
-    model::{NewStep, StepState},
-    runner::{CallResult, Next},
+    journal::{Journal, JournalError},
+    model::NewStep,
+    runner::{CallResult, ToSend},
 };
 use backstop_core::{Dependency, HasExtensions, Outcome, ReportsOutcome};
 use backstop_idempotency::ActionContext;
@@ -323,23 +323,13 @@ where
         Box::pin(async move {
             let new = NewStep::tool_call(&run_id, &step_id, &call_id, &tool, &args);
             let refused = JournaledError::Journal;
-            let step = journal.begin(&new).await.map_err(refused)?;
-            match Next::for_step(&step, journal.now_ms()) {
-                Next::Resend => {}
-                Next::Done => {
-                    crate::obs::duplicate_prevented(&step);
+            let step = match journal.to_send(&new).await.map_err(refused)? {
+                ToSend::Send(step) => step,
+                ToSend::Done(step) => {
                     return Err(refused(JournalError::AlreadyDone(Box::new(step))));
                 }
-                Next::Wake { .. } => return Err(refused(JournalError::Parked(Box::new(step)))),
-                Next::Reconcile | Next::Human { .. } => {
-                    return Err(refused(JournalError::NeedsReconciliation(Box::new(step))));
-                }
-            }
-            let sent = Change::attempt();
-            journal
-                .transition(&step.id, &[step.state], StepState::Sent, sent)
-                .await
-                .map_err(refused)?;
+                ToSend::Parked(step) => return Err(refused(JournalError::Parked(Box::new(step)))),
+            };
             let result = inner.call(req).await;
             if let Err(e) = journal.record(&step.id, judge.judge(&result)).await {
                 // The call's result is real and goes back; the step stays `sent`, which a

@@ -55,9 +55,12 @@ mod obs;
 mod operator;
 mod run;
 mod runner;
+mod send;
+#[cfg(feature = "postgres")]
+mod step_conns;
 mod worker;
 
-pub use journal::{Change, Clock, Journal, JournalError};
+pub use journal::{CallIdentity, Change, Clock, Journal, JournalError};
 pub use layer::{
     ByOutcome, CallArgs, JournalLayer, Journaled, JournaledError, Judge, RequestLine, StatedArgs,
     StepArgs,

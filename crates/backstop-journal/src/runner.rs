@@ -55,6 +55,16 @@ impl CallResult {
     }
 }
 
+/// Whether a step is to be sent.
+pub(crate) enum ToSend {
+    /// Sent: call it.
+    Send(Step),
+    /// Over: its stored result stands.
+    Done(Step),
+    /// Parked until its time.
+    Parked(Step),
+}
+
 /// What resuming a run does with a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Next {
@@ -200,23 +210,39 @@ impl Journal {
         F: FnOnce(Step) -> Fut,
         Fut: Future<Output = CallResult>,
     {
+        match self.to_send(new).await? {
+            ToSend::Send(sent) => {
+                let result = call(sent).await;
+                self.record(&new.id, result).await
+            }
+            ToSend::Done(step) | ToSend::Parked(step) => Ok(step),
+        }
+    }
+
+    /// Makes `new` ready to send: a step never seen before is recorded as sent in one write;
+    /// a recorded one is read and sent again only when the journal says so (not sent, or
+    /// known not to have happened). A step whose outcome is unknown is refused.
+    pub(crate) async fn to_send(&self, new: &NewStep) -> Result<ToSend, JournalError> {
+        if let Some(sent) = self.send_new(new).await? {
+            return Ok(ToSend::Send(sent));
+        }
         let step = self.begin(new).await?;
         match Next::for_step(&step, self.now_ms()) {
             Next::Done => {
                 crate::obs::duplicate_prevented(&step);
-                return Ok(step);
+                Ok(ToSend::Done(step))
             }
-            Next::Wake { .. } => return Ok(step),
+            Next::Wake { .. } => Ok(ToSend::Parked(step)),
             Next::Reconcile | Next::Human { .. } => {
-                return Err(JournalError::NeedsReconciliation(Box::new(step)));
+                Err(JournalError::NeedsReconciliation(Box::new(step)))
             }
-            Next::Resend => {}
+            Next::Resend => {
+                let sent = self
+                    .transition(&step.id, &[step.state], StepState::Sent, Change::attempt())
+                    .await?;
+                Ok(ToSend::Send(sent))
+            }
         }
-        let sent = self
-            .transition(&step.id, &[step.state], StepState::Sent, Change::attempt())
-            .await?;
-        let result = call(sent).await;
-        self.record(&step.id, result).await
     }
 
     /// Undoes an action that succeeded, deliberately: the compensation is a step of its own
@@ -265,24 +291,17 @@ impl Journal {
 
     /// Records how a sent step's call ended.
     pub async fn record(&self, id: &StepId, result: CallResult) -> Result<Step, JournalError> {
-        let sent = [StepState::Sent];
         match result {
             CallResult::Succeeded {
                 result,
                 provider_ref,
             } => {
-                let step = self
-                    .transition(
-                        id,
-                        &sent,
-                        StepState::Succeeded,
-                        Change {
-                            result,
-                            provider_ref,
-                            ..Change::default()
-                        },
-                    )
-                    .await?;
+                let change = Change {
+                    result,
+                    provider_ref,
+                    ..Change::default()
+                };
+                let step = self.outcome(id, StepState::Succeeded, change).await?;
                 crate::obs::succeeded(&step);
                 Ok(step)
             }
@@ -300,7 +319,7 @@ impl Journal {
                     error: Some(error),
                     ..Change::default()
                 };
-                let step = self.transition(id, &sent, to, change).await?;
+                let step = self.outcome(id, to, change).await?;
                 if to == StepState::Unknown {
                     crate::obs::unknown(&step);
                 }
@@ -312,6 +331,20 @@ impl Journal {
                     _ => Ok(step),
                 }
             }
+        }
+    }
+
+    /// Sent step `id` ended as `to`: one write, or the general move's refusal when the step is
+    /// not `sent` any more.
+    async fn outcome(
+        &self,
+        id: &StepId,
+        to: StepState,
+        change: Change,
+    ) -> Result<Step, JournalError> {
+        match self.finish_sent(id, to, &change).await? {
+            Some(step) => Ok(step),
+            None => self.transition(id, &[StepState::Sent], to, change).await,
         }
     }
 

@@ -403,7 +403,7 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
     let why = refused.journal().expect("the journal refused it");
     assert!(
         matches!(why, JournalError::ArgsChanged { recorded, refused, .. }
-            if recorded.0 == "carrier" && recorded.1 != refused.1),
+            if recorded.tool == "carrier" && recorded.args_digest != refused.args_digest),
         "{why:?}"
     );
     let words = refused.to_string();

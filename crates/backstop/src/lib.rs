@@ -456,11 +456,11 @@ pub mod journal {
     pub use crate::journaled::HttpJudge;
     #[doc(inline)]
     pub use backstop_journal::{
-        ByOutcome, CallArgs, CallResult, Change, Clock, Journal, JournalError, JournalLayer,
-        Journaled, JournaledError, Judge, NewStep, Next, Reconcile, Reconciled, Reconcilers,
-        RequestLine, Resolution, ResumeReport, Run, RunContext, RunEnd, RunError, RunEvent,
-        RunOutcome, RunReport, RunState, RunSummary, StatedArgs, Step, StepArgs, StepId, StepKind,
-        StepState, StepTransition, UnknownState, Worker, WorkflowResult, digest,
+        ByOutcome, CallArgs, CallIdentity, CallResult, Change, Clock, Journal, JournalError,
+        JournalLayer, Journaled, JournaledError, Judge, NewStep, Next, Reconcile, Reconciled,
+        Reconcilers, RequestLine, Resolution, ResumeReport, Run, RunContext, RunEnd, RunError,
+        RunEvent, RunOutcome, RunReport, RunState, RunSummary, StatedArgs, Step, StepArgs, StepId,
+        StepKind, StepState, StepTransition, UnknownState, Worker, WorkflowResult, digest,
     };
 }
 

@@ -18,10 +18,12 @@
 #![deny(missing_docs)]
 
 mod clock;
+mod pg_wire;
 mod postgres;
 mod proxy;
 
 pub use clock::{ManualClock, fresh_dir};
+pub use pg_wire::PgWireCounter;
 pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
 

@@ -2,7 +2,7 @@
 //! `cargo run --release -p backstop-bench --features stores --bin journal_cost [N]`.
 //!
 //! Each step runs through `Journal::execute` with a call that answers at once, so the time is
-//! the journal's: `pending` (one transaction), `sent` (one), the outcome (one). The SQLite file
+//! the journal's: `sent` (one write: the step, its history, its run), the outcome (one). The SQLite file
 //! is in WAL mode with `synchronous=FULL` on this machine's disk; the PostgreSQL is a cluster of
 //! the bench's own (`initdb`, `fsync=off`: its figures leave out the disk flush PostgreSQL
 //! would do in production).
