@@ -3,8 +3,10 @@
 //! run killed anywhere (before its first step, between two steps, after its last) is still
 //! pending, and once its lease runs out a worker claims it again.
 
+#[cfg(feature = "sqlite")]
+use crate::journal::to_sqlite;
 use crate::{
-    journal::{Journal, JournalError, to_sqlite, with_pool},
+    journal::{Journal, JournalError, with_pool},
     model::{RunSummary, StepState},
 };
 use std::{fmt, str::FromStr, time::Duration};

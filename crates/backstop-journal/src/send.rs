@@ -5,8 +5,10 @@
 //! transaction. Everything else (a resumed step, an operator's repair) takes the general path
 //! of [`Journal::transition`].
 
+#[cfg(feature = "sqlite")]
+use crate::journal::to_sqlite;
 use crate::{
-    journal::{Change, Journal, JournalError, STEP_COLUMNS, step_from_row, to_sqlite},
+    journal::{Change, Journal, JournalError, STEP_COLUMNS, step_from_row},
     model::{NewStep, Step, StepId, StepState},
 };
 
@@ -20,7 +22,6 @@ impl Journal {
     /// the same ids): nothing is written, and the caller reads it and decides.
     pub(crate) async fn send_new(&self, new: &NewStep) -> Result<Option<Step>, JournalError> {
         let now = self.now_ms();
-        let id = &new.id;
         let step = match &self.backend {
             #[cfg(feature = "postgres")]
             crate::journal::Backend::Postgres(pool) => {
@@ -44,17 +45,9 @@ impl Journal {
                         ON CONFLICT (run_id) DO UPDATE SET updated_ms = $8)
                      SELECT {STEP_COLUMNS} FROM step"
                 );
-                let query = bind_new(sqlx::query(&query), new, now);
-                let row = match &self.step_conns {
-                    Some(conns) => {
-                        let mut conn = conns.checkout().await?;
-                        let rows = query.fetch_all(conn.conn()).await?;
-                        conn.keep();
-                        rows
-                    }
-                    None => query.fetch_all(pool).await?,
-                }
-                .pop();
+                let row = self
+                    .fetch_pg(pool, bind_new(sqlx::query(&query), new, now))
+                    .await?;
                 match row {
                     Some(row) => Some(step_from_row!(row)),
                     None => None,
@@ -77,6 +70,7 @@ impl Journal {
                     Some(row) => step_from_row!(row),
                     None => return Ok(None),
                 };
+                let id = &new.id;
                 sqlx::query(&to_sqlite(&format!(
                     "{HISTORY} VALUES
                         ($1, $2, $3, NULL, 'pending', $4, 0, NULL, 'journal', NULL),
@@ -133,17 +127,12 @@ impl Journal {
                         WHERE run_id = $8 AND EXISTS (SELECT 1 FROM step))
                      SELECT {STEP_COLUMNS} FROM step"
                 );
-                let query = bind_outcome(sqlx::query(&query), id, to, change, now, true);
-                let row = match &self.step_conns {
-                    Some(conns) => {
-                        let mut conn = conns.checkout().await?;
-                        let rows = query.fetch_all(conn.conn()).await?;
-                        conn.keep();
-                        rows
-                    }
-                    None => query.fetch_all(pool).await?,
-                }
-                .pop();
+                let row = self
+                    .fetch_pg(
+                        pool,
+                        bind_outcome(sqlx::query(&query), id, to, change, now, true),
+                    )
+                    .await?;
                 match row {
                     Some(row) => Some(step_from_row!(row)),
                     None => None,
@@ -192,6 +181,28 @@ impl Journal {
             crate::obs::transition(step, StepState::Sent, sent_for);
         }
         Ok(step)
+    }
+}
+
+impl Journal {
+    /// Runs a step's write on PostgreSQL, on one of the journal's step connections, reading it
+    /// to its end (`fetch_optional` would stop early and cost the connection a second `Sync`).
+    #[cfg(feature = "postgres")]
+    async fn fetch_pg<'q>(
+        &self,
+        pool: &sqlx::PgPool,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Option<sqlx::postgres::PgRow>, JournalError> {
+        let rows = match &self.step_conns {
+            Some(conns) => {
+                let mut conn = conns.checkout().await?;
+                let rows = query.fetch_all(conn.conn()).await?;
+                conn.keep();
+                rows
+            }
+            None => query.fetch_all(pool).await?,
+        };
+        Ok(rows.into_iter().next())
     }
 }
 
