@@ -290,3 +290,52 @@ fn a_missing_journal_or_database_is_a_clear_error() {
     assert_eq!(code, 1);
     assert!(err.contains("cannot open the journal"), "{err}");
 }
+
+/// `show` reads a run in a fixed number of queries, however many steps it has: counted on the
+/// wire, through a proxy in front of the test's own PostgreSQL.
+#[tokio::test]
+async fn show_reads_a_run_in_a_fixed_number_of_queries() {
+    let pg = backstop_testkit::PostgresServer::start().await;
+    let upstream = pg
+        .url()
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .split('/')
+        .next()
+        .unwrap()
+        .to_owned();
+    let proxy =
+        backstop_testkit::PgWireCounter::start(format!("127.0.0.1:{upstream}").parse().unwrap())
+            .await;
+    let url = proxy.url_for(&pg.url());
+    let j = Journal::postgres(&pg.url()).await.unwrap();
+    for (run, steps) in [("small", 2), ("large", 20)] {
+        for i in 0..steps {
+            let step = NewStep::tool_call(run, &format!("step-{i}"), "", "billing", b"{}");
+            j.execute(&step, |_| async {
+                CallResult::Succeeded {
+                    result: None,
+                    provider_ref: None,
+                }
+            })
+            .await
+            .unwrap();
+        }
+    }
+    let mut trips = Vec::new();
+    for run in ["small", "large"] {
+        proxy.reset();
+        let url = url.clone();
+        let (code, out, err) = tokio::task::spawn_blocking(move || backstop(&url, &["show", run]))
+            .await
+            .unwrap();
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("step-1"), "{out}");
+        trips.push(proxy.round_trips());
+    }
+    assert_eq!(
+        trips[0], trips[1],
+        "2 steps and 20 steps: {trips:?} round trips"
+    );
+}
