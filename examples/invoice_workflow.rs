@@ -3,9 +3,10 @@
 //! `cargo run --example invoice_workflow`. A worker process creates an invoice, reserves
 //! inventory and sends the email, journaling every step in a SQLite file. It is killed with
 //! SIGKILL during step 2, after the inventory service has reserved and before the worker hears
-//! so. A second worker resumes the run: step 1 is done and is not called again, step 2 is
-//! unknown and is reconciled with the inventory service (by the order it reserved for) instead of
-//! being sent again, and the email goes out once. The operator's view (`backstop journal
+//! so. A second worker process, whose journal `Worker` loop is all the recovery there is, claims
+//! the run once the first one's lease has run out: step 1 is done and is not called again, step
+//! 2 is unknown and is reconciled with the inventory service (by the order it reserved for)
+//! instead of being sent again, and the email goes out once. The operator's view (`backstop journal
 //! show`) before and after, and then what the services did: one invoice, one reservation, one
 //! email.
 
@@ -47,7 +48,7 @@ pub(crate) fn run_demo(worker: &Path, dir: &Path) -> Result<(), BoxError> {
         println!("   $ backstop journal --db {} show {run}", db.display());
         invoice::show(&db, run).await;
 
-        println!("\n2. a second worker resumes the run from the journal");
+        println!("\n2. a second worker claims the run once the first one's lease ran out, and recovers it");
         let mut second = invoice::spawn_worker(worker, &db_arg, &world.url(), run, None, false);
         let status = tokio::task::spawn_blocking(move || second.wait()).await??;
         assert_eq!(
