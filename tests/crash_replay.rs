@@ -1,6 +1,6 @@
 //! The double refund after a crash, with a real process killed with SIGKILL.
 //!
-//! `src/bin/crash_server.rs` books each refund as a row in PostgreSQL behind the replay layer,
+//! `examples/support/bin/crash_server.rs` books each refund as a row in PostgreSQL behind the replay layer,
 //! and stops where the test asks: before the refund, after it (before the result is stored),
 //! or after the result is stored (before the reply is sent). The test kills it there, starts a
 //! new one, and retries with the same key. With the Redis store, the refund and its record are

@@ -1,5 +1,5 @@
 //! The invoice workflow's worker, a real child process, killed with SIGKILL at every point in
-//! turn (`src/invoice.rs`: before the first step; for each of the three steps after `pending`
+//! turn (`examples/support/invoice.rs`: before the first step; for each of the three steps after `pending`
 //! is written, after `sent` is written, in the service after it acted and before it answers,
 //! after the outcome is written, which is between two steps or after the last one), then
 //! recovered by a second worker process whose worker loop is the only recovery there is; also

@@ -3,7 +3,7 @@
 //! services.
 //!
 //! The services ([`World`]) run in the parent process; the workflow runs in a child process
-//! ([`worker_main`], `src/bin/invoice_worker.rs`) so that it can be killed with SIGKILL at any
+//! ([`worker_main`], `examples/support/bin/invoice_worker.rs`) so that it can be killed with SIGKILL at any
 //! point ([`KillAt`]): before the first step, between two journal writes, in the service just
 //! after it acted and before it answers, between two steps, after the last one, while another
 //! worker recovers the run, while the run waits for a parked step. Another worker process,
