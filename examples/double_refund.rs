@@ -25,6 +25,7 @@
 use backstop::{
     BoxError,
     backoff::RngSource,
+    chaos::{ChaosLayer, FaultPlan},
     idempotency::{ActionContext, IdempotencyLayer},
     replay::{BodyError, MemoryStore, ReplayLayer, ReplayRequestBody, ReplayResponseBody},
     retry::{RetryError, RetryHistory, RetryLayer},
@@ -38,10 +39,7 @@ use hyper::body::Incoming;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use std::{
     convert::Infallible,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 use tower::{Layer, ServiceBuilder, ServiceExt, service_fn, util::BoxCloneSyncService};
@@ -50,7 +48,7 @@ type Server =
     BoxCloneSyncService<Request<ReplayRequestBody>, Response<ReplayResponseBody>, BoxError>;
 
 /// The refund endpoint: books a refund, answers with its id, and loses the reply to the very
-/// first request (after booking). `protected` puts Backstop's replay layer in front of it.
+/// first request after booking (the fault layer, `backstop::chaos`). `protected` puts Backstop's replay layer in front of it.
 async fn payment_service(protected: bool) -> (TestServer, Arc<Mutex<Vec<String>>>) {
     let refunds: Arc<Mutex<Vec<String>>> = Arc::default();
     let booked = refunds.clone();
@@ -78,17 +76,11 @@ async fn payment_service(protected: bool) -> (TestServer, Arc<Mutex<Vec<String>>
     let svc = svc.map_request(|r: Request<Incoming>| {
         r.map(|b| b.map_err(|e| BodyError(e.into())).boxed_unsync())
     });
-    // The network loses the first reply, after the refund was booked.
-    let lost = Arc::new(AtomicBool::new(false));
-    let svc = svc.and_then(move |res| {
-        let lose = !lost.swap(true, Ordering::SeqCst);
-        async move {
-            if lose {
-                return Err::<Response<ReplayResponseBody>, BoxError>("reply lost".into());
-            }
-            Ok(res)
-        }
-    });
+    // The network loses the first reply, after the refund was booked: the fault layer, seeded.
+    let lose_first = FaultPlan::default().lose_reply(1.0).limit(1);
+    let svc = ChaosLayer::new(lose_first, 42)
+        .expect("a valid fault plan")
+        .layer(svc);
     (TestServer::serve(svc).await, refunds)
 }
 

@@ -91,8 +91,27 @@ async fn journal() -> Result<(), BoxError> {
 }
 
 #[rustfmt::skip]
-async fn grpc() -> Result<(), BoxError> {
+fn chaos() -> Result<(), BoxError> {
+    use backstop::chaos::{ChaosLayer, FaultPlan};
+    use std::time::Duration;
+    let refund_handler = service_fn(|_req: http::Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(()))
+    });
     // README block 4
+    let faults = FaultPlan::default()
+        .lose_reply(0.25)                  // the service acted, the caller gets a connection reset
+        .reset(0.05)                       // reset before the service saw the request
+        .status(0.05, 503)                 // answered by the layer, with Retry-After: 1
+        .delay(0.1, Duration::from_millis(800)); // a slow reply, after the service acted
+    let chaos = ChaosLayer::new(faults, 11)?;    // the same seed, the same faults in the same order
+    let refunds = chaos.layer(refund_handler);   // serve this; chaos.stats() counts what was injected
+    // end
+    Ok(())
+}
+
+#[rustfmt::skip]
+async fn grpc() -> Result<(), BoxError> {
+    // README block 5
     let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect_lazy();
     let refunds = Backstop::grpc("refunds-grpc").honours_keys().build()?.layer(channel);
     let mut client = tonic::client::Grpc::new(refunds);         // or YourGeneratedClient::new(refunds)
@@ -105,7 +124,7 @@ fn tower_limits() -> Result<(), BoxError> {
     use std::time::Duration;
     use tower::ServiceBuilder;
     let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    // README block 5
+    // README block 6
     let client = ServiceBuilder::new()
         .concurrency_limit(64)                            // attempts in flight; a call waiting to retry holds no permit
         .buffer(1024)                                     // RateLimit and Hedge are not Clone: a Buffer shares them
@@ -160,7 +179,7 @@ impl<E: AsError> Classify<ToolCall, String, E> for ToolRules {
 #[rustfmt::skip]
 fn tools_stack() -> Result<(), BoxError> {
     let tools = service_fn(|_call: ToolCall| async { Ok::<_, BoxError>(String::new()) });
-    // README block 6
+    // README block 7
     let runtime = Backstop::tools("payments-tool", ToolRules).preset(Preset::Create).build()?.layer(tools);
     // end
     Ok(())
@@ -175,7 +194,7 @@ async fn mcp_rmcp(
     use serde_json::json;
     use std::time::Duration;
     use tower::ServiceExt;
-    // README block 7
+    // README block 8
     let run = Run::new("run-7f3a").deadline(Duration::from_secs(120)).retry_budget(10); // shared by the run's calls
     let catalog = ToolCatalog::discover(client.peer()).await?;     // the tools' annotations choose each call's policy
     let payments = Backstop::mcp("payments-mcp").build()?.rmcp(client.peer().clone());
@@ -198,7 +217,7 @@ async fn issue_refund(args: serde_json::Value) -> tower_mcp::Result<tower_mcp::C
 async fn mcp_tower() -> Result<(), BoxError> {
     use backstop::{mcp::{ToolReplayLayer, tower_mcp::{PerToolReplayLayer, RouterClient}}, replay::MemoryStore};
     use tower_mcp::{McpRouter, ToolBuilder};
-    // README block 8
+    // README block 9
     let refund = ToolBuilder::new("issue_refund").description("Refund part of an order").destructive()
         .handler(issue_refund)
         .layer(PerToolReplayLayer::new("issue_refund", ToolReplayLayer::new(MemoryStore::default()).single_tenant()))

@@ -38,10 +38,12 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod draws;
 mod registry;
 mod sync;
 mod window;
 
 pub use backstop_core::Dependency;
+pub use draws::Draws;
 pub use registry::Registry;
 pub use window::SlidingCount;

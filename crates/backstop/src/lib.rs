@@ -473,6 +473,16 @@ pub mod reqwest {
     pub use crate::reqwest_client::ReqwestService;
 }
 
+/// The fault layer: lose replies after the service acted, reset or refuse connections, answer
+/// with a status, delay replies, at seeded rates (`backstop-chaos`). Feature `chaos`.
+#[cfg(feature = "chaos")]
+pub mod chaos {
+    #[doc(inline)]
+    pub use backstop_chaos::{
+        Chaos, ChaosError, ChaosFuture, ChaosLayer, ChaosStats, FaultPlan, StatusReply,
+    };
+}
+
 /// MCP tool calls both ways: [`Backstop::mcp`] builds the stack for a tool server's calls
 /// ([`McpClassifier`](mcp::McpClassifier), keys in `_meta`, each tool's policy from its
 /// annotations), and [`ToolReplayLayer`](mcp::ToolReplayLayer) (with feature `replay`) runs a keyed call once on the
