@@ -55,6 +55,10 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod throttle;
+
+pub use throttle::{AdaptiveThrottle, ThrottleConfig, ThrottleStats};
+
 use backstop_core::Dependency;
 pub use backstop_core::InvalidConfig;
 use backstop_core::RetryBudget;

@@ -1,5 +1,5 @@
 use crate::Verdict;
-use backstop_core::{AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome};
+use backstop_core::{AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome, Throttled};
 use std::{error::Error, io};
 
 /// Views an error as `&dyn Error` so that its `source()` chain can be walked.
@@ -41,7 +41,13 @@ macro_rules! as_error_for {
     )*};
 }
 
-as_error_for!(io::Error, AttemptTimedOut, DeadlineExceeded, CircuitOpen);
+as_error_for!(
+    io::Error,
+    AttemptTimedOut,
+    DeadlineExceeded,
+    CircuitOpen,
+    Throttled
+);
 
 #[cfg(feature = "hyper")]
 as_error_for!(hyper::Error);
@@ -64,6 +70,7 @@ impl AsError for std::convert::Infallible {
 /// | [`AttemptTimedOut`], tower's `timeout::error::Elapsed`, tokio's `time::error::Elapsed`, tonic's `TimeoutExpired` (feature `grpc`) | retryable | unknown |
 /// | [`DeadlineExceeded`] | fatal (no time left) | as recorded |
 /// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
+/// | [`Throttled`] (client-side adaptive throttling) | fatal (do not call it now) | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
 /// | reqwest: connect error / timeout (feature `reqwest`) | retryable | not sent / unknown |
 /// | hyper: request cancelled before it was written | retryable | not sent |
@@ -123,7 +130,7 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     if is_attempt_timeout(e) {
         return retry(Outcome::Unknown);
     }
-    if e.is::<CircuitOpen>() {
+    if e.is::<CircuitOpen>() || e.is::<Throttled>() {
         return Some(Verdict::Fatal {
             outcome: Outcome::NotSent,
         });

@@ -375,6 +375,68 @@ impl fmt::Display for CircuitOpen {
 
 impl Error for CircuitOpen {}
 
+/// The client refused an attempt itself, before sending it: the dependency has been shedding
+/// load, and client-side adaptive throttling sheds this attempt first (`backstop-budget`'s
+/// `AdaptiveThrottle`). The side effect is [`Outcome::NotSent`], and the retry layer does not
+/// retry it.
+#[derive(Clone, Debug)]
+pub struct Throttled {
+    dependency: Dependency,
+    requests: u64,
+    accepts: u64,
+    probability: f64,
+}
+
+impl Throttled {
+    /// A refusal for `dependency`, which accepted `accepts` of the last `requests` attempts;
+    /// `probability` is the share of attempts refused now.
+    pub fn new(dependency: Dependency, requests: u64, accepts: u64, probability: f64) -> Self {
+        Throttled {
+            dependency,
+            requests,
+            accepts,
+            probability,
+        }
+    }
+
+    /// The dependency.
+    pub fn dependency(&self) -> &Dependency {
+        &self.dependency
+    }
+
+    /// Attempts asked for in the window.
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    /// Attempts the dependency accepted in the window.
+    pub fn accepts(&self) -> u64 {
+        self.accepts
+    }
+
+    /// The share of attempts refused now (0 to 1).
+    pub fn probability(&self) -> f64 {
+        self.probability
+    }
+}
+
+impl fmt::Display for Throttled {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} is shedding load (it accepted {} of the last {} attempts), so this client \
+             refused the call itself, without sending it (adaptive throttling refuses {:.0} % of \
+             calls now)",
+            self.dependency,
+            self.accepts,
+            self.requests,
+            self.probability * 100.0
+        )
+    }
+}
+
+impl Error for Throttled {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

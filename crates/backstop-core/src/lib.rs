@@ -49,7 +49,7 @@ pub use deadline::{Deadline, instant_after};
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    DeadlineWords, HumanDuration, InvalidConfig, ReplyLost,
+    DeadlineWords, HumanDuration, InvalidConfig, ReplyLost, Throttled,
 };
 pub use extensions::{
     HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, WithExtensions, is_idempotent_method,

@@ -3,7 +3,7 @@
 
 use backstop_core::{
     AttemptTimedOut, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, DeadlineWords,
-    Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost,
+    Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
 };
 use std::{error::Error, fmt, time::Duration};
 
@@ -32,6 +32,9 @@ pub enum ErrorKind {
     Unavailable,
     /// The dependency kept failing and its retry budget is exhausted.
     BudgetExhausted,
+    /// The dependency has been shedding load and the client refused the call itself, before
+    /// sending it (client-side adaptive throttling).
+    Throttled,
     /// The last attempt timed out.
     TimedOut,
     /// The call's deadline passed, or the next attempt could not start before it.
@@ -50,6 +53,7 @@ impl ErrorKind {
         match self {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::BudgetExhausted => "budget_exhausted",
+            ErrorKind::Throttled => "throttled",
             ErrorKind::TimedOut => "timed_out",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::NotRetried => "not_retried",
@@ -89,6 +93,14 @@ impl Diagnosis {
                     circuit: Some(open.state()),
                     retry_in: open.retry_in(),
                     dependency: Some(open.dependency().clone()),
+                    ..Diagnosis::default()
+                };
+            }
+            if let Some(t) = e.downcast_ref::<Throttled>() {
+                return Diagnosis {
+                    kind: Some(ErrorKind::Throttled),
+                    outcome: Some(Outcome::NotSent),
+                    dependency: Some(t.dependency().clone()),
                     ..Diagnosis::default()
                 };
             }
@@ -214,6 +226,7 @@ impl fmt::Display for Told<'_> {
                 "{dep} is failing ({cause}) and its retry budget is exhausted after {tries}; \
                  do not retry now; {guidance}"
             ),
+            ErrorKind::Throttled => write!(f, "{cause}; do not retry now; tell the user"),
             ErrorKind::TimedOut => write!(
                 f,
                 "{dep} did not reply in time ({tries}: {cause}); {guidance}"

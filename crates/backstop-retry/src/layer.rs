@@ -36,6 +36,8 @@ pub(crate) struct Settings {
     pub(crate) backoff: Backoff,
     pub(crate) rng: RngSource,
     pub(crate) budget: Arc<dyn RetryBudget>,
+    /// The budget admits each attempt too ([`RetryBudget::admits`]).
+    pub(crate) budget_admits: bool,
     pub(crate) deadline: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     pub(crate) gate: Option<Arc<dyn AttemptGate>>,
@@ -109,6 +111,7 @@ impl<C> RetryLayer<C> {
                 backoff: Backoff::default(),
                 rng: RngSource::from_entropy(),
                 budget: Arc::new(NoBudget),
+                budget_admits: false,
                 deadline: None,
                 attempt_timeout: None,
                 gate: None,
@@ -207,9 +210,11 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
         self
     }
 
-    /// The per-dependency retry budget.
+    /// The per-dependency retry budget. One that also admits attempts (client-side adaptive
+    /// throttling) is asked before every attempt and told how each ended.
     #[must_use]
     pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
+        self.settings.budget_admits = budget.admits();
         self.settings.budget = budget;
         self
     }

@@ -6,7 +6,7 @@ use crate::{
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
-use backstop_budget::Budget;
+use backstop_budget::{AdaptiveThrottle, Budget};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{BoxError, Dependency, HasExtensions, HumanDuration, InvalidConfig};
 use backstop_idempotency::{
@@ -120,6 +120,7 @@ pub struct Backstop<C, P, I> {
     attempt_timeout: Option<Duration>,
     p99: Option<Duration>,
     budget: Option<Option<Budget>>,
+    throttle: Option<AdaptiveThrottle>,
     breaker: Option<Option<Breaker>>,
     idempotency: bool,
     honours_keys: bool,
@@ -225,6 +226,7 @@ impl<C, P, I> Backstop<C, P, I> {
             attempt_timeout: None,
             p99: None,
             budget: None,
+            throttle: None,
             breaker: None,
             idempotency: true,
             honours_keys: false,
@@ -307,6 +309,18 @@ impl<C, P, I> Backstop<C, P, I> {
         self
     }
 
+    /// Client-side adaptive throttling beside the retry budget: every attempt, first or retry,
+    /// is refused here with the probability the throttle gives when the dependency has been
+    /// shedding load (its accepts fall below half of the attempts, with the default K of 2),
+    /// and the call stops with an error of kind `Throttled`, nothing sent. Retries are still
+    /// bounded by the retry budget (unless `no_budget`). One throttle given to several stacks
+    /// learns from all their calls.
+    #[must_use]
+    pub fn adaptive_throttle(mut self, throttle: AdaptiveThrottle) -> Self {
+        self.throttle = Some(throttle);
+        self
+    }
+
     /// The circuit breaker ([`Breaker::process_wide`] otherwise).
     #[must_use]
     pub fn breaker(mut self, breaker: Breaker) -> Self {
@@ -371,6 +385,7 @@ impl<C, P, I> Backstop<C, P, I> {
             attempt_timeout: self.attempt_timeout,
             p99: self.p99,
             budget: self.budget,
+            throttle: self.throttle,
             breaker: self.breaker,
             idempotency: self.idempotency,
             honours_keys: self.honours_keys,
@@ -476,10 +491,15 @@ impl<C, P, I> Backstop<C, P, I> {
         if let Some(rng) = self.rng {
             retry = retry.rng(rng);
         }
-        match self.budget {
-            Some(None) => {}
-            Some(Some(b)) => retry = retry.budget(Arc::new(b.bind(&self.dependency))),
-            None => retry = retry.budget(Arc::new(Budget::process_wide().bind(&self.dependency))),
+        let budget = match self.budget {
+            Some(b) => b,
+            None => Some(Budget::process_wide()),
+        };
+        match (self.throttle, budget) {
+            (Some(t), Some(b)) => retry = retry.budget(Arc::new(t.with_budget(b))),
+            (Some(t), None) => retry = retry.budget(Arc::new(t)),
+            (None, Some(b)) => retry = retry.budget(Arc::new(b.bind(&self.dependency))),
+            (None, None) => {}
         }
         let inject = self.keys.injector().clone();
         let keys =

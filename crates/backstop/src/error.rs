@@ -117,6 +117,10 @@ impl Error {
                 "this run has used all of its retries ({dependency} kept failing): do not retry; \
                  finish without this tool, or tell the user"
             ),
+            (ErrorKind::Throttled, _) => format!(
+                "{dependency} is overloaded and this client is shedding its calls: do not retry \
+                 now; try again later, or tell the user"
+            ),
             (ErrorKind::Unavailable | ErrorKind::BudgetExhausted, _) => match self.retry_after {
                 Some(after) => format!(
                     "{dependency} is unavailable: do not retry now; try again in {}, or tell the user",

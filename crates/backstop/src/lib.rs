@@ -133,7 +133,7 @@ pub use error::{Error, ErrorKind};
 #[doc(inline)]
 pub use backstop_core::{
     BoxError, CircuitOpen, Deadline, Dependency, DependencyKey, HasExtensions, Outcome, ReplaySafe,
-    Run, WithExtensions,
+    Run, Throttled, WithExtensions,
 };
 
 // Each type has one path here: the vocabulary every layer shares is at the root or in `core`,
@@ -296,7 +296,10 @@ pub mod retry {
 /// ```
 pub mod budget {
     #[doc(inline)]
-    pub use backstop_budget::{Budget, BudgetConfig, BudgetStats, DependencyBudget};
+    pub use backstop_budget::{
+        AdaptiveThrottle, Budget, BudgetConfig, BudgetStats, DependencyBudget, ThrottleConfig,
+        ThrottleStats,
+    };
     #[doc(inline)]
     pub use backstop_core::{NoBudget, RetryBudget};
 }

@@ -115,6 +115,12 @@ impl<S, Req> Call<S, Req> {
         if let (Some(ticket), Some(gate)) = (self.ticket.take(), &policy.settings.gate) {
             gate.complete(&self.dependency, ticket, verdict, self.attempt_started);
         }
+        if policy.settings.budget_admits
+            && self.sent
+            && let Some(verdict) = verdict
+        {
+            policy.settings.budget.observe(&self.dependency, &verdict);
+        }
     }
 
     /// Counts the next attempt, begun at `now` and not sent yet.
@@ -153,6 +159,12 @@ where
                 return Err((Ended::Own(error), verdict));
             }
         };
+        // Client-side throttling first: a refusal here holds no gate ticket.
+        if policy.settings.budget_admits
+            && let Err(throttled) = policy.settings.budget.admit(&self.dependency)
+        {
+            return Err((Ended::Own(Box::new(throttled)), NOT_SENT));
+        }
         if let Some(gate) = &policy.settings.gate {
             match gate.admit(&self.dependency) {
                 Ok(ticket) => self.ticket = Some(ticket),
@@ -281,7 +293,7 @@ fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
     d.outcome == Some(Outcome::NotSent)
         && matches!(
             d.kind,
-            Some(ErrorKind::Unavailable | ErrorKind::DeadlineExceeded)
+            Some(ErrorKind::Unavailable | ErrorKind::Throttled | ErrorKind::DeadlineExceeded)
         )
 }
 
