@@ -8,6 +8,7 @@ use backstop_core::{
     BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
     RetryScope,
 };
+use backstop_timeout::BoundLatency;
 use std::{
     fmt,
     sync::Arc,
@@ -40,6 +41,8 @@ pub(crate) struct Settings {
     pub(crate) budget_admits: bool,
     pub(crate) deadline: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
+    /// Attempt timeouts learned from observed latency, instead of `attempt_timeout`.
+    pub(crate) latency: Option<BoundLatency>,
     pub(crate) gate: Option<Arc<dyn AttemptGate>>,
 }
 
@@ -90,6 +93,7 @@ impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, H> fmt::Debug for RetryLayer<C
             .field("budget", &s.budget)
             .field("deadline", &s.deadline)
             .field("attempt_timeout", &s.attempt_timeout)
+            .field("latency", &s.latency)
             .field("gate", &s.gate)
             .finish()
     }
@@ -114,6 +118,7 @@ impl<C> RetryLayer<C> {
                 budget_admits: false,
                 deadline: None,
                 attempt_timeout: None,
+                latency: None,
                 gate: None,
             },
         }
@@ -238,6 +243,17 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
     #[must_use]
     pub fn attempt_timeout(mut self, limit: Duration) -> Self {
         self.settings.attempt_timeout = Some(limit);
+        self
+    }
+
+    /// Each attempt's limit learned from the dependency's observed latency (a high percentile
+    /// of its successful attempts, doubled for each retry, within a floor and a ceiling; a
+    /// fallback until enough samples exist) instead of a fixed [`attempt_timeout`]
+    /// (Self::attempt_timeout). Every successful attempt is recorded; the deadline still bounds
+    /// every attempt.
+    #[must_use]
+    pub fn attempt_timeout_from_latency(mut self, latency: BoundLatency) -> Self {
+        self.settings.latency = Some(latency);
         self
     }
 

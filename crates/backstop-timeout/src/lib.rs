@@ -53,11 +53,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod adaptive;
 mod attempt;
 mod body;
 mod deadline;
 mod timed;
 
+pub use adaptive::{BoundLatency, LatencyConfig, LatencyTimeouts};
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
 pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};

@@ -13,7 +13,7 @@ use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey, ToolKeys,
 };
 use backstop_retry::{CloneRequest, HttpResend, Resend, Retry, RetryLayer, futures::RetryFuture};
-use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
+use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, LatencyTimeouts};
 use std::{
     fmt,
     future::Future,
@@ -118,6 +118,7 @@ pub struct Backstop<C, P, I> {
     rng: Option<RngSource>,
     deadline: Option<Duration>,
     attempt_timeout: Option<Duration>,
+    latency: Option<LatencyTimeouts>,
     p99: Option<Duration>,
     budget: Option<Option<Budget>>,
     throttle: Option<AdaptiveThrottle>,
@@ -224,6 +225,7 @@ impl<C, P, I> Backstop<C, P, I> {
             rng: None,
             deadline: Some(DEFAULT_DEADLINE),
             attempt_timeout: None,
+            latency: None,
             p99: None,
             budget: None,
             throttle: None,
@@ -284,6 +286,21 @@ impl<C, P, I> Backstop<C, P, I> {
     #[must_use]
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// Each attempt's timeout learned from the dependency's observed latency instead of a fixed
+    /// one: `factor` x a high percentile of its successful attempts (2 x p99 by default),
+    /// doubled for each retry, within a floor and a ceiling, and a fallback until enough
+    /// samples exist ([`LatencyConfig`](backstop_timeout::LatencyConfig)). The fixed attempt
+    /// timeout (`attempt_timeout`, `p99`) is then the limit of the response body's first
+    /// read only when no retry layer planned one; the deadline bounds every attempt either way.
+    /// One `LatencyTimeouts` given to several stacks learns from all their calls; its current
+    /// value is on each attempt's span (`attempt_timeout_ms`) and, with `metrics`, in
+    /// `backstop_attempt_timeout_seconds`.
+    #[must_use]
+    pub fn attempt_timeout_from_latency(mut self, timeouts: LatencyTimeouts) -> Self {
+        self.latency = Some(timeouts);
         self
     }
 
@@ -383,6 +400,7 @@ impl<C, P, I> Backstop<C, P, I> {
             rng: self.rng,
             deadline: self.deadline,
             attempt_timeout: self.attempt_timeout,
+            latency: self.latency,
             p99: self.p99,
             budget: self.budget,
             throttle: self.throttle,
@@ -429,7 +447,8 @@ impl<C, P, I> Backstop<C, P, I> {
             if d.is_zero() {
                 return Err(InvalidConfig::new("deadline must be greater than zero"));
             }
-            if timeout > d {
+            // A learned timeout is cut to the deadline when it is longer; a fixed one says so now.
+            if timeout > d && self.latency.is_none() {
                 return Err(InvalidConfig::new(format!(
                     "the attempt timeout ({}) is longer than the deadline ({}): shorten attempt_timeout \
                      (or give a lower p99), or lengthen the deadline",
@@ -482,6 +501,9 @@ impl<C, P, I> Backstop<C, P, I> {
             // The attempt timeout and the breaker work inside the retry loop (one future, one
             // classification per attempt); the deadline is kept by the retry layer too.
             .attempt_timeout(timeout);
+        if let Some(latency) = &self.latency {
+            retry = retry.attempt_timeout_from_latency(latency.bind(&self.dependency));
+        }
         if let Some(d) = self.deadline {
             retry = retry.deadline(d);
         }

@@ -220,7 +220,8 @@ pub mod timeout {
     #[doc(inline)]
     pub use backstop_timeout::{
         AttemptTimeout, AttemptTimeoutLayer, BodyTimedOut, BodyTimeout, BodyTimeoutLayer,
-        DeadlineLayer, TimedBody, WithDeadline, future,
+        BoundLatency, DeadlineLayer, LatencyConfig, LatencyTimeouts, TimedBody, WithDeadline,
+        future,
     };
 }
 

@@ -121,6 +121,12 @@ impl<S, Req> Call<S, Req> {
         {
             policy.settings.budget.observe(&self.dependency, &verdict);
         }
+        if let Some(latency) = &policy.settings.latency
+            && self.sent
+            && verdict == Some(Verdict::Success)
+        {
+            latency.record(&self.dependency, self.attempt_started.elapsed());
+        }
     }
 
     /// Counts the next attempt, begun at `now` and not sent yet.
@@ -150,8 +156,19 @@ where
     ) -> Result<S::Future, EndedWith<S::Response, S::Error>> {
         self.next_attempt(now);
         self.span = attempt_span(parent, &self.dependency, self.attempt);
-        self.cutoff = match AttemptCutoff::plan(now, policy.settings.attempt_timeout, self.deadline)
-        {
+        let limit = match &policy.settings.latency {
+            Some(latency) => {
+                let limit = latency.timeout(&self.dependency, self.attempt);
+                crate::obs::attempt_timeout(&self.dependency, limit);
+                if !self.span.is_disabled() {
+                    self.span
+                        .record("attempt_timeout_ms", limit.as_millis() as u64);
+                }
+                Some(limit)
+            }
+            None => policy.settings.attempt_timeout,
+        };
+        self.cutoff = match AttemptCutoff::plan(now, limit, self.deadline) {
             Ok(cutoff) => cutoff,
             Err(passed) => {
                 let error = passed.error(Some(self.dependency.clone()));
@@ -310,6 +327,7 @@ fn attempt_span(parent: Option<&Span>, dependency: &Dependency, attempt: u32) ->
             dependency = %dependency,
             attempt,
             http.request.resend_count = tracing::field::Empty,
+            attempt_timeout_ms = tracing::field::Empty,
         ),
         _ => tracing::debug_span!(
             target: "backstop::retry",
@@ -317,6 +335,7 @@ fn attempt_span(parent: Option<&Span>, dependency: &Dependency, attempt: u32) ->
             dependency = %dependency,
             attempt,
             http.request.resend_count = tracing::field::Empty,
+            attempt_timeout_ms = tracing::field::Empty,
         ),
     };
     if attempt > 1 && !span.is_disabled() {

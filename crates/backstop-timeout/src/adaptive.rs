@@ -1,0 +1,404 @@
+//! Attempt timeouts learned from observed latency: per dependency, a bounded latency record
+//! (a log-scale histogram of atomic counters, in two alternating windows so that what is older
+//! than two windows is forgotten), and the timeout derived from a high percentile of it:
+//!
+//! ```text
+//! timeout(attempt) = clamp(factor * p(percentile) * 2^(attempt - 1), floor, ceiling)
+//! ```
+//!
+//! with `fallback` (doubled per attempt, clamped the same) until the record holds `min_samples`
+//! successful attempts. The shape of the `adaptive-timeout` crate's rule, which Restate runs in
+//! production; the deadline still bounds every attempt. Recording is a few atomic adds, with no
+//! allocation and no lock; the timeout is recomputed from the histogram every 16 samples and
+//! read as one atomic load.
+
+use backstop_core::{Dependency, InvalidConfig};
+use backstop_state::Registry;
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+use tokio::time::Instant;
+
+/// Histogram buckets: bucket `i` holds latencies from `MIN * R^i` to `MIN * R^(i+1)`, with `MIN`
+/// 100 us and `R` 1.25: 80 buckets reach about 5.6 hours, each within 25 % of its value.
+const BUCKETS: usize = 80;
+const MIN_NANOS: f64 = 100_000.0;
+const RATIO: f64 = 1.25;
+
+/// Configuration of [`LatencyTimeouts`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LatencyConfig {
+    percentile: f64,
+    factor: f64,
+    floor: Duration,
+    ceiling: Duration,
+    fallback: Duration,
+    min_samples: u64,
+    window: Duration,
+    max_dependencies: usize,
+}
+
+impl Default for LatencyConfig {
+    /// 2 x p99, at least 50 ms, at most 30 s, 2 s until 20 samples, a 30 s window (a shift is
+    /// followed within 60 s), at most 1,000 dependencies.
+    fn default() -> Self {
+        LatencyConfig {
+            percentile: 0.99,
+            factor: 2.0,
+            floor: Duration::from_millis(50),
+            ceiling: Duration::from_secs(30),
+            fallback: Duration::from_secs(2),
+            min_samples: 20,
+            window: Duration::from_secs(30),
+            max_dependencies: 1_000,
+        }
+    }
+}
+
+impl LatencyConfig {
+    /// The percentile the timeout follows (0.99 = p99).
+    #[must_use]
+    pub fn percentile(mut self, p: f64) -> Self {
+        self.percentile = p;
+        self
+    }
+
+    /// The multiplier on that percentile.
+    #[must_use]
+    pub fn factor(mut self, factor: f64) -> Self {
+        self.factor = factor;
+        self
+    }
+
+    /// The shortest timeout, whatever the record says.
+    #[must_use]
+    pub fn floor(mut self, floor: Duration) -> Self {
+        self.floor = floor;
+        self
+    }
+
+    /// The longest timeout, whatever the record says.
+    #[must_use]
+    pub fn ceiling(mut self, ceiling: Duration) -> Self {
+        self.ceiling = ceiling;
+        self
+    }
+
+    /// The timeout until the record holds enough samples.
+    #[must_use]
+    pub fn fallback(mut self, fallback: Duration) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    /// How many successful attempts the record needs before the timeout follows it.
+    #[must_use]
+    pub fn min_samples(mut self, n: u64) -> Self {
+        self.min_samples = n;
+        self
+    }
+
+    /// How long each of the record's two windows lasts: a latency is forgotten within two
+    /// windows, so a shift is followed within that.
+    #[must_use]
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// How many dependencies are tracked.
+    #[must_use]
+    pub fn max_dependencies(mut self, n: usize) -> Self {
+        self.max_dependencies = n;
+        self
+    }
+
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        let bad = |why: &'static str| Err(InvalidConfig::new(why));
+        if !(self.percentile > 0.0 && self.percentile < 1.0) {
+            return bad("latency percentile must be between 0 and 1 (0.99 is p99)");
+        }
+        if !self.factor.is_finite() || self.factor < 1.0 {
+            return bad("latency factor must be a finite number of at least 1");
+        }
+        if self.floor.is_zero() || self.floor > self.ceiling {
+            return bad("latency floor must be above zero and at most the ceiling");
+        }
+        if self.fallback.is_zero() {
+            return bad("latency fallback must be above zero");
+        }
+        if self.window < Duration::from_millis(10) {
+            return bad("latency window must be at least 10 ms");
+        }
+        if self.max_dependencies == 0 {
+            return bad("latency max_dependencies must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// One window's histogram.
+struct Window {
+    /// The window's number (time since the record's start, in windows).
+    epoch: AtomicU64,
+    counts: [AtomicU64; BUCKETS],
+}
+
+impl Window {
+    fn new() -> Self {
+        Window {
+            epoch: AtomicU64::new(0),
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+/// One dependency's latency record.
+pub(crate) struct Record {
+    windows: [Window; 2],
+    origin: Instant,
+    samples: AtomicU64,
+    /// The current timeout for a first attempt, in nanoseconds (0: not computed yet).
+    timeout: AtomicU64,
+}
+
+impl Record {
+    fn new() -> Self {
+        Record {
+            windows: [Window::new(), Window::new()],
+            origin: Instant::now(),
+            samples: AtomicU64::new(0),
+            timeout: AtomicU64::new(0),
+        }
+    }
+
+    fn epoch(&self, now: Instant, window: Duration) -> u64 {
+        let since = now.saturating_duration_since(self.origin).as_nanos();
+        u64::try_from(since / window.as_nanos().max(1)).unwrap_or(u64::MAX)
+    }
+
+    /// The window for `epoch`, emptied first when it still holds an older epoch's counts.
+    fn window_for(&self, epoch: u64) -> &Window {
+        let w = &self.windows[(epoch % 2) as usize];
+        let seen = w.epoch.load(Ordering::Acquire);
+        if seen != epoch
+            && w.epoch
+                .compare_exchange(seen, epoch, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            // A sample another thread adds meanwhile may be lost or kept: an estimate.
+            for c in &w.counts {
+                c.store(0, Ordering::Relaxed);
+            }
+        }
+        w
+    }
+}
+
+fn bucket(latency: Duration) -> usize {
+    let nanos = latency.as_nanos() as f64;
+    if nanos <= MIN_NANOS {
+        return 0;
+    }
+    ((nanos / MIN_NANOS).ln() / RATIO.ln())
+        .floor()
+        .clamp(0.0, (BUCKETS - 1) as f64) as usize
+}
+
+/// The upper edge of bucket `i`: a percentile is reported at the top of its bucket.
+fn upper_edge(i: usize) -> Duration {
+    Duration::from_nanos((MIN_NANOS * RATIO.powi(i as i32 + 1)) as u64)
+}
+
+struct Inner {
+    config: LatencyConfig,
+    records: Registry<Record>,
+}
+
+/// Attempt timeouts from observed latency, per dependency. `Clone`: clones share every
+/// record, so stacks given one `LatencyTimeouts` learn together.
+///
+/// ```
+/// use backstop_timeout::{LatencyConfig, LatencyTimeouts};
+/// use backstop_core::Dependency;
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let timeouts = LatencyTimeouts::new(LatencyConfig::default()).unwrap();
+/// let api = Dependency::new("search-api");
+/// assert_eq!(timeouts.timeout(&api, 1), Duration::from_secs(2)); // the fallback, at first
+/// for _ in 0..200 {
+///     timeouts.record(&api, Duration::from_millis(40));
+/// }
+/// // 2 x p99 of ~40 ms (reported at the top of its 25 % bucket), the second attempt twice that.
+/// let first = timeouts.timeout(&api, 1);
+/// assert!(first >= Duration::from_millis(80) && first <= Duration::from_millis(110), "{first:?}");
+/// assert_eq!(timeouts.timeout(&api, 2), first * 2);
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct LatencyTimeouts {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for LatencyTimeouts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LatencyTimeouts")
+            .field("config", &self.inner.config)
+            .field("dependencies", &self.inner.records.len())
+            .finish()
+    }
+}
+
+impl LatencyTimeouts {
+    /// Timeouts with `config`, or why the configuration is invalid.
+    pub fn new(config: LatencyConfig) -> Result<Self, InvalidConfig> {
+        config.validate()?;
+        Ok(LatencyTimeouts {
+            inner: Arc::new(Inner {
+                records: Registry::new(config.max_dependencies, |_| Record::new()),
+                config,
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LatencyConfig {
+        &self.inner.config
+    }
+
+    /// The record for one dependency, looked up once (what a stack with a fixed dependency
+    /// keeps).
+    pub fn bind(&self, dependency: &Dependency) -> BoundLatency {
+        BoundLatency {
+            record: self.inner.records.get(dependency),
+            dependency: dependency.clone(),
+            timeouts: self.clone(),
+        }
+    }
+
+    /// Records a successful attempt to `dependency` that took `latency`.
+    pub fn record(&self, dependency: &Dependency, latency: Duration) {
+        self.record_in(&self.inner.records.get(dependency), latency);
+    }
+
+    /// The timeout for attempt `attempt` (1 for the first) to `dependency`, now.
+    pub fn timeout(&self, dependency: &Dependency, attempt: u32) -> Duration {
+        match self.inner.records.tracked(dependency) {
+            Some(record) => self.timeout_in(&record, attempt),
+            None => self.scaled(self.inner.config.fallback, attempt),
+        }
+    }
+
+    fn record_in(&self, record: &Record, latency: Duration) {
+        let now = Instant::now();
+        let epoch = record.epoch(now, self.inner.config.window);
+        record.window_for(epoch).counts[bucket(latency)].fetch_add(1, Ordering::Relaxed);
+        let n = record.samples.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_multiple_of(16) || n == self.inner.config.min_samples {
+            self.recompute(record, epoch);
+        }
+    }
+
+    fn recompute(&self, record: &Record, epoch: u64) {
+        let c = &self.inner.config;
+        // This window and the one before it, if it is the one just before.
+        let mut counts = [0u64; BUCKETS];
+        let mut total = 0;
+        for w in &record.windows {
+            let e = w.epoch.load(Ordering::Acquire);
+            if e == epoch || e + 1 == epoch {
+                for (sum, c) in counts.iter_mut().zip(&w.counts) {
+                    let n = c.load(Ordering::Relaxed);
+                    *sum += n;
+                    total += n;
+                }
+            }
+        }
+        if total < c.min_samples {
+            record.timeout.store(0, Ordering::Relaxed);
+            return;
+        }
+        let rank = ((total as f64) * c.percentile).ceil() as u64;
+        let mut seen = 0;
+        let mut at = BUCKETS - 1;
+        for (i, n) in counts.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                at = i;
+                break;
+            }
+        }
+        let timeout = upper_edge(at).mul_f64(c.factor).clamp(c.floor, c.ceiling);
+        let nanos = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1);
+        record.timeout.store(nanos, Ordering::Relaxed);
+    }
+
+    fn timeout_in(&self, record: &Record, attempt: u32) -> Duration {
+        let c = &self.inner.config;
+        let base = match record.timeout.load(Ordering::Relaxed) {
+            0 => c.fallback,
+            nanos => Duration::from_nanos(nanos),
+        };
+        // Stale: nothing recorded for two windows, so the value is forgotten too.
+        let epoch = record.epoch(Instant::now(), c.window);
+        let fresh = record.windows.iter().any(|w| {
+            let e = w.epoch.load(Ordering::Relaxed);
+            e == epoch || e + 1 == epoch
+        });
+        self.scaled(if fresh { base } else { c.fallback }, attempt)
+    }
+
+    /// `base` doubled for each attempt after the first, within the floor and the ceiling.
+    fn scaled(&self, base: Duration, attempt: u32) -> Duration {
+        let c = &self.inner.config;
+        let doublings = attempt.saturating_sub(1).min(20);
+        base.saturating_mul(1 << doublings)
+            .clamp(c.floor, c.ceiling)
+    }
+}
+
+/// A [`LatencyTimeouts`] record for one dependency, from [`LatencyTimeouts::bind`].
+#[derive(Clone)]
+pub struct BoundLatency {
+    record: Arc<Record>,
+    dependency: Dependency,
+    timeouts: LatencyTimeouts,
+}
+
+impl fmt::Debug for BoundLatency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BoundLatency")
+            .field("dependency", &self.dependency)
+            .field("timeouts", &self.timeouts)
+            .finish()
+    }
+}
+
+impl BoundLatency {
+    /// Records a successful attempt to `dependency` (this record's, or another's).
+    #[inline]
+    pub fn record(&self, dependency: &Dependency, latency: Duration) {
+        if *dependency == self.dependency {
+            self.timeouts.record_in(&self.record, latency);
+        } else {
+            self.timeouts.record(dependency, latency);
+        }
+    }
+
+    /// The timeout for attempt `attempt` to `dependency`, now.
+    #[inline]
+    pub fn timeout(&self, dependency: &Dependency, attempt: u32) -> Duration {
+        if *dependency == self.dependency {
+            self.timeouts.timeout_in(&self.record, attempt)
+        } else {
+            self.timeouts.timeout(dependency, attempt)
+        }
+    }
+}
