@@ -57,6 +57,8 @@ fn main() {
         assert!(r.clean_with_backstop >= 0.9998, "{}", r.clean_with_backstop);
     }
 
+    latency_shift(&rt, full);
+
     let minutes = if full { 20 } else { 2 };
     let every = Duration::from_millis(10);
     let rows = rt.block_on(sim::outage(Duration::from_secs(minutes * 60), every));
@@ -117,5 +119,48 @@ fn main() {
         budget_only.attempts - full_stack.attempts,
         budget_only.attempts,
         100.0 * (budget_only.attempts - full_stack.attempts) as f64 / budget_only.attempts as f64
+    );
+}
+
+/// The dependency's latency shifts from a 50 ms to a 400 ms median: a fixed attempt timeout
+/// against one learned from latency.
+fn latency_shift(rt: &tokio::runtime::Runtime, full: bool) {
+    let phase = Duration::from_secs(if full { 120 } else { 20 });
+    let rows = rt.block_on(sim::latency_shift(phase, Duration::from_millis(10), 7));
+    println!(
+        "\nLatency shift: a GET every 10 ms, {} s at a 50 ms median then {} s at 400 ms (lognormal, 1 % ten times slower):",
+        phase.as_secs(),
+        phase.as_secs()
+    );
+    println!(
+        "| timeout | median | calls | failed | attempts per call | attempts cut | p99 | p99.9 | timeout at the end |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {} ms | {} | {} | {:.3} | {} | {} ms | {} ms | {} ms |",
+            r.name,
+            r.median.as_millis(),
+            r.calls,
+            r.failed,
+            r.attempts as f64 / r.calls as f64,
+            r.cut,
+            r.p99.as_millis(),
+            r.p999.as_millis(),
+            r.timeout_at_end.as_millis()
+        );
+    }
+    let (fixed_after, learned_after) = (&rows[1], &rows[3]);
+    assert!(
+        learned_after.cut < fixed_after.cut,
+        "after the shift the learned timeout wastes fewer attempts: {} against {}",
+        learned_after.cut,
+        fixed_after.cut
+    );
+    assert!(learned_after.failed <= fixed_after.failed);
+    assert!(
+        learned_after.timeout_at_end >= Duration::from_millis(800),
+        "it reached the new latency: {:?}",
+        learned_after.timeout_at_end
     );
 }
