@@ -248,9 +248,10 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
 
     /// Each attempt's limit learned from the dependency's observed latency (a high percentile
     /// of its successful attempts, doubled for each retry, within a floor and a ceiling; a
-    /// fallback until enough samples exist) instead of a fixed [`attempt_timeout`]
-    /// (Self::attempt_timeout). Every successful attempt is recorded; the deadline still bounds
-    /// every attempt.
+    /// fallback until enough samples exist) instead of a fixed
+    /// [`attempt_timeout`](Self::attempt_timeout). Every successful attempt is recorded, and
+    /// every attempt the learned limit cut, at that limit; the deadline still bounds every
+    /// attempt.
     #[must_use]
     pub fn attempt_timeout_from_latency(mut self, latency: BoundLatency) -> Self {
         self.settings.latency = Some(latency);

@@ -82,3 +82,11 @@ pub(crate) fn attempt_timeout(d: &Dependency, limit: std::time::Duration) {
         .set(limit.as_secs_f64());
     let _ = (d, limit);
 }
+
+/// A hedge sent: `backstop_hedges_total{dependency}` (counted apart from retries).
+#[inline]
+pub(crate) fn hedge(d: &Dependency) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("backstop_hedges_total", "dependency" => label(d)).increment(1);
+    let _ = d;
+}

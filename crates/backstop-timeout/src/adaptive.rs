@@ -34,6 +34,7 @@ const RATIO: f64 = 1.25;
 #[derive(Clone, Debug, PartialEq)]
 pub struct LatencyConfig {
     percentile: f64,
+    hedge_percentile: f64,
     factor: f64,
     floor: Duration,
     ceiling: Duration,
@@ -49,6 +50,7 @@ impl Default for LatencyConfig {
     fn default() -> Self {
         LatencyConfig {
             percentile: 0.99,
+            hedge_percentile: 0.95,
             factor: 2.0,
             floor: Duration::from_millis(50),
             ceiling: Duration::from_secs(30),
@@ -65,6 +67,13 @@ impl LatencyConfig {
     #[must_use]
     pub fn percentile(mut self, p: f64) -> Self {
         self.percentile = p;
+        self
+    }
+
+    /// The percentile after which a hedged read sends a second attempt (0.95 = p95).
+    #[must_use]
+    pub fn hedge_percentile(mut self, p: f64) -> Self {
+        self.hedge_percentile = p;
         self
     }
 
@@ -123,6 +132,9 @@ impl LatencyConfig {
         if !(self.percentile > 0.0 && self.percentile < 1.0) {
             return bad("latency percentile must be between 0 and 1 (0.99 is p99)");
         }
+        if !(self.hedge_percentile > 0.0 && self.hedge_percentile < 1.0) {
+            return bad("latency hedge_percentile must be between 0 and 1 (0.95 is p95)");
+        }
         if !self.factor.is_finite() || self.factor < 1.0 {
             return bad("latency factor must be a finite number of at least 1");
         }
@@ -165,6 +177,8 @@ pub(crate) struct Record {
     samples: AtomicU64,
     /// The current timeout for a first attempt, in nanoseconds (0: not computed yet).
     timeout: AtomicU64,
+    /// The latency at the hedge percentile, in nanoseconds (0: not computed yet).
+    hedge: AtomicU64,
 }
 
 impl Record {
@@ -174,6 +188,7 @@ impl Record {
             origin: Instant::now(),
             samples: AtomicU64::new(0),
             timeout: AtomicU64::new(0),
+            hedge: AtomicU64::new(0),
         }
     }
 
@@ -323,21 +338,26 @@ impl LatencyTimeouts {
         }
         if total < c.min_samples {
             record.timeout.store(0, Ordering::Relaxed);
+            record.hedge.store(0, Ordering::Relaxed);
             return;
         }
-        let rank = ((total as f64) * c.percentile).ceil() as u64;
-        let mut seen = 0;
-        let mut at = BUCKETS - 1;
-        for (i, n) in counts.iter().enumerate() {
-            seen += n;
-            if seen >= rank {
-                at = i;
-                break;
+        let at = |p: f64| {
+            let rank = ((total as f64) * p).ceil() as u64;
+            let mut seen = 0;
+            for (i, n) in counts.iter().enumerate() {
+                seen += n;
+                if seen >= rank {
+                    return upper_edge(i);
+                }
             }
-        }
-        let timeout = upper_edge(at).mul_f64(c.factor).clamp(c.floor, c.ceiling);
-        let nanos = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1);
-        record.timeout.store(nanos, Ordering::Relaxed);
+            upper_edge(BUCKETS - 1)
+        };
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1);
+        let timeout = at(c.percentile).mul_f64(c.factor).clamp(c.floor, c.ceiling);
+        record.timeout.store(nanos(timeout), Ordering::Relaxed);
+        record
+            .hedge
+            .store(nanos(at(c.hedge_percentile)), Ordering::Relaxed);
     }
 
     fn timeout_in(&self, record: &Record, attempt: u32) -> Duration {
@@ -353,6 +373,28 @@ impl LatencyTimeouts {
             e == epoch || e + 1 == epoch
         });
         self.scaled(if fresh { base } else { c.fallback }, attempt)
+    }
+
+    fn hedge_in(&self, record: &Record) -> Option<Duration> {
+        let epoch = record.epoch(Instant::now(), self.inner.config.window);
+        let fresh = record.windows.iter().any(|w| {
+            let e = w.epoch.load(Ordering::Relaxed);
+            e == epoch || e + 1 == epoch
+        });
+        match record.hedge.load(Ordering::Relaxed) {
+            0 => None,
+            _ if !fresh => None,
+            nanos => Some(Duration::from_nanos(nanos)),
+        }
+    }
+
+    /// The latency at the hedge percentile for `dependency`, once the record holds enough
+    /// samples: when a hedged read sends its second attempt.
+    pub fn hedge_delay(&self, dependency: &Dependency) -> Option<Duration> {
+        self.inner
+            .records
+            .tracked(dependency)
+            .and_then(|record| self.hedge_in(&record))
     }
 
     /// `base` doubled for each attempt after the first, within the floor and the ceiling.
@@ -399,6 +441,32 @@ impl BoundLatency {
             self.timeouts.timeout_in(&self.record, attempt)
         } else {
             self.timeouts.timeout(dependency, attempt)
+        }
+    }
+
+    /// Records an attempt to `dependency` that a learned timeout cut at `limit` (it took at
+    /// least that): without it, a timeout learned from fast answers would cut the slow ones
+    /// and never learn them. An attempt cut at the fallback is not recorded (the fallback is
+    /// a guess, not evidence).
+    #[inline]
+    pub fn record_cut(&self, dependency: &Dependency, limit: Duration) {
+        let record = if *dependency == self.dependency {
+            self.record.clone()
+        } else {
+            self.timeouts.inner.records.get(dependency)
+        };
+        if record.timeout.load(Ordering::Relaxed) != 0 {
+            self.timeouts.record_in(&record, limit);
+        }
+    }
+
+    /// When a hedged read to `dependency` sends its second attempt, once known.
+    #[inline]
+    pub fn hedge_delay(&self, dependency: &Dependency) -> Option<Duration> {
+        if *dependency == self.dependency {
+            self.timeouts.hedge_in(&self.record)
+        } else {
+            self.timeouts.hedge_delay(dependency)
         }
     }
 }

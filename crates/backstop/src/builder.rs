@@ -8,12 +8,16 @@ use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
 use backstop_budget::{AdaptiveThrottle, Budget};
 use backstop_classify::{Classify, HttpClassifier};
-use backstop_core::{BoxError, Dependency, HasExtensions, HumanDuration, InvalidConfig};
+use backstop_core::{
+    BoxError, Dependency, HasExtensions, HumanDuration, InvalidConfig, RetryBudget,
+};
 use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey, ToolKeys,
 };
-use backstop_retry::{CloneRequest, HttpResend, Resend, Retry, RetryLayer, futures::RetryFuture};
-use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, LatencyTimeouts};
+use backstop_retry::{
+    CloneRequest, Hedging, HttpResend, Resend, Retry, RetryLayer, futures::RetryFuture,
+};
+use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, BoundLatency, LatencyTimeouts};
 use std::{
     fmt,
     future::Future,
@@ -493,6 +497,7 @@ impl<C, P, I> Backstop<C, P, I> {
             ));
         }
         let transport = self.resend.clone();
+        let hedge_classifier = self.classifier.clone();
         let mut retry = RetryLayer::new(self.classifier)
             .resend(self.resend)
             .dependency(self.dependency.clone())
@@ -501,8 +506,9 @@ impl<C, P, I> Backstop<C, P, I> {
             // The attempt timeout and the breaker work inside the retry loop (one future, one
             // classification per attempt); the deadline is kept by the retry layer too.
             .attempt_timeout(timeout);
-        if let Some(latency) = &self.latency {
-            retry = retry.attempt_timeout_from_latency(latency.bind(&self.dependency));
+        let latency = self.latency.as_ref().map(|l| l.bind(&self.dependency));
+        if let Some(latency) = &latency {
+            retry = retry.attempt_timeout_from_latency(latency.clone());
         }
         if let Some(d) = self.deadline {
             retry = retry.deadline(d);
@@ -517,12 +523,20 @@ impl<C, P, I> Backstop<C, P, I> {
             Some(b) => b,
             None => Some(Budget::process_wide()),
         };
-        match (self.throttle, budget) {
-            (Some(t), Some(b)) => retry = retry.budget(Arc::new(t.with_budget(b))),
-            (Some(t), None) => retry = retry.budget(Arc::new(t)),
-            (None, Some(b)) => retry = retry.budget(Arc::new(b.bind(&self.dependency))),
-            (None, None) => {}
+        let budget: Option<Arc<dyn RetryBudget>> = match (self.throttle, budget) {
+            (Some(t), Some(b)) => Some(Arc::new(t.with_budget(b))),
+            (Some(t), None) => Some(Arc::new(t)),
+            (None, Some(b)) => Some(Arc::new(b.bind(&self.dependency))),
+            (None, None) => None,
+        };
+        if let Some(b) = &budget {
+            retry = retry.budget(b.clone());
         }
+        let hedging = latency.map(|latency| HedgeParts {
+            classifier: hedge_classifier,
+            latency,
+            budget: budget.unwrap_or_else(|| Arc::new(backstop_core::NoBudget)),
+        });
         let inject = self.keys.injector().clone();
         let keys =
             (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
@@ -550,6 +564,7 @@ impl<C, P, I> Backstop<C, P, I> {
         Ok(BackstopLayer {
             dependency: self.dependency.clone(),
             retry,
+            hedging,
             transport,
             attempt_header: self.attempt_header,
             breaker,
@@ -714,9 +729,19 @@ where
 pub struct BackstopLayer<C, P, I> {
     dependency: Dependency,
     retry: RetryLayer<C, P, Dependency, StackHook<I>>,
+    /// What hedged reads need: the stack's classifier, its latency record and its budget.
+    hedging: Option<HedgeParts<C>>,
     transport: P,
     attempt_header: Option<http::HeaderName>,
     breaker: Option<Breaker>,
+}
+
+/// The parts of a stack that its hedged reads share.
+#[derive(Clone)]
+struct HedgeParts<C> {
+    classifier: C,
+    latency: BoundLatency,
+    budget: Arc<dyn RetryBudget>,
 }
 
 impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
@@ -752,6 +777,38 @@ impl<C, P, I> BackstopLayer<C, P, I> {
     /// The circuit breaker the stack asks before each attempt, if it has one.
     pub fn breaker(&self) -> Option<&Breaker> {
         self.breaker.as_ref()
+    }
+
+    /// `client` with hedged reads, to build this stack over (`layer.layer(layer.hedge(client,
+    /// Hedging::default())?)`): a replay-safe attempt still unanswered at the dependency's p95
+    /// of latency (the stack's [`attempt_timeout_from_latency`](Backstop::attempt_timeout_from_latency)
+    /// record) gets a copy sent, the first success wins, and each hedge is paid from the
+    /// stack's retry budget (and the call's run), so hedges stop when the dependency is
+    /// failing. A stack without a latency record cannot know when to hedge: that is an error.
+    pub fn hedge<S>(
+        &self,
+        client: S,
+        hedging: Hedging,
+    ) -> Result<backstop_retry::Hedge<S, C, P>, InvalidConfig>
+    where
+        C: Clone,
+        P: Clone,
+    {
+        let Some(parts) = &self.hedging else {
+            return Err(InvalidConfig::new(
+                "hedged reads send their copy after the dependency's observed latency: build the \
+                 stack with attempt_timeout_from_latency(..) first",
+            ));
+        };
+        let layer = backstop_retry::HedgeLayer::new(
+            hedging,
+            self.dependency.clone(),
+            parts.latency.clone(),
+            parts.budget.clone(),
+            parts.classifier.clone(),
+            self.transport.clone(),
+        );
+        Ok(Layer::layer(&layer, client))
     }
 }
 

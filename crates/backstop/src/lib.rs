@@ -269,8 +269,9 @@ pub mod retry {
     #[doc(inline)]
     pub use backstop_retry::{
         AttemptRecord, BufferBody, BufferBodyLayer, CallHook, CloneRequest, CopyableBody,
-        DEFAULT_MAX_ATTEMPTS, Diagnosis, HttpResend, Limits, NoHook, NotCopyable, Resend,
-        ResendBody, Retry, RetryError, RetryHistory, RetryLayer, StopReason, Told, futures,
+        DEFAULT_MAX_ATTEMPTS, Diagnosis, Hedge, HedgeFuture, HedgeLayer, Hedging, HttpResend,
+        Limits, NoHook, NotCopyable, Resend, ResendBody, Retry, RetryError, RetryHistory,
+        RetryLayer, StopReason, Told, futures,
     };
 }
 

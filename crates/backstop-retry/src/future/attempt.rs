@@ -7,6 +7,7 @@ use super::{
 use crate::layer::Policy;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions};
+use backstop_timeout::plumbing::Expiry;
 use pin_project::pin_project;
 use std::{
     future::Future,
@@ -72,6 +73,14 @@ impl<F> InFlight<F> {
             this.timer.set(Some(sleep_until(cutoff.at)));
         }
         ready!(this.timer.as_pin_mut().expect("set above").poll(cx));
+        // A learned timeout counts the attempt it cut at its limit (it took at least that):
+        // recording successes alone, a timeout learned from a few fast answers would cut the
+        // slow ones forever and never learn them.
+        if let (Some(latency), Expiry::Attempt { limit }) =
+            (&policy.settings.latency, cutoff.expiry)
+        {
+            latency.record_cut(&call.dependency, limit);
+        }
         let error = cutoff.error(Some(call.dependency.clone()));
         let verdict = own_verdict(&error);
         call.end_attempt(policy, Some(verdict));
