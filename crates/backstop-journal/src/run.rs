@@ -218,10 +218,7 @@ impl Journal {
             }
             tx.commit().await?;
         });
-        let found = self
-            .run_record(run)
-            .await?
-            .ok_or_else(|| JournalError::NotFound(format!("run {run}")))?;
+        let found = self.existing_run(run).await?;
         if found.workflow.as_deref() != Some(workflow) || found.input.as_deref() != input {
             return Err(JournalError::RunRefused {
                 run: run.to_owned(),
@@ -248,6 +245,13 @@ impl Journal {
                 None => Ok(None),
             }
         })
+    }
+
+    /// The record of run `run`, or `NotFound`.
+    pub(crate) async fn existing_run(&self, run: &str) -> Result<Run, JournalError> {
+        self.run_record(run)
+            .await?
+            .ok_or_else(|| JournalError::NotFound(format!("run {run}")))
     }
 
     /// What happened to run `run`, oldest first.
@@ -571,10 +575,7 @@ impl Journal {
         change: RunMove<'_>,
     ) -> Result<Run, JournalError> {
         let moved = self.move_run(run, change).await?;
-        let found = self
-            .run_record(run)
-            .await?
-            .ok_or_else(|| JournalError::NotFound(format!("run {run}")))?;
+        let found = self.existing_run(run).await?;
         if moved {
             return Ok(found);
         }
@@ -610,10 +611,7 @@ impl Journal {
                 },
             )
             .await?;
-        let found = self
-            .run_record(run)
-            .await?
-            .ok_or_else(|| JournalError::NotFound(format!("run {run}")))?;
+        let found = self.existing_run(run).await?;
         if !moved {
             return Err(JournalError::RunRefused {
                 run: run.to_owned(),

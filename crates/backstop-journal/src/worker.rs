@@ -465,11 +465,7 @@ impl Worker {
         run: &str,
         report: &mut ResumeReport,
     ) -> Result<Prepared, JournalError> {
-        let record = self
-            .journal
-            .run_record(run)
-            .await?
-            .ok_or_else(|| JournalError::NotFound(format!("run {run}")))?;
+        let record = self.journal.existing_run(run).await?;
         let Some(workflow) = record
             .workflow
             .as_deref()
