@@ -58,6 +58,7 @@ fn main() {
     }
 
     latency_shift(&rt, full);
+    tail_latency(&rt, full);
 
     let minutes = if full { 20 } else { 2 };
     let every = Duration::from_millis(10);
@@ -162,5 +163,38 @@ fn latency_shift(rt: &tokio::runtime::Runtime, full: bool) {
         learned_after.timeout_at_end >= Duration::from_millis(800),
         "it reached the new latency: {:?}",
         learned_after.timeout_at_end
+    );
+}
+
+/// A heavy tail in steady state: timeouts and hedges, Backstop's and tower's.
+fn tail_latency(rt: &tokio::runtime::Runtime, full: bool) {
+    let calls = if full { 12_000 } else { 2_000 };
+    let rows = rt.block_on(sim::tail_latency(calls, Duration::from_millis(10), 3));
+    println!(
+        "\nTail latency: a GET every 10 ms, {calls} calls, 50 ms median (lognormal), 2 % of attempts ten times slower:"
+    );
+    println!("| strategy | calls | failed | attempts per call | p99 | p99.9 |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {} ms | {} ms |",
+            r.name,
+            r.calls,
+            r.failed,
+            r.attempts as f64 / r.calls as f64,
+            r.p99.as_millis(),
+            r.p999.as_millis()
+        );
+    }
+    let (learned, hedged) = (&rows[1], &rows[2]);
+    assert!(
+        hedged.p99 * 2 <= learned.p99,
+        "hedging at least halves p99: {:?} against {:?}",
+        hedged.p99,
+        learned.p99
+    );
+    assert!(
+        hedged.attempts as f64 <= learned.attempts as f64 * 1.10,
+        "at most 10 % more attempts"
     );
 }

@@ -408,12 +408,14 @@ pub struct ShiftPhase {
 }
 
 /// A dependency whose latency is lognormal (`sigma` 0.4) around a median that the test moves,
-/// with one attempt in a hundred ten times slower (a heavy tail); seeded.
+/// with a share of attempts ten times slower (a heavy tail); seeded.
 #[derive(Clone)]
 struct Lognormal {
     rng: Arc<Mutex<SmallRng>>,
     median_micros: Arc<AtomicU64>,
     attempts: Arc<AtomicU64>,
+    /// The share of attempts ten times slower.
+    tail: f64,
 }
 
 impl Lognormal {
@@ -423,7 +425,7 @@ impl Lognormal {
         // Box-Muller.
         let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random::<f64>());
         let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-        let tail = if rng.random::<f64>() < 0.01 {
+        let tail = if rng.random::<f64>() < self.tail {
             10.0
         } else {
             1.0
@@ -467,6 +469,7 @@ pub async fn latency_shift(phase: Duration, every: Duration, seed: u64) -> Vec<S
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             median_micros: Arc::new(AtomicU64::new(50_000)),
             attempts: Arc::default(),
+            tail: 0.01,
         };
         let latency =
             LatencyTimeouts::new(LatencyConfig::default().window(Duration::from_secs(10)))
@@ -535,4 +538,173 @@ pub async fn latency_shift(phase: Duration, every: Duration, seed: u64) -> Vec<S
         }
     }
     out
+}
+
+/// What one strategy did in [`tail_latency`].
+#[derive(Clone, Debug)]
+pub struct TailRow {
+    /// The strategy.
+    pub name: &'static str,
+    /// Logical calls.
+    pub calls: u64,
+    /// Calls that failed.
+    pub failed: u64,
+    /// Attempts at the dependency.
+    pub attempts: u64,
+    /// p99 of successful calls.
+    pub p99: Duration,
+    /// p99.9 of successful calls.
+    pub p999: Duration,
+}
+
+/// One GET every `every`, `calls` of them, to a dependency at a 50 ms median (lognormal) with
+/// 2 % of attempts ten times slower, after a warm-up of 500 calls, on the paused clock: a fixed
+/// attempt timeout, one learned from latency, that and hedged reads on the retry budget, and
+/// tower's `hedge` (p95, 20 data points, a 10 s period) over the same dependency.
+pub async fn tail_latency(calls: u64, every: Duration, seed: u64) -> Vec<TailRow> {
+    use backstop::{
+        retry::Hedging,
+        timeout::{LatencyConfig, LatencyTimeouts},
+    };
+    let dependency = || Lognormal {
+        rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
+        median_micros: Arc::new(AtomicU64::new(50_000)),
+        attempts: Arc::default(),
+        tail: 0.02,
+    };
+    let backstop = |learned: Option<&LatencyTimeouts>| {
+        let b = Backstop::http("search-api")
+            .p99(Duration::from_millis(150))
+            .deadline(Duration::from_secs(5))
+            .budget(Budget::default())
+            .no_breaker()
+            .rng(RngSource::seeded(seed));
+        match learned {
+            Some(l) => b.attempt_timeout_from_latency(l.clone()),
+            None => b,
+        }
+        .build()
+        .expect("a valid stack")
+    };
+    let latency = || {
+        LatencyTimeouts::new(LatencyConfig::default().window(Duration::from_secs(10)))
+            .expect("a valid configuration")
+    };
+    let mut out = Vec::new();
+
+    let dep = dependency();
+    let svc = backstop(None).layer(dep.service());
+    out.push(measure_tail("fixed attempt timeout (375 ms)", svc, &dep, calls, every).await);
+
+    let dep = dependency();
+    let learned = latency();
+    let svc = backstop(Some(&learned)).layer(dep.service());
+    out.push(
+        measure_tail(
+            "attempt timeout learned from latency",
+            svc,
+            &dep,
+            calls,
+            every,
+        )
+        .await,
+    );
+
+    let dep = dependency();
+    let learned = latency();
+    let layer = backstop(Some(&learned));
+    let svc = layer.layer(
+        layer
+            .hedge(dep.service(), Hedging::default())
+            .expect("a latency record"),
+    );
+    out.push(
+        measure_tail(
+            "learned timeout + hedged reads on the budget (p95)",
+            svc,
+            &dep,
+            calls,
+            every,
+        )
+        .await,
+    );
+
+    let dep = dependency();
+    // tower's Hedge is not Clone: a Buffer shares it, as users do.
+    let hedged = tower::buffer::Buffer::new(
+        tower::hedge::Hedge::new(dep.service(), CloneGet, 20, 0.95, Duration::from_secs(10)),
+        1024,
+    );
+    out.push(measure_tail("tower hedge (p95), no budget", hedged, &dep, calls, every).await);
+    out
+}
+
+/// tower's hedge policy for the simulation's GETs: every request may be hedged.
+#[derive(Clone, Copy, Debug)]
+struct CloneGet;
+
+impl tower::hedge::Policy<Req> for CloneGet {
+    fn clone_request(&self, req: &Req) -> Option<Req> {
+        let mut copy = Request::new(req.body().clone());
+        *copy.method_mut() = req.method().clone();
+        *copy.uri_mut() = req.uri().clone();
+        Some(copy)
+    }
+
+    fn can_retry(&self, _req: &Req) -> bool {
+        true
+    }
+}
+
+async fn measure_tail<S, R, E>(
+    name: &'static str,
+    svc: S,
+    dep: &Lognormal,
+    calls: u64,
+    every: Duration,
+) -> TailRow
+where
+    S: Service<Req, Response = Response<R>, Error = E> + Clone + Send + 'static,
+    S::Future: Send,
+    R: Send + 'static,
+    E: Send + 'static,
+{
+    let run = |n: u64| {
+        let svc = svc.clone();
+        async move {
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..n {
+                let svc = svc.clone();
+                tasks.spawn(async move {
+                    let start = tokio::time::Instant::now();
+                    let req = Request::get("http://search.local/q")
+                        .body(Full::default())
+                        .expect("a request");
+                    let ok = svc.oneshot(req).await.is_ok();
+                    (ok, start.elapsed())
+                });
+                tokio::time::sleep(every).await;
+            }
+            let (mut took, mut failed) = (Vec::new(), 0);
+            while let Some(done) = tasks.join_next().await {
+                match done.expect("the call's task") {
+                    (true, t) => took.push(t),
+                    (false, _) => failed += 1,
+                }
+            }
+            took.sort();
+            (took, failed)
+        }
+    };
+    run(500).await;
+    let before = dep.attempts.load(Ordering::Relaxed);
+    let (took, failed) = run(calls).await;
+    TailRow {
+        name,
+        calls,
+        failed,
+        attempts: dep.attempts.load(Ordering::Relaxed) - before,
+        p99: percentile(&took, 0.99),
+        p999: percentile(&took, 0.999),
+    }
 }
