@@ -334,20 +334,13 @@ where
             if this.timer.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            // Due: one more copy, if the budget pays for it and the service is ready.
-            let dependency = &this.shared.dependency;
-            let run_pays = this.run.as_ref().is_none_or(|r| r.take_retry(dependency));
-            if !run_pays || !this.shared.budget.withdraw(dependency) {
-                if run_pays && let Some(run) = this.run.as_ref() {
-                    run.give_back(dependency);
-                }
-                *this.template = None;
-                return Poll::Pending;
-            }
+            // Due: one more copy, once the service is ready (a hedge waits for readiness while
+            // the copies in flight go on), if it can be copied and the run and the budget pay
+            // for it: a token is taken only for a copy that is sent.
             match this.svc.poll_ready(cx) {
                 Poll::Ready(Ok(())) => {}
-                // Not ready: the copy is not sent; what is in flight goes on.
-                Poll::Ready(Err(_)) | Poll::Pending => {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(_)) => {
                     *this.template = None;
                     return Poll::Pending;
                 }
@@ -357,6 +350,15 @@ where
                 *this.template = None;
                 return Poll::Pending;
             };
+            let dependency = &this.shared.dependency;
+            let run_pays = this.run.as_ref().is_none_or(|r| r.take_retry(dependency));
+            if !run_pays || !this.shared.budget.withdraw(dependency) {
+                if run_pays && let Some(run) = this.run.as_ref() {
+                    run.give_back(dependency);
+                }
+                *this.template = None;
+                return Poll::Pending;
+            }
             let n = this.hedges.len() as u32 + 1;
             let span = tracing::debug_span!(target: "backstop::retry", "hedge", dependency = %dependency, hedge = n);
             obs::hedge(dependency);

@@ -233,3 +233,39 @@ async fn a_request_that_is_not_replay_safe_is_never_hedged_and_hedging_needs_a_r
         "{e}"
     );
 }
+
+/// A hedge waits for the service's readiness, and a copy that is never sent takes no token:
+/// under a concurrency limit of one, the slow first copy holds the only permit.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_the_service_cannot_take_costs_nothing() {
+    let counts = Counts::default();
+    let latency = latency();
+    let budget = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
+    let layer = stack_layer(&latency, &budget);
+    let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(dependency(&counts, 21, 200));
+    // Learn the latency one call at a time (the limit lets nothing overlap).
+    for _ in 0..300 {
+        layer
+            .clone()
+            .layer(limited.clone())
+            .oneshot(get())
+            .await
+            .unwrap();
+    }
+    let before = budget.stats(&"search-api".into()).retries;
+    counts.attempts.store(0, Ordering::SeqCst);
+    let svc = layer.layer(layer.hedge(limited, Hedging::default()).unwrap());
+    for _ in 0..300 {
+        svc.clone().oneshot(get()).await.unwrap();
+    }
+    assert_eq!(
+        counts.attempts.load(Ordering::SeqCst),
+        300,
+        "no copy was sent"
+    );
+    assert_eq!(
+        budget.stats(&"search-api".into()).retries,
+        before,
+        "and none was paid for"
+    );
+}
