@@ -240,7 +240,13 @@ async fn a_request_that_is_not_replay_safe_is_never_hedged_and_hedging_needs_a_r
 async fn a_hedge_the_service_cannot_take_costs_nothing() {
     let counts = Counts::default();
     let latency = latency();
-    let budget = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
+    // A window longer than the test, so that the budget's count covers all of it.
+    let budget = Budget::new(
+        BudgetConfig::default()
+            .min_retries_per_sec(0.0)
+            .window(Duration::from_secs(3_600)),
+    )
+    .unwrap();
     let layer = stack_layer(&latency, &budget);
     let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(dependency(&counts, 21, 200));
     // Learn the latency one call at a time (the limit lets nothing overlap).
