@@ -39,6 +39,9 @@ pub(crate) struct Settings {
     pub(crate) budget: Arc<dyn RetryBudget>,
     /// The budget admits each attempt too ([`RetryBudget::admits`]).
     pub(crate) budget_admits: bool,
+    /// Something is asked before and told after every attempt (`budget_admits`, or a latency
+    /// record): one check on the path of an attempt when nothing is.
+    pub(crate) attempt_hooks: bool,
     pub(crate) deadline: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     /// Attempt timeouts learned from observed latency, instead of `attempt_timeout`.
@@ -116,6 +119,7 @@ impl<C> RetryLayer<C> {
                 rng: RngSource::from_entropy(),
                 budget: Arc::new(NoBudget),
                 budget_admits: false,
+                attempt_hooks: false,
                 deadline: None,
                 attempt_timeout: None,
                 latency: None,
@@ -220,6 +224,8 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
     #[must_use]
     pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
         self.settings.budget_admits = budget.admits();
+        self.settings.attempt_hooks =
+            self.settings.budget_admits || self.settings.latency.is_some();
         self.settings.budget = budget;
         self
     }
@@ -255,6 +261,7 @@ impl<C, P, K, H> RetryLayer<C, P, K, H> {
     #[must_use]
     pub fn attempt_timeout_from_latency(mut self, latency: BoundLatency) -> Self {
         self.settings.latency = Some(latency);
+        self.settings.attempt_hooks = true;
         self
     }
 

@@ -8,6 +8,7 @@ use crate::{
 use backstop_classify::Verdict;
 use backstop_core::{BoxError, Deadline, Dependency, HasExtensions, Outcome};
 use backstop_timeout::plumbing::AttemptCutoff;
+use std::time::Duration;
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Span;
@@ -115,18 +116,50 @@ impl<S, Req> Call<S, Req> {
         if let (Some(ticket), Some(gate)) = (self.ticket.take(), &policy.settings.gate) {
             gate.complete(&self.dependency, ticket, verdict, self.attempt_started);
         }
-        if policy.settings.budget_admits
-            && self.sent
+        if policy.settings.attempt_hooks && self.sent {
+            self.after_attempt(policy, verdict);
+        }
+    }
+
+    /// What the budget and the latency record learn from an attempt that was sent.
+    #[cold]
+    #[inline(never)]
+    fn after_attempt<C, P, H>(&self, policy: &Policy<C, P, H>, verdict: Option<Verdict>) {
+        let settings = &policy.settings;
+        if settings.budget_admits
             && let Some(verdict) = verdict
         {
-            policy.settings.budget.observe(&self.dependency, &verdict);
+            settings.budget.observe(&self.dependency, &verdict);
         }
-        if let Some(latency) = &policy.settings.latency
-            && self.sent
+        if let Some(latency) = &settings.latency
             && verdict == Some(Verdict::Success)
         {
             latency.record(&self.dependency, self.attempt_started.elapsed());
         }
+    }
+
+    /// Before an attempt: its limit learned from latency (the fixed one otherwise), and the
+    /// budget's admission (client-side throttling); `Err` refuses it, nothing sent.
+    #[cold]
+    #[inline(never)]
+    fn before_attempt<C, P, H>(
+        &mut self,
+        policy: &Policy<C, P, H>,
+    ) -> Result<Option<Duration>, BoxError> {
+        let settings = &policy.settings;
+        if settings.budget_admits {
+            settings.budget.admit(&self.dependency)?;
+        }
+        let Some(latency) = &settings.latency else {
+            return Ok(settings.attempt_timeout);
+        };
+        let limit = latency.timeout(&self.dependency, self.attempt);
+        crate::obs::attempt_timeout(&self.dependency, limit);
+        if !self.span.is_disabled() {
+            self.span
+                .record("attempt_timeout_ms", limit.as_millis() as u64);
+        }
+        Ok(Some(limit))
     }
 
     /// Counts the next attempt, begun at `now` and not sent yet.
@@ -156,17 +189,15 @@ where
     ) -> Result<S::Future, EndedWith<S::Response, S::Error>> {
         self.next_attempt(now);
         self.span = attempt_span(parent, &self.dependency, self.attempt);
-        let limit = match &policy.settings.latency {
-            Some(latency) => {
-                let limit = latency.timeout(&self.dependency, self.attempt);
-                crate::obs::attempt_timeout(&self.dependency, limit);
-                if !self.span.is_disabled() {
-                    self.span
-                        .record("attempt_timeout_ms", limit.as_millis() as u64);
-                }
-                Some(limit)
+        // Client-side throttling and a learned limit, when there are: a throttle's refusal
+        // holds no gate ticket.
+        let limit = if policy.settings.attempt_hooks {
+            match self.before_attempt(policy) {
+                Ok(limit) => limit,
+                Err(refused) => return Err((Ended::Own(refused), NOT_SENT)),
             }
-            None => policy.settings.attempt_timeout,
+        } else {
+            policy.settings.attempt_timeout
         };
         self.cutoff = match AttemptCutoff::plan(now, limit, self.deadline) {
             Ok(cutoff) => cutoff,
@@ -176,12 +207,6 @@ where
                 return Err((Ended::Own(error), verdict));
             }
         };
-        // Client-side throttling first: a refusal here holds no gate ticket.
-        if policy.settings.budget_admits
-            && let Err(throttled) = policy.settings.budget.admit(&self.dependency)
-        {
-            return Err((Ended::Own(Box::new(throttled)), NOT_SENT));
-        }
         if let Some(gate) = &policy.settings.gate {
             match gate.admit(&self.dependency) {
                 Ok(ticket) => self.ticket = Some(ticket),
