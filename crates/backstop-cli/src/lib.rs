@@ -11,6 +11,15 @@
 //! backstop journal stub RUN STEP --result JSON --by WHO --why WHY
 //! ```
 //!
+//! ```text
+//! backstop letters list [--count N]                 dead letters on the stream, oldest first
+//! backstop letters read --group G --consumer C      letters not yet given to anyone in group G
+//! backstop letters ack --group G ID...              settled: acknowledged for group G
+//! ```
+//!
+//! The stream is `--redis URL` (or `BACKSTOP_REDIS`) and `--stream NAME` (`dead-letters` by
+//! default), as `RedisStreamSink` writes it.
+//!
 //! `STATE` is one of `pending`, `succeeded`, `failed`, `cancelled`, `needs_human`. `cancel`
 //! stops a run for good (the worker running it stops within a third of its lease); `retry`
 //! sends a failed step again with the same key; `stub` writes the result the workflow will see
@@ -48,6 +57,8 @@ struct Cli {
 enum Command {
     /// The step journal: what every run did, and what needs a person.
     Journal(JournalArgs),
+    /// Dead letters on a Redis stream: list them, read them with a consumer group, acknowledge.
+    Letters(letters::LettersArgs),
 }
 
 #[derive(Args, Debug)]
@@ -181,6 +192,8 @@ struct ResolveArgs {
     why: String,
 }
 
+mod letters;
+
 /// What went wrong, and the exit code it gets.
 struct Failure {
     code: u8,
@@ -217,8 +230,11 @@ where
             return u8::try_from(e.exit_code()).unwrap_or(2);
         }
     };
-    let Command::Journal(args) = cli.command;
-    match journal(args).await {
+    let result = match cli.command {
+        Command::Journal(args) => journal(args).await,
+        Command::Letters(args) => letters::run(args).await,
+    };
+    match result {
         Ok(code) => code,
         Err(f) => {
             eprintln!("backstop: {}", f.message);

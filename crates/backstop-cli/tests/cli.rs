@@ -339,3 +339,101 @@ async fn show_reads_a_run_in_a_fixed_number_of_queries() {
         "2 steps and 20 steps: {trips:?} round trips"
     );
 }
+
+fn letters(redis: &str, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["letters", "--redis", redis])
+        .args(args)
+        .output()
+        .expect("the backstop binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The operator reads dead letters from the stream with a consumer group and acknowledges
+/// them, with the real binary against a `redis-server` of the test's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_reads_and_acknowledges_dead_letters() {
+    use backstop::dead_letters_redis::{RedisStreamSink, StreamConfig};
+    use tower::{Layer, ServiceExt};
+    let redis = backstop_testkit::RedisServer::start().await;
+    let sink = RedisStreamSink::connect(&redis.url(), "dead-letters", StreamConfig::default())
+        .await
+        .unwrap();
+    let lost = tower::service_fn(|_req: http::Request<String>| async {
+        Err::<http::Response<()>, _>(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "the reply was lost",
+        ))
+    });
+    let stack = backstop::Backstop::http("payments-api")
+        .no_breaker()
+        .dead_letters(std::sync::Arc::new(sink.clone()))
+        .build()
+        .unwrap()
+        .layer(lost);
+    for i in 0..3 {
+        let req = http::Request::post(format!("http://payments.local/refunds/{i}"))
+            .body(String::new())
+            .unwrap();
+        assert!(stack.clone().oneshot(req).await.is_err());
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sink.stats().written < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", sink.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let url = redis.url();
+    tokio::task::spawn_blocking(move || {
+        let (code, out, err) = letters(&url, &["list"]);
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains("payments-api") && out.contains("unknown"),
+            "{out}"
+        );
+        let (code, out, err) = letters(
+            &url,
+            &[
+                "--json",
+                "read",
+                "--group",
+                "ops",
+                "--consumer",
+                "ana",
+                "--count",
+                "2",
+            ],
+        );
+        assert_eq!(code, 0, "{err}");
+        let read: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let ids: Vec<String> = read
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(ids.len(), 2);
+        let (code, out, _) = letters(&url, &["read", "--group", "ops", "--consumer", "bo"]);
+        assert_eq!(code, 0);
+        let rows = out
+            .lines()
+            .filter(|l| l.contains("┆ payments-api ┆"))
+            .count();
+        assert_eq!(rows, 1, "the one left: {out}");
+        let mut ack = vec!["ack", "--group", "ops"];
+        ack.extend(ids.iter().map(String::as_str));
+        let (code, out, err) = letters(&url, &ack);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("2 of 2 acknowledged"), "{out}");
+        let (code, _, _) = letters(&url, &["ack", "--group", "ops"]);
+        assert_eq!(code, 2, "ids are required");
+        let (code, _, err) = letters("redis://127.0.0.1:1/", &["list"]);
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains("cannot reach Redis"), "{err}");
+    })
+    .await
+    .unwrap();
+}

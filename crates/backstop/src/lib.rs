@@ -110,6 +110,8 @@ mod attempt_header;
 mod box_errors;
 mod builder;
 mod dead_letter;
+#[cfg(feature = "dead-letters-redis")]
+mod dead_letter_stream;
 mod error;
 #[cfg(feature = "grpc")]
 mod grpc_stack;
@@ -476,6 +478,17 @@ pub mod reqwest {
     #[cfg(feature = "reqwest-middleware")]
     pub use crate::reqwest_client::BackstopMiddleware;
     pub use crate::reqwest_client::ReqwestService;
+}
+
+/// Dead letters on a Redis stream: [`RedisStreamSink`](dead_letters_redis::RedisStreamSink)
+/// writes them off the call's path (a bounded queue, drops counted), and
+/// [`DeadLetterStream`](dead_letters_redis::DeadLetterStream) reads them with a consumer group
+/// and acknowledges the settled ones. Feature `dead-letters-redis`.
+#[cfg(feature = "dead-letters-redis")]
+pub mod dead_letters_redis {
+    pub use crate::dead_letter_stream::{
+        DeadLetterStream, RedisStreamSink, StreamConfig, StreamLetter, StreamStats,
+    };
 }
 
 /// The fault layer: lose replies after the service acted, reset or refuse connections, answer
