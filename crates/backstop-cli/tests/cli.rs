@@ -5,11 +5,9 @@ use backstop_core::Outcome;
 use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, RunOutcome, Step};
 use std::{process::Command, time::Duration};
 
-fn backstop(db: &str, args: &[&str]) -> (i32, String, String) {
+/// The `backstop` binary run with `args`: its exit code, standard output and error.
+fn run_cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_backstop"))
-        .arg("journal")
-        .arg("--db")
-        .arg(db)
         .args(args)
         .output()
         .expect("the backstop binary runs");
@@ -18,6 +16,10 @@ fn backstop(db: &str, args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+fn backstop(db: &str, args: &[&str]) -> (i32, String, String) {
+    run_cli(&[&["journal", "--db", db][..], args].concat())
 }
 
 /// A run with a done step, a step nobody can tell about, and a parked one.
@@ -341,16 +343,7 @@ async fn show_reads_a_run_in_a_fixed_number_of_queries() {
 }
 
 fn letters(redis: &str, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_backstop"))
-        .args(["letters", "--redis", redis])
-        .args(args)
-        .output()
-        .expect("the backstop binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    run_cli(&[&["letters", "--redis", redis][..], args].concat())
 }
 
 /// The operator reads dead letters from the stream with a consumer group and acknowledges

@@ -494,28 +494,8 @@ pub async fn latency_shift(phase: Duration, every: Duration, seed: u64) -> Vec<S
             dep.median_micros
                 .store(median.as_micros() as u64, Ordering::Relaxed);
             let before = dep.attempts.load(Ordering::Relaxed);
-            let mut tasks = tokio::task::JoinSet::new();
             let calls = (phase.as_nanos() / every.as_nanos()) as u64;
-            for _ in 0..calls {
-                let svc = stack.clone();
-                tasks.spawn(async move {
-                    let start = tokio::time::Instant::now();
-                    let req = Request::get("http://search.local/q")
-                        .body(Full::default())
-                        .expect("a request");
-                    let ok = svc.oneshot(req).await.is_ok();
-                    (ok, start.elapsed())
-                });
-                tokio::time::sleep(every).await;
-            }
-            let (mut took, mut failed) = (Vec::new(), 0);
-            while let Some(done) = tasks.join_next().await {
-                match done.expect("the call's task") {
-                    (true, t) => took.push(t),
-                    (false, _) => failed += 1,
-                }
-            }
-            took.sort();
+            let (took, failed) = gets(&stack, calls, every).await;
             let attempts = dep.attempts.load(Ordering::Relaxed) - before;
             let succeeded = took.len() as u64;
             out.push(ShiftPhase {
@@ -669,36 +649,9 @@ where
     R: Send + 'static,
     E: Send + 'static,
 {
-    let run = |n: u64| {
-        let svc = svc.clone();
-        async move {
-            let mut tasks = tokio::task::JoinSet::new();
-            for _ in 0..n {
-                let svc = svc.clone();
-                tasks.spawn(async move {
-                    let start = tokio::time::Instant::now();
-                    let req = Request::get("http://search.local/q")
-                        .body(Full::default())
-                        .expect("a request");
-                    let ok = svc.oneshot(req).await.is_ok();
-                    (ok, start.elapsed())
-                });
-                tokio::time::sleep(every).await;
-            }
-            let (mut took, mut failed) = (Vec::new(), 0);
-            while let Some(done) = tasks.join_next().await {
-                match done.expect("the call's task") {
-                    (true, t) => took.push(t),
-                    (false, _) => failed += 1,
-                }
-            }
-            took.sort();
-            (took, failed)
-        }
-    };
-    run(500).await;
+    gets(&svc, 500, every).await;
     let before = dep.attempts.load(Ordering::Relaxed);
-    let (took, failed) = run(calls).await;
+    let (took, failed) = gets(&svc, calls, every).await;
     TailRow {
         name,
         calls,
@@ -707,4 +660,37 @@ where
         p99: percentile(&took, 0.99),
         p999: percentile(&took, 0.999),
     }
+}
+
+/// `n` GETs, one every `every`, each in a task of its own: the successful calls' durations,
+/// sorted, and how many failed.
+async fn gets<S, R, E>(svc: &S, n: u64, every: Duration) -> (Vec<Duration>, u64)
+where
+    S: Service<Req, Response = Response<R>, Error = E> + Clone + Send + 'static,
+    S::Future: Send,
+    R: Send + 'static,
+    E: Send + 'static,
+{
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let svc = svc.clone();
+        tasks.spawn(async move {
+            let start = tokio::time::Instant::now();
+            let req = Request::get("http://search.local/q")
+                .body(Full::default())
+                .expect("a request");
+            let ok = svc.oneshot(req).await.is_ok();
+            (ok, start.elapsed())
+        });
+        tokio::time::sleep(every).await;
+    }
+    let (mut took, mut failed) = (Vec::new(), 0);
+    while let Some(done) = tasks.join_next().await {
+        match done.expect("the call's task") {
+            (true, t) => took.push(t),
+            (false, _) => failed += 1,
+        }
+    }
+    took.sort();
+    (took, failed)
 }
