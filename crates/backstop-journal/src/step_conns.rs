@@ -29,14 +29,18 @@ impl StepConnections {
         })
     }
 
-    /// An idle connection, or a new one (within 5 s, as the pool's).
+    /// An idle connection, or a new one: waiting for one and connecting each within 5 s, as
+    /// the pool's acquire does (a database that cannot be reached is an error, not a hang).
     pub(crate) async fn checkout(self: &Arc<Self>) -> Result<Checkout, JournalError> {
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| JournalError::Store("the journal is closed".into()))?;
+        let permit =
+            tokio::time::timeout(Duration::from_secs(5), self.permits.clone().acquire_owned())
+                .await
+                .map_err(|_| {
+                    JournalError::Store(format!(
+                        "all {MAX} of the journal's step connections stayed busy for 5 s"
+                    ))
+                })?
+                .map_err(|_| JournalError::Store("the journal is closed".into()))?;
         let idle = self.idle.lock().expect("step connections").pop();
         let conn = match idle {
             Some(conn) => conn,
@@ -72,5 +76,35 @@ impl Checkout {
         if let Some(conn) = self.conn.take() {
             self.home.idle.lock().expect("step connections").push(conn);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every step connection busy: the next step waits 5 s, then fails with words, and gets
+    /// one as soon as one is handed back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_step_waits_for_a_busy_connection_within_bounds() {
+        let pg = backstop_testkit::PostgresServer::start().await;
+        let conns = StepConnections::new(pg.url().parse().unwrap());
+        let mut held = Vec::new();
+        for _ in 0..MAX {
+            held.push(conns.checkout().await.unwrap());
+        }
+        let started = tokio::time::Instant::now();
+        // Bounded here too, so that a checkout that waits for ever fails the test, not hangs it.
+        let waited = tokio::time::timeout(Duration::from_secs(10), conns.checkout()).await;
+        let Ok(Err(e)) = waited else {
+            panic!("a ninth connection while eight are held");
+        };
+        assert!(started.elapsed() >= Duration::from_secs(5));
+        assert!(e.to_string().contains("stayed busy for 5 s"), "{e}");
+        held.pop().unwrap().keep();
+        assert!(
+            conns.checkout().await.is_ok(),
+            "one handed back is taken again"
+        );
     }
 }
