@@ -1,33 +1,54 @@
 use crate::{Deadline, Dependency, HasExtensions};
+use std::any::TypeId;
 use tokio::time::Instant;
 
-/// The per-call facts Backstop's layers share: the deadline, the dependency and the retry-scope
-/// mark.
+/// Who owns a call's retries: a retry layer names itself by a type of its own, so no other
+/// code can claim a call in its name.
+///
+/// A retry layer makes one attempt and leaves retrying to the outer one when the request's
+/// context is owned by the same kind of layer as itself. Backstop's retry layer owns calls
+/// under a type private to it: a caller cannot name that type, so no caller can set the mark
+/// that silences Backstop's retry layers; it can only claim calls for a retrying layer of its
+/// own ([`CallContext::claim`]), which Backstop's layers see as "someone outside retries"
+/// ([`RetryScope::is_marked`](crate::RetryScope::is_marked)) and nothing more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ScopeOwner(TypeId);
+
+impl ScopeOwner {
+    /// The owner named by the type `T`.
+    #[inline]
+    pub fn of<T: ?Sized + 'static>() -> Self {
+        ScopeOwner(TypeId::of::<T>())
+    }
+}
+
+/// The per-call facts Backstop's layers share: the deadline, the dependency, the attempt and
+/// who owns the call's retries.
 ///
 /// It travels **with the request**, in its extensions. The outermost retry layer puts it on
-/// the request once, before it keeps the request for replays, so every attempt's copy carries
-/// it: a layer further in sees it whatever runs between the two (a `service_fn` whose future
-/// calls the next stack with `oneshot`, a `tower::buffer::Buffer` and its worker task, a
-/// request body buffering layer), and work that is not this request (a new call made inside
-/// another's `call`, to another dependency) never sees it. Nested retry layers, the attempt
-/// timeout, breaker and idempotency layers and any leaf read it through [`Deadline::of`],
-/// [`Dependency::of`] and [`RetryScope::is_marked`](crate::RetryScope::is_marked).
+/// each attempt's copy, so a layer further in sees it whatever runs between the two (a
+/// `service_fn` whose future calls the next stack with `oneshot`, a `tower::buffer::Buffer` and
+/// its worker task, a request body buffering layer), and work that is not this request (a new
+/// call made inside another's `call`, to another dependency) never sees it. Nested retry
+/// layers, the attempt timeout, breaker and idempotency layers and any leaf read it through
+/// [`Deadline::of`], [`Dependency::of`], [`RetryScope::is_marked`](crate::RetryScope::is_marked)
+/// and the readers here.
 ///
 /// Those readers also accept a bare `Deadline` or `Dependency` that a caller put in the
-/// extensions itself; the retry-scope mark is only ever set by a retry layer ([`claim`]).
-///
-/// [`claim`]: CallContext::claim
+/// extensions itself.
 ///
 /// ```
-/// use backstop_core::plumbing::CallContext;
-/// use backstop_core::{Deadline, Dependency, HasExtensions, RetryScope};
+/// use backstop_core::{CallContext, Deadline, Dependency, RetryScope, ScopeOwner};
 /// use std::time::Duration;
 ///
+/// // A retrying layer of one's own claims calls under a type of its own.
+/// struct MyRetries;
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
-/// CallContext::claim(&mut req, Dependency::new("search-api"), Some(deadline), None, None);
+/// CallContext::claim(&mut req, ScopeOwner::of::<MyRetries>(), Dependency::new("search-api"), Some(deadline));
 /// assert!(RetryScope::is_marked(&req));
+/// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<MyRetries>()));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
 /// assert_eq!(Deadline::of(&req), Some(deadline));
 /// ```
@@ -35,7 +56,8 @@ use tokio::time::Instant;
 pub struct CallContext {
     pub(crate) deadline: Option<Deadline>,
     pub(crate) dependency: Option<Dependency>,
-    pub(crate) retry_scope: bool,
+    /// The retry layer that owns the call, if one does.
+    pub(crate) owner: Option<ScopeOwner>,
     /// The outermost retry layer's attempt number (1 for the first), 0 before any.
     pub(crate) attempt: u32,
     /// When the retry layer that made this attempt cuts it (its attempt timeout or the
@@ -52,7 +74,7 @@ impl CallContext {
 
     /// The context on a request, created empty if absent.
     #[inline]
-    pub fn of_mut<R: HasExtensions + ?Sized>(req: &mut R) -> &mut CallContext {
+    pub(crate) fn of_mut<R: HasExtensions + ?Sized>(req: &mut R) -> &mut CallContext {
         let ext = req.extensions_mut();
         if ext.get::<CallContext>().is_none() {
             ext.insert(CallContext::default());
@@ -60,25 +82,32 @@ impl CallContext {
         ext.get_mut::<CallContext>().expect("just inserted")
     }
 
-    /// Records that a retry layer owns the call to `dependency`, within `deadline`: what a
-    /// retry layer does to a request before its first attempt.
-    /// `attempt_end` is when the retry layer cuts this attempt (a layer further in that keeps
-    /// the same limit, the composed stack's body timer, reads it instead of planning again).
+    /// Records that the retrying layer `owner` owns the call to `dependency`, within
+    /// `deadline`: what a retry layer does to a request before it sends it. Returns the
+    /// context, for the attempt's facts ([`for_attempt`](Self::for_attempt)).
     #[inline]
     pub fn claim<R: HasExtensions + ?Sized>(
         req: &mut R,
+        owner: ScopeOwner,
         dependency: Dependency,
         deadline: Option<Deadline>,
-        attempt: Option<u32>,
-        attempt_end: Option<Instant>,
-    ) {
+    ) -> &mut CallContext {
         let ctx = CallContext::of_mut(req);
-        ctx.retry_scope = true;
+        ctx.owner = Some(owner);
         ctx.dependency = Some(dependency);
         ctx.deadline = deadline;
-        ctx.attempt_end = attempt_end;
+        ctx
+    }
+
+    /// Records the attempt this request is: its number (`None` leaves the outer layer's in
+    /// place, for a nested layer) and when the retry layer cuts it, if it does. A layer
+    /// further in that keeps the same limit (the composed stack's gRPC metadata) reads that
+    /// end instead of planning again.
+    #[inline]
+    pub fn for_attempt(&mut self, attempt: Option<u32>, attempt_end: Option<Instant>) {
+        self.attempt_end = attempt_end;
         if let Some(attempt) = attempt {
-            ctx.attempt = attempt;
+            self.attempt = attempt;
         }
     }
 
@@ -108,7 +137,12 @@ impl CallContext {
 
     /// Whether a retry layer owns this call.
     pub fn in_retry_scope(&self) -> bool {
-        self.retry_scope
+        self.owner.is_some()
+    }
+
+    /// Whether the retrying layer `owner` owns this call.
+    pub fn owned_by(&self, owner: ScopeOwner) -> bool {
+        self.owner == Some(owner)
     }
 }
 
@@ -120,8 +154,18 @@ mod tests {
     #[test]
     fn claim_marks_the_request_and_nothing_else() {
         let mut req = http::Request::new(());
-        CallContext::claim(&mut req, Dependency::new("outer"), None, Some(1), None);
+        struct Outer;
+        CallContext::claim(
+            &mut req,
+            ScopeOwner::of::<Outer>(),
+            Dependency::new("outer"),
+            None,
+        )
+        .for_attempt(Some(1), None);
         assert!(RetryScope::is_marked(&req));
+        assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
+        assert!(!RetryScope::is_owned_by(&req, ScopeOwner::of::<()>()));
+        assert_eq!(CallContext::attempt_of(&req), Some(1));
         assert_eq!(Dependency::of(&req).unwrap().as_str(), "outer");
         // Another request made meanwhile carries nothing.
         let other = http::Request::new(());

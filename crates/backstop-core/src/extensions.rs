@@ -182,13 +182,14 @@ impl UnvouchedKey {
     }
 }
 
-/// The mark of the outermost retry layer. A retry layer that finds it makes exactly one attempt
-/// and leaves retrying to the outer one.
+/// The mark of the outermost retry layer. A retry layer that finds its own kind's mark makes
+/// exactly one attempt and leaves retrying to the outer one.
 ///
-/// Only a retry layer sets it, in the request's call context before its first attempt, so it
-/// reaches every layer further in, across tasks and futures too. Nothing else can: the mark
-/// silences every retry layer further in, so it is no caller's to set. Any other retrying code
-/// can read it: if a request carries it, someone outside is already retrying.
+/// Only a retry layer sets it, in the request's call context before it sends the request, so
+/// it reaches every layer further in, across tasks and futures too. The mark names its owner
+/// ([`ScopeOwner`](crate::ScopeOwner)): Backstop's retry layer honours only its own, under a
+/// type no caller can name, so no caller can silence it. Any other retrying code can read
+/// the mark: if a request carries one, someone outside is already retrying.
 ///
 /// ```compile_fail
 /// // A caller cannot make the mark.
@@ -200,12 +201,20 @@ pub struct RetryScope {
 }
 
 impl RetryScope {
-    /// Whether a retry layer already owns the call.
+    /// Whether a retry layer (any) already owns the call.
     #[inline]
     pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
         req.extensions()
             .get::<crate::context::CallContext>()
-            .is_some_and(|c| c.retry_scope)
+            .is_some_and(crate::context::CallContext::in_retry_scope)
+    }
+
+    /// Whether the retrying layer `owner` already owns the call.
+    #[inline]
+    pub fn is_owned_by<R: HasExtensions + ?Sized>(req: &R, owner: crate::ScopeOwner) -> bool {
+        req.extensions()
+            .get::<crate::context::CallContext>()
+            .is_some_and(|c| c.owned_by(owner))
     }
 }
 

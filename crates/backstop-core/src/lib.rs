@@ -45,6 +45,7 @@ mod run;
 mod verdict;
 
 pub use budget::{NoBudget, RetryBudget};
+pub use context::{CallContext, ScopeOwner};
 pub use deadline::{Deadline, instant_after};
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
@@ -63,8 +64,6 @@ pub use verdict::{Classify, Verdict};
 /// may change in any release; nothing else in this crate is public for that reason alone.
 #[doc(hidden)]
 pub mod plumbing {
-    pub use crate::context::CallContext;
-
     /// The dependency name's hash (per process, randomly keyed), which picks a registry shard.
     #[inline]
     pub fn prehash(dependency: &crate::Dependency) -> u64 {

@@ -101,8 +101,18 @@ pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
 pub use resend::{CloneRequest, CopyableBody, HttpResend, NotCopyable, Resend};
 pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
 
+/// The owner under which this crate's retry layers claim calls: a type no other crate can
+/// name, so no caller can set the mark that makes them stand aside.
+struct Owner;
+
+/// [`Owner`] as the context records it.
+#[inline]
+fn owner() -> backstop_core::ScopeOwner {
+    backstop_core::ScopeOwner::of::<Owner>()
+}
+
 /// Future types.
 pub mod futures {
     pub use crate::body::BufferBodyFuture;
-    pub use crate::future::RetryFuture;
+    pub use crate::future::{Answer, AttemptEnd, RetryFuture};
 }

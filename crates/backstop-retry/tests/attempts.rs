@@ -5,7 +5,8 @@
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{HttpClassifier, Outcome, Verdict};
 use backstop_core::{
-    AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, RetryScope,
+    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, RetryScope,
+    ScopeOwner,
 };
 use backstop_retry::{AttemptGate, HttpResend, RetryError, RetryLayer, StopReason, Ticket};
 use bytes::Bytes;
@@ -337,6 +338,30 @@ async fn nested_layers_make_one_set_of_attempts_across_tasks_and_lazy_futures() 
     let inner = layer().layer(always_503(Arc::clone(&attempts)));
     let middle = layer().layer(lazily(inner));
     let res = layer().layer(lazily(middle)).oneshot(get()).await.unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(attempts.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_caller_can_make_the_retry_layer_stand_aside() {
+    // A caller (or a retrying layer of its own) claims the request under an owner of its own:
+    // Backstop's retry layer still sees someone retrying outside, and still retries, because
+    // only its own mark, under a type no other crate can name, makes it stand aside.
+    struct NotBackstop;
+    let attempts = Arc::new(AtomicU32::new(0));
+    let mut req = get();
+    CallContext::claim(
+        &mut req,
+        ScopeOwner::of::<NotBackstop>(),
+        Dependency::new("carrier-api"),
+        None,
+    );
+    assert!(RetryScope::is_marked(&req));
+    let res = layer()
+        .layer(always_503(Arc::clone(&attempts)))
+        .oneshot(req)
+        .await
+        .unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(attempts.load(Ordering::SeqCst), 3);
 }

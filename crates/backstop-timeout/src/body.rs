@@ -1,7 +1,7 @@
 //! The attempt's limit and the deadline over the response body.
 
 use crate::timed::AttemptCutoff;
-use backstop_core::{BoxError, Deadline, Dependency, HasExtensions, plumbing::CallContext};
+use backstop_core::{BoxError, CallContext, Deadline, Dependency, HasExtensions};
 use http_body::{Body, Frame, SizeHint};
 use pin_project::pin_project;
 use std::{
@@ -218,6 +218,14 @@ impl<B> fmt::Debug for TimedBody<B> {
 }
 
 impl<B> TimedBody<B> {
+    /// `body`, ended with [`BodyTimedOut`] if it is still streaming at `end` (never, when
+    /// `None`), naming `dependency` in its error: for a body timer outside the retry layer,
+    /// which hands back the end of the attempt that answered
+    /// ([`RetryFuture::poll_answer`](https://docs.rs/backstop-retry)).
+    pub fn ending_at(body: B, end: Option<AttemptCutoff>, dependency: Option<Dependency>) -> Self {
+        Self::new(body, end.map(|end| (end, dependency)))
+    }
+
     /// `body`, ended at `end` (never, when `None`), naming the dependency in its error.
     pub(crate) fn new(body: B, end: Option<(AttemptCutoff, Option<Dependency>)>) -> Self {
         TimedBody {

@@ -64,18 +64,11 @@ pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
 pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};
 pub use deadline::{DeadlineLayer, WithDeadline};
+pub use timed::{AttemptCutoff, DeadlinePassed, Expiry};
 
 /// Future types.
 pub mod future {
     pub use crate::attempt::AttemptFuture;
     pub use crate::deadline::DeadlineFuture;
     pub use crate::timed::TimedFuture;
-}
-
-/// Not part of the public API: what the Backstop crates use to reach each other (the retry
-/// layer plans its attempts' ends with the same rule as these layers). Anything here may
-/// change in any release.
-#[doc(hidden)]
-pub mod plumbing {
-    pub use crate::timed::{AttemptCutoff, DeadlinePassed, Expiry};
 }

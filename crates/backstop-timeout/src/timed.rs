@@ -1,6 +1,5 @@
 use backstop_core::{
-    AttemptTimedOut, BoxError, Deadline, DeadlineExceeded, Dependency, Outcome,
-    plumbing::CallContext,
+    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome,
 };
 use pin_project::pin_project;
 use std::{
@@ -33,7 +32,7 @@ pub enum Expiry {
 ///
 /// ```
 /// use backstop_core::Deadline;
-/// use backstop_timeout::plumbing::{AttemptCutoff, Expiry};
+/// use backstop_timeout::{AttemptCutoff, Expiry};
 /// use std::time::Duration;
 /// use tokio::time::Instant;
 ///
@@ -104,7 +103,7 @@ impl AttemptCutoff {
     }
 
     /// The end a retry layer outside planned for this attempt and put in its call context
-    /// ([`CallContext::claim`](backstop_core::plumbing::CallContext::claim)), for a layer
+    /// ([`CallContext::for_attempt`]), for a layer
     /// further in whose own `limit` is that retry layer's attempt timeout: read, not planned
     /// again. `None` when no retry layer planned one.
     #[inline]

@@ -1,7 +1,7 @@
 //! The attempt number sent onward, under a header the caller names (as Envoy's
 //! `x-envoy-attempt-count` does), so a server can tell a retry from a first try.
 
-use backstop_core::plumbing::CallContext;
+use backstop_core::CallContext;
 use std::task::{Context, Poll};
 use tower_service::Service;
 

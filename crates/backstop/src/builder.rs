@@ -15,15 +15,16 @@ use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey, ToolKeys,
 };
 use backstop_retry::{
-    CloneRequest, Hedging, HttpResend, Resend, Retry, RetryLayer, futures::RetryFuture,
+    CloneRequest, Hedging, HttpResend, Resend, Retry, RetryLayer,
+    futures::{AttemptEnd, RetryFuture},
 };
-use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, BoundLatency, LatencyTimeouts};
+use backstop_timeout::{BoundLatency, LatencyTimeouts, TimedBody};
 use std::{
     fmt,
     future::Future,
     pin::Pin,
     sync::Arc,
-    task::{Context, Poll},
+    task::{Context, Poll, ready},
     time::Duration,
 };
 use tower_layer::Layer;
@@ -572,15 +573,25 @@ impl<C, P, I> Backstop<C, P, I> {
     }
 }
 
-/// How the composed stack wraps the client for its kind of request: for HTTP
-/// ([`HttpResend`]), a [`BodyTimeout`] keeps each attempt's limit and the deadline running over
-/// the response body; tool calls ([`CloneRequest`]) are passed as they are. Either way
-/// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
+/// How the composed stack wraps the client for its kind of request: for HTTP ([`HttpResend`])
+/// the attempt number under the configured header; tool calls ([`CloneRequest`]) are passed
+/// as they are. Either way [`BoxErrors`] gives the classifier every error of the client as a
+/// `BoxError`.
 pub trait Transport<S> {
     /// The wrapped client.
     type Client;
     /// Wraps `client` as `settings` say.
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
+}
+
+/// How the composed stack hands the client's response `Res` back: for HTTP ([`HttpResend`]),
+/// its body as a [`TimedBody`] that keeps the answering attempt's limit and the deadline
+/// running while the caller reads it; anything else as it is.
+pub trait Deliver<Res> {
+    /// What the caller gets.
+    type Response;
+    /// `res`, from the attempt that ends at `end`.
+    fn deliver(res: Res, end: Option<AttemptEnd>) -> Self::Response;
 }
 
 /// What [`Transport::wrap`] is told.
@@ -594,17 +605,23 @@ pub struct TransportSettings {
 }
 
 impl<S> Transport<S> for HttpResend {
-    type Client = BoxErrors<BodyTimeout<AttemptCount<S>>>;
+    type Client = BoxErrors<AttemptCount<S>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
-        let client = AttemptCount {
+        BoxErrors(AttemptCount {
             inner: client,
             header: settings.attempt_header.clone(),
-        };
-        BoxErrors(
-            BodyTimeoutLayer::new(settings.attempt_timeout)
-                .handed_down()
-                .layer(client),
-        )
+        })
+    }
+}
+
+impl<B> Deliver<http::Response<B>> for HttpResend {
+    type Response = http::Response<TimedBody<B>>;
+    #[inline]
+    fn deliver(res: http::Response<B>, end: Option<AttemptEnd>) -> Self::Response {
+        res.map(|body| match end {
+            Some(end) => TimedBody::ending_at(body, Some(end.cutoff), Some(end.dependency)),
+            None => TimedBody::ending_at(body, None, None),
+        })
     }
 }
 
@@ -615,16 +632,24 @@ impl<S> Transport<S> for CloneRequest {
     }
 }
 
+impl<Res> Deliver<Res> for CloneRequest {
+    type Response = Res;
+    #[inline]
+    fn deliver(res: Res, _end: Option<AttemptEnd>) -> Res {
+        res
+    }
+}
+
 /// The service a [`BackstopLayer`] builds over the client `S`: every error is an
 /// [`Error`](crate::Error).
 ///
 /// One retry layer over the client, whatever the configuration: it keeps the deadline, times
 /// each attempt and asks the breaker before each one itself, and runs the call-level work
 /// (idempotency key, call span, errors and dead letters) once per call. For HTTP the response's
-/// body is returned as a [`TimedBody`](backstop_timeout::TimedBody): the attempt's limit and the
-/// deadline keep running while the caller reads it. `C` is the classifier, `P` how requests are
-/// copied for each attempt (and so how the client is wrapped, [`Transport`]), `I` where the
-/// idempotency key goes.
+/// body is returned as a [`TimedBody`]: the answering attempt's limit and the deadline keep
+/// running while the caller reads it. `C` is the classifier, `P` how requests are copied for
+/// each attempt (and so how the client is wrapped, [`Transport`], and its response handed
+/// back, [`Deliver`]), `I` where the idempotency key goes.
 pub struct BackstopService<S, C, P: Transport<S>, I> {
     inner: Retry<P::Client, C, P, Dependency, StackHook<I>>,
 }
@@ -651,17 +676,20 @@ where
     }
 }
 
+/// The client's response type under the stack.
+type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
+
 impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
 where
-    P: Transport<S> + Resend<Req>,
+    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>>,
     P::Client: Service<Req> + Clone,
     <P::Client as Service<Req>>::Error: Into<BoxError>,
-    <P::Client as Service<Req>>::Response: HasExtensions,
+    ClientResponse<S, P, Req>: HasExtensions,
     Req: HasExtensions,
-    C: Classify<Req, <P::Client as Service<Req>>::Response, <P::Client as Service<Req>>::Error>,
+    C: Classify<Req, ClientResponse<S, P, Req>, <P::Client as Service<Req>>::Error>,
     I: Inject<Req>,
 {
-    type Response = <P::Client as Service<Req>>::Response;
+    type Response = <P as Deliver<ClientResponse<S, P, Req>>>::Response;
     type Error = crate::Error;
     type Future = BackstopFuture<S, C, P, I, Req>;
 
@@ -684,7 +712,7 @@ pub struct BackstopFuture<S, C, P, I, Req>
 where
     P: Transport<S>,
     P::Client: Service<Req>,
-    <P::Client as Service<Req>>::Response: HasExtensions,
+    ClientResponse<S, P, Req>: HasExtensions,
     Req: HasExtensions,
     I: Inject<Req>,
 {
@@ -696,7 +724,7 @@ impl<S, C, P, I, Req> fmt::Debug for BackstopFuture<S, C, P, I, Req>
 where
     P: Transport<S>,
     P::Client: Service<Req>,
-    <P::Client as Service<Req>>::Response: HasExtensions,
+    ClientResponse<S, P, Req>: HasExtensions,
     Req: HasExtensions,
     I: Inject<Req>,
 {
@@ -707,19 +735,20 @@ where
 
 impl<S, C, P, I, Req> Future for BackstopFuture<S, C, P, I, Req>
 where
-    P: Transport<S> + Resend<Req>,
+    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>>,
     P::Client: Service<Req>,
     <P::Client as Service<Req>>::Error: Into<BoxError>,
-    <P::Client as Service<Req>>::Response: HasExtensions,
+    ClientResponse<S, P, Req>: HasExtensions,
     Req: HasExtensions,
-    C: Classify<Req, <P::Client as Service<Req>>::Response, <P::Client as Service<Req>>::Error>,
+    C: Classify<Req, ClientResponse<S, P, Req>, <P::Client as Service<Req>>::Error>,
     I: Inject<Req>,
 {
-    type Output = Result<<P::Client as Service<Req>>::Response, crate::Error>;
+    type Output = Result<<P as Deliver<ClientResponse<S, P, Req>>>::Response, crate::Error>;
 
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.project().inner.poll(cx)
+        let (result, end) = ready!(self.project().inner.poll_answer(cx));
+        Poll::Ready(result.map(|res| P::deliver(res, end)))
     }
 }
 
@@ -812,17 +841,51 @@ impl<C, P, I> BackstopLayer<C, P, I> {
     }
 }
 
-impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
-    type Service = BackstopService<S, C, P, I>;
+impl<C: Clone, P: Clone, I: Clone> BackstopLayer<C, P, I> {
+    /// The stack over a **leaf client**: hyper-util's `Client`, a `reqwest::Client` (which
+    /// [`reqwest`](Self::reqwest) builds this way), tonic's `Channel`, or a client of one's own
+    /// that calls no Backstop layer. The attempts' requests then go without the call context
+    /// (the retry-scope mark, the deadline, the attempt's end), which nothing in a leaf reads:
+    /// each call is spared the request's extension map (three allocations and about a quarter
+    /// of the stack's cost per call). With an [`attempt_header`](Backstop::attempt_header)
+    /// the context is written all the same: the header is set from it.
+    ///
+    /// Not for a service that holds another Backstop stack or retry layer: that one would not
+    /// see that this stack retries, and would retry too. [`Layer::layer`] (and
+    /// `ServiceBuilder`) gives every inner service the context, wherever it runs.
+    pub fn leaf<S>(&self, client: S) -> BackstopService<S, C, P, I>
+    where
+        P: Transport<S>,
+    {
+        if self.attempt_header.is_some() {
+            return Layer::layer(self, client);
+        }
+        self.build_over(client, self.retry.clone().leaf_client())
+    }
 
-    fn layer(&self, inner: S) -> Self::Service {
+    fn build_over<S>(
+        &self,
+        inner: S,
+        retry: RetryLayer<C, P, Dependency, StackHook<I>>,
+    ) -> BackstopService<S, C, P, I>
+    where
+        P: Transport<S>,
+    {
         let settings = TransportSettings {
             attempt_timeout: self.retry.limits().attempt_timeout,
             attempt_header: self.attempt_header.clone(),
         };
         let client = self.transport.wrap(inner, &settings);
         BackstopService {
-            inner: self.retry.layer(client),
+            inner: retry.layer(client),
         }
+    }
+}
+
+impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
+    type Service = BackstopService<S, C, P, I>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        self.build_over(inner, self.retry.clone())
     }
 }

@@ -4,13 +4,13 @@ use crate::{
     Backstop,
     attempt_header::AttemptCount,
     box_errors::BoxErrors,
-    builder::{Transport, TransportSettings},
+    builder::{Deliver, Transport, TransportSettings},
 };
 use backstop_classify::{GrpcClassifier, grpc_timeout};
-use backstop_core::{BoxError, Deadline, Dependency, plumbing::CallContext};
+use backstop_core::{BoxError, CallContext, Deadline, Dependency};
 use backstop_idempotency::{HttpKeys, IdempotencyLayer};
 use backstop_retry::StreamingResend;
-use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, plumbing::AttemptCutoff};
+use backstop_timeout::{AttemptCutoff, BodyTimeout, BodyTimeoutLayer};
 use pin_project::pin_project;
 use std::{
     future::Future,
@@ -47,6 +47,16 @@ impl Backstop<GrpcClassifier, StreamingResend, HttpKeys> {
     pub fn body_limit(mut self, bytes: usize) -> Self {
         self.resend = StreamingResend::new(bytes);
         self
+    }
+}
+
+/// gRPC's bodies are timed inside the retry layer (the attempt's metadata is set from its
+/// call context there too): the response is handed back as the client's body timer made it.
+impl<Res> Deliver<Res> for StreamingResend {
+    type Response = Res;
+    #[inline]
+    fn deliver(res: Res, _end: Option<backstop_retry::futures::AttemptEnd>) -> Res {
+        res
     }
 }
 

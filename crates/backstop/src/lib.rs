@@ -221,9 +221,9 @@ pub mod backoff {
 pub mod timeout {
     #[doc(inline)]
     pub use backstop_timeout::{
-        AttemptTimeout, AttemptTimeoutLayer, BodyTimedOut, BodyTimeout, BodyTimeoutLayer,
-        BoundLatency, DeadlineLayer, LatencyConfig, LatencyTimeouts, TimedBody, WithDeadline,
-        future,
+        AttemptCutoff, AttemptTimeout, AttemptTimeoutLayer, BodyTimedOut, BodyTimeout,
+        BodyTimeoutLayer, BoundLatency, DeadlineLayer, DeadlinePassed, Expiry, LatencyConfig,
+        LatencyTimeouts, TimedBody, WithDeadline, future,
     };
 }
 
@@ -267,7 +267,7 @@ pub mod timeout {
 /// ```
 pub mod retry {
     #[doc(inline)]
-    pub use backstop_core::RetryScope;
+    pub use backstop_core::{CallContext, RetryScope, ScopeOwner};
     #[doc(inline)]
     pub use backstop_retry::{
         AttemptRecord, BufferBody, BufferBodyLayer, CallHook, CloneRequest, CopyableBody,
@@ -572,7 +572,7 @@ pub mod grpc {
 pub mod transport {
     pub use crate::attempt_header::AttemptCount;
     pub use crate::box_errors::{BoxErrors, BoxErrorsFuture};
-    pub use crate::builder::{Transport, TransportSettings};
+    pub use crate::builder::{Deliver, Transport, TransportSettings};
     #[cfg(feature = "grpc")]
     pub use crate::grpc_stack::{GrpcAttempt, GrpcAttemptFuture};
 }

@@ -236,9 +236,16 @@ pub fn backstop_open() -> impl Bench {
         .layer(ok_service())
 }
 
-/// The full Backstop stack over the immediately ready service.
+/// The full Backstop stack over the immediately ready service, as over any inner service it
+/// knows nothing of (`Layer::layer`): each attempt carries the call context.
 pub fn backstop_stack() -> impl Bench {
     backstop_layer("carrier-api", Duration::from_secs(3)).layer(ok_service())
+}
+
+/// The full Backstop stack over the immediately ready service as over a leaf client
+/// (`BackstopLayer::leaf`, as over hyper-util's or reqwest's client): no call context.
+pub fn backstop_leaf() -> impl Bench {
+    backstop_layer("carrier-api", Duration::from_secs(3)).leaf(ok_service())
 }
 
 /// The full stack with some pieces turned off, to see what each costs inside it.
@@ -294,6 +301,18 @@ pub fn retry_budget_timeout() -> impl Bench {
         .rng(RngSource::seeded(1))
         .budget(Arc::new(budget.bind(&"carrier-api".into())))
         .attempt_timeout(Duration::from_secs(3))
+        .layer(ok_service())
+}
+
+/// [`retry_budget_timeout`] over a leaf client ([`RetryLayer::leaf_client`]).
+pub fn retry_budget_timeout_leaf() -> impl Bench {
+    let budget = Budget::default();
+    RetryLayer::http()
+        .dependency("carrier-api")
+        .rng(RngSource::seeded(1))
+        .budget(Arc::new(budget.bind(&"carrier-api".into())))
+        .attempt_timeout(Duration::from_secs(3))
+        .leaf_client()
         .layer(ok_service())
 }
 

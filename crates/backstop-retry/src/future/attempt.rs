@@ -7,7 +7,7 @@ use super::{
 use crate::layer::Policy;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions};
-use backstop_timeout::plumbing::Expiry;
+use backstop_timeout::Expiry;
 use pin_project::pin_project;
 use std::{
     future::Future,

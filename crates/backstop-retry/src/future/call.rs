@@ -6,8 +6,8 @@ use crate::{
     Ticket, layer::Policy,
 };
 use backstop_classify::Verdict;
-use backstop_core::{BoxError, Deadline, Dependency, HasExtensions, Outcome};
-use backstop_timeout::plumbing::AttemptCutoff;
+use backstop_core::{BoxError, CallContext, Deadline, Dependency, HasExtensions, Outcome};
+use backstop_timeout::AttemptCutoff;
 use std::time::Duration;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -215,17 +215,20 @@ where
         }
         // The call's context travels with each attempt's request, across tasks and futures: put
         // on the copy it sends (the template stays as the caller gave it, and a request that
-        // carries no other extension pays for the map once per attempt, not twice).
+        // carries no other extension pays for the map once per attempt, not twice). A leaf
+        // client reads none of it.
         let mut req = req(&mut self.template);
-        // A nested layer leaves the outer layer's attempt number in place.
-        let attempt = (!self.nested).then_some(self.attempt);
-        backstop_core::plumbing::CallContext::claim(
-            &mut req,
-            self.dependency.clone(),
-            self.deadline,
-            attempt,
-            self.cutoff.map(|c| c.at),
-        );
+        if !policy.settings.leaf {
+            // A nested layer leaves the outer layer's attempt number in place.
+            let attempt = (!self.nested).then_some(self.attempt);
+            CallContext::claim(
+                &mut req,
+                crate::owner(),
+                self.dependency.clone(),
+                self.deadline,
+            )
+            .for_attempt(attempt, self.cutoff.map(|c| c.at));
+        }
         self.sent = true;
         // A span the service makes in its own `call` (tower-http's `TraceLayer`) is the
         // attempt's child, or the call's when attempt spans are filtered out: the first attempt

@@ -29,6 +29,7 @@ use crate::{CallHook, Resend, layer::Policy};
 use attempt::InFlight;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions, Outcome};
+use backstop_timeout::AttemptCutoff;
 use decide::{Decision, Retries};
 use pin_project::{pin_project, pinned_drop};
 use retrying::Retrying;
@@ -222,14 +223,16 @@ where
         }
     }
 
-    /// Polls the call, in whichever state it is, to its result (the hook's `end` aside).
+    /// Polls the call, in whichever state it is, to its result (the hook's `end` aside) and
+    /// the cutoff of the attempt that gave it.
     #[inline]
-    fn drive(
+    fn drive<const END: bool>(
         mut state: Pin<&mut State<S, Req, C, P, H>>,
         policy: &Arc<Policy<C, P, H>>,
         parent: Option<&Span>,
         cx: &mut Context<'_>,
-    ) -> Poll<Result<S::Response, BoxError>> {
+    ) -> Poll<Answer<Result<S::Response, BoxError>>> {
+        let mut cutoff = None;
         loop {
             let next = match state.as_mut().project() {
                 StateProj::First { attempt, call } => {
@@ -239,25 +242,31 @@ where
                             if !call.nested {
                                 call.finish_at_once();
                             }
+                            let cutoff = AttemptEnd::of::<END, _, _>(call);
                             state.set(State::Ended(None));
-                            return Poll::Ready(Ok(res));
+                            return Poll::Ready((Ok(res), cutoff));
                         }
                         Attempted::Other(ended, verdict) => {
                             // The call moves on: out of the first state, into its next.
+                            cutoff = AttemptEnd::of::<END, _, _>(call);
                             let call = take_call(state.as_mut());
                             state.set(Self::after_first(policy, call, ended, verdict, parent));
                             continue;
                         }
                     }
                 }
-                StateProj::Retrying(rest) => ready!(rest.as_mut().poll(cx)),
+                StateProj::Retrying(rest) => {
+                    let result = ready!(rest.as_mut().poll(cx));
+                    cutoff = AttemptEnd::of::<END, _, _>(&rest.call);
+                    result
+                }
                 StateProj::Ended(result) => {
                     result.take().expect("RetryFuture polled after completion")
                 }
                 StateProj::Refused(_) => panic!("RetryFuture polled after completion"),
             };
             state.set(State::Ended(None));
-            return Poll::Ready(next);
+            return Poll::Ready((next, cutoff));
         }
     }
 }
@@ -286,25 +295,89 @@ where
 {
     type Output = Result<S::Response, H::Error>;
 
+    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.poll_to_end::<false>(cx).map(|(result, _)| result)
+    }
+}
+
+/// A call's result and the end of the attempt that gave it (`None` when that attempt had
+/// neither an attempt timeout nor a deadline, or when no attempt gave the result).
+pub type Answer<T> = (T, Option<AttemptEnd>);
+
+/// When the attempt that answered a call is cut, and the dependency it went to (for the
+/// error of a body still arriving then).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AttemptEnd {
+    /// The instant and the limit: its attempt timeout, or the deadline when that comes first.
+    pub cutoff: AttemptCutoff,
+    /// The dependency the attempt went to.
+    pub dependency: backstop_core::Dependency,
+}
+
+impl AttemptEnd {
+    /// The end of `call`'s attempt, when the caller wants it (`END`).
+    #[inline]
+    fn of<const END: bool, S, Req>(call: &Call<S, Req>) -> Option<Self> {
+        if !END {
+            return None;
+        }
+        call.cutoff.map(|cutoff| AttemptEnd {
+            cutoff,
+            dependency: call.dependency.clone(),
+        })
+    }
+}
+
+impl<S, Req, C, P, H> RetryFuture<S, Req, C, P, H>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+    S::Response: HasExtensions,
+    Req: HasExtensions,
+    C: Classify<Req, S::Response, S::Error>,
+    P: Resend<Req>,
+    H: CallHook<Req, S::Response>,
+{
+    /// Polls the call as [`poll`](Future::poll) does, and hands back with its result when the
+    /// attempt that answered is cut: a body timer outside the retry layer (the composed
+    /// stack's) ends the response's body there, the attempt's own limit running on over it.
+    #[inline]
+    pub fn poll_answer(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Answer<Result<S::Response, H::Error>>> {
+        self.poll_to_end::<true>(cx)
+    }
+
+    /// Polls the call to its result, and to the answering attempt's end when `END`.
+    #[inline]
+    fn poll_to_end<const END: bool>(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Answer<Result<S::Response, H::Error>>> {
         let mut this = self.project();
         let policy = &*this.policy;
         let Some(hooked) = this.hooked.as_mut() else {
             if let StateProj::Refused(error) = this.state.as_mut().project() {
                 let error = error.take();
-                return Poll::Ready(Err(error.expect("RetryFuture polled after completion")));
+                return Poll::Ready((
+                    Err(error.expect("RetryFuture polled after completion")),
+                    None,
+                ));
             }
             // An outer retry layer owns the call: its raw result goes back, with no call-level
             // work of this layer's (no span, no error mapping, no dead letter).
-            let result = ready!(Self::drive(this.state, this.policy, None, cx));
-            return Poll::Ready(result.map_err(|e| policy.hook.pass(e)));
+            let (result, cutoff) = ready!(Self::drive::<END>(this.state, this.policy, None, cx));
+            return Poll::Ready((result.map_err(|e| policy.hook.pass(e)), cutoff));
         };
-        let result = {
+        let (result, cutoff) = {
             let parent = policy.hook.span(hooked);
             let _entered = parent.map(Span::enter);
-            ready!(Self::drive(this.state, this.policy, parent, cx))
+            ready!(Self::drive::<END>(this.state, this.policy, parent, cx))
         };
-        Poll::Ready(policy.hook.end(hooked, result))
+        Poll::Ready((policy.hook.end(hooked, result), cutoff))
     }
 }
 
