@@ -36,7 +36,7 @@ impl<F> InFlight<F> {
     /// Polls the attempt to its end: a success, or anything else with its verdict (the
     /// service's result, or this layer's own timeout once the cutoff passes). The gate learns
     /// how it ended either way.
-    #[inline]
+    #[inline(always)]
     pub(super) fn poll_end<S, Req, C, P, H>(
         self: Pin<&mut Self>,
         call: &mut Call<S, Req>,

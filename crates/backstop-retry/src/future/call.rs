@@ -50,7 +50,7 @@ pub(super) enum Template<Req> {
 impl<Req> Template<Req> {
     /// Keeps `req` and returns a copy to send, or, when it cannot be copied, keeps why and
     /// returns `req` itself.
-    #[inline]
+    #[inline(always)]
     pub(super) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
         let req = resend.prepare(req);
         match resend.copy(&req) {
@@ -77,7 +77,7 @@ impl<Req> Template<Req> {
 
 impl<S, Req> Call<S, Req> {
     /// A call to `dependency` that has made no attempt yet.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn new(
         svc: S,
         dependency: Dependency,
@@ -179,7 +179,7 @@ where
     /// Begins the next attempt at `now`: checks the deadline, asks the gate, and only then makes
     /// the request (`req`: the first attempt's copy is made there, so a call the gate refuses
     /// copies nothing) and hands it to the service. `Err`: the attempt ended before it was sent.
-    #[inline]
+    #[inline(always)]
     pub(super) fn begin<C, P, H>(
         &mut self,
         policy: &Policy<C, P, H>,

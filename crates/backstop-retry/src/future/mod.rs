@@ -153,7 +153,7 @@ where
 
     /// Starts `call` with its first attempt: at once when the service is `ready`, else once it
     /// is (within the deadline). `hooked` is `None` when the call is nested.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn start(
         policy: Arc<Policy<C, P, H>>,
         mut call: Call<S, Req>,
@@ -224,15 +224,16 @@ where
     }
 
     /// Polls the call, in whichever state it is, to its result (the hook's `end` aside) and
-    /// the cutoff of the attempt that gave it.
-    #[inline]
+    /// the end of the attempt that gave it, into `end` (when `END`: kept out of the returned
+    /// value, which every poll moves).
+    #[inline(always)]
     fn drive<const END: bool>(
         mut state: Pin<&mut State<S, Req, C, P, H>>,
         policy: &Arc<Policy<C, P, H>>,
         parent: Option<&Span>,
         cx: &mut Context<'_>,
-    ) -> Poll<Answer<Result<S::Response, BoxError>>> {
-        let mut cutoff = None;
+        end: &mut Option<AttemptEnd>,
+    ) -> Poll<Result<S::Response, BoxError>> {
         loop {
             let next = match state.as_mut().project() {
                 StateProj::First { attempt, call } => {
@@ -242,13 +243,16 @@ where
                             if !call.nested {
                                 call.finish_at_once();
                             }
-                            let cutoff = AttemptEnd::of::<END, _, _>(call);
-                            state.set(State::Ended(None));
-                            return Poll::Ready((Ok(res), cutoff));
+                            // The state stays as it is, the attempt over (its ticket given
+                            // back, nothing left to learn when it is dropped): rewriting a
+                            // state this large costs a copy of all of it.
+                            call.sent = false;
+                            AttemptEnd::record::<END, _, _>(end, call);
+                            return Poll::Ready(Ok(res));
                         }
                         Attempted::Other(ended, verdict) => {
                             // The call moves on: out of the first state, into its next.
-                            cutoff = AttemptEnd::of::<END, _, _>(call);
+                            AttemptEnd::record::<END, _, _>(end, call);
                             let call = take_call(state.as_mut());
                             state.set(Self::after_first(policy, call, ended, verdict, parent));
                             continue;
@@ -257,7 +261,7 @@ where
                 }
                 StateProj::Retrying(rest) => {
                     let result = ready!(rest.as_mut().poll(cx));
-                    cutoff = AttemptEnd::of::<END, _, _>(&rest.call);
+                    AttemptEnd::record::<END, _, _>(end, &rest.call);
                     result
                 }
                 StateProj::Ended(result) => {
@@ -266,7 +270,7 @@ where
                 StateProj::Refused(_) => panic!("RetryFuture polled after completion"),
             };
             state.set(State::Ended(None));
-            return Poll::Ready((next, cutoff));
+            return Poll::Ready(next);
         }
     }
 }
@@ -297,7 +301,7 @@ where
 
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.poll_to_end::<false>(cx).map(|(result, _)| result)
+        self.poll_to_end::<false>(cx, &mut None)
     }
 }
 
@@ -317,16 +321,15 @@ pub struct AttemptEnd {
 }
 
 impl AttemptEnd {
-    /// The end of `call`'s attempt, when the caller wants it (`END`).
+    /// Records the end of `call`'s attempt in `end`, when the caller wants it (`END`).
     #[inline]
-    fn of<const END: bool, S, Req>(call: &Call<S, Req>) -> Option<Self> {
-        if !END {
-            return None;
+    fn record<const END: bool, S, Req>(end: &mut Option<Self>, call: &Call<S, Req>) {
+        if END {
+            *end = call.cutoff.map(|cutoff| AttemptEnd {
+                cutoff,
+                dependency: call.dependency.clone(),
+            });
         }
-        call.cutoff.map(|cutoff| AttemptEnd {
-            cutoff,
-            dependency: call.dependency.clone(),
-        })
     }
 }
 
@@ -348,7 +351,9 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Answer<Result<S::Response, H::Error>>> {
-        self.poll_to_end::<true>(cx)
+        let mut end = None;
+        let result = ready!(self.poll_to_end::<true>(cx, &mut end));
+        Poll::Ready((result, end))
     }
 
     /// Polls the call to its result, and to the answering attempt's end when `END`.
@@ -356,28 +361,26 @@ where
     fn poll_to_end<const END: bool>(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Answer<Result<S::Response, H::Error>>> {
+        end: &mut Option<AttemptEnd>,
+    ) -> Poll<Result<S::Response, H::Error>> {
         let mut this = self.project();
         let policy = &*this.policy;
         let Some(hooked) = this.hooked.as_mut() else {
             if let StateProj::Refused(error) = this.state.as_mut().project() {
                 let error = error.take();
-                return Poll::Ready((
-                    Err(error.expect("RetryFuture polled after completion")),
-                    None,
-                ));
+                return Poll::Ready(Err(error.expect("RetryFuture polled after completion")));
             }
             // An outer retry layer owns the call: its raw result goes back, with no call-level
             // work of this layer's (no span, no error mapping, no dead letter).
-            let (result, cutoff) = ready!(Self::drive::<END>(this.state, this.policy, None, cx));
-            return Poll::Ready((result.map_err(|e| policy.hook.pass(e)), cutoff));
+            let result = ready!(Self::drive::<END>(this.state, this.policy, None, cx, end));
+            return Poll::Ready(result.map_err(|e| policy.hook.pass(e)));
         };
-        let (result, cutoff) = {
+        let result = {
             let parent = policy.hook.span(hooked);
             let _entered = parent.map(Span::enter);
-            ready!(Self::drive::<END>(this.state, this.policy, parent, cx))
+            ready!(Self::drive::<END>(this.state, this.policy, parent, cx, end))
         };
-        Poll::Ready((policy.hook.end(hooked, result), cutoff))
+        Poll::Ready(policy.hook.end(hooked, result))
     }
 }
 
