@@ -3,8 +3,10 @@ use crate::store::{
 };
 use rand::{TryRng, rngs::SysRng};
 use redis::{
-    Client, Script, Value,
+    Client, FromRedisValue, RedisResult, Script, ScriptInvocation, Value,
     aio::{ConnectionManager, ConnectionManagerConfig},
+    cluster::{ClusterClientBuilder, ClusterConfig},
+    cluster_async::ClusterConnection,
 };
 use std::{fmt, time::Duration};
 
@@ -27,18 +29,31 @@ fn owned_script(body: &str) -> Script {
     Script::new(&format!("if {OWNED} then\n{body}\nreturn 1\nend\nreturn 0"))
 }
 
-/// A Redis store: several server replicas sharing one Redis deduplicate together.
+/// A Redis store: several server replicas sharing one Redis, or one Redis Cluster, deduplicate
+/// together.
 ///
 /// Each key is one hash, `<prefix><hashed key>`, holding the state, the fingerprint, the fencing
 /// token and, once done, the encoded response; its expiry is the lease while in flight and the
 /// TTL once done. Claim, renew, complete and release are Lua scripts, so each is atomic, and
-/// every script touches one key (it works on a single Redis; for a cluster, every key maps to
-/// its own slot, which is allowed). Tokens are random 64-bit values from the operating system.
+/// every script touches one key: on a cluster ([`cluster`](Self::cluster)) the key's hash slot
+/// picks the node that runs it, and a key's whole life stays on that node. Tokens are random
+/// 64-bit values from the operating system.
 ///
-/// The connection is a `ConnectionManager`: it reconnects by itself after Redis comes back.
-/// While Redis is unreachable every operation fails (after at most the connection and response
-/// timeouts, 1 s each by default), and the replay layer answers 503 instead of running a request
-/// it cannot protect.
+/// On one Redis the connection is a `ConnectionManager`, on a cluster redis-rs's cluster
+/// connection (which follows the cluster's slot map, `MOVED` and `ASK`); either reconnects by
+/// itself once a node comes back. While the node that holds a key is unreachable every
+/// operation on that key fails (after at most the connection and response timeouts, 1 s each),
+/// and the replay layer answers 503 instead of running a request it cannot protect; keys on the
+/// other nodes go on.
+///
+/// **What a failover can lose.** Redis replicates asynchronously: a write acknowledged by a
+/// primary that dies before its replica received it is gone once the replica is promoted. For
+/// this store that is a claim (the request may then run twice, once on each side of the
+/// failover) or a stored result (a repeat runs again). Each node needs `appendonly yes` with
+/// `appendfsync always` to keep its own writes across its own crash (`everysec` can lose the
+/// last second); `min-replicas-to-write 1` makes a primary refuse writes it cannot replicate,
+/// which narrows the window but does not close it (the replica's acknowledgement is itself
+/// asynchronous). For exactly-once across a failover, use the PostgreSQL store.
 ///
 /// ```no_run
 /// use backstop_replay::{OnVolatile, RedisStore, ReplayLayer};
@@ -51,7 +66,7 @@ fn owned_script(body: &str) -> Script {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
     prefix: String,
     claim: Script,
     renew: Script,
@@ -64,6 +79,29 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .finish()
+    }
+}
+
+/// One Redis, or a cluster.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn invoke<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> RedisResult<T> {
+        match self {
+            Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+        }
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> RedisResult<T> {
+        match self {
+            Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
     }
 }
 
@@ -86,7 +124,50 @@ impl RedisStore {
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(200));
         let conn = ConnectionManager::new_lazy_with_config(client, config).map_err(err)?;
-        Ok(RedisStore {
+        Ok(Self::over(Conn::Single(conn)))
+    }
+
+    /// A store on the Redis Cluster that `nodes` belong to (`redis://127.0.0.1:7000/`, ...:
+    /// any of its nodes, from which the rest and the slot map are learned), key prefix
+    /// `backstop:replay:`. Connects lazily, on first use, like [`open`](Self::open).
+    pub fn cluster<N: AsRef<str>>(nodes: &[N]) -> Result<Self, StoreError> {
+        if nodes.is_empty() {
+            return Err(StoreError::new(
+                "redis: a cluster store needs the address of at least one of its nodes",
+            ));
+        }
+        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
+        let client = ClusterClientBuilder::new(nodes)
+            .connection_timeout(Duration::from_secs(1))
+            .response_timeout(Duration::from_secs(1))
+            .retries(1)
+            .build()
+            .map_err(err)?;
+        let config = ClusterConfig::new()
+            .set_connection_timeout(Duration::from_secs(1))
+            .set_response_timeout(Duration::from_secs(1));
+        let conn = client.get_pending_async_connection_with_config(config);
+        Ok(Self::over(Conn::Cluster(conn)))
+    }
+
+    /// [`cluster`](Self::cluster), checked as [`connect`](Self::connect) checks one Redis:
+    /// every node named in `nodes` must keep its data across a restart.
+    pub async fn connect_cluster<N: AsRef<str>>(
+        nodes: &[N],
+        on_volatile: OnVolatile,
+    ) -> Result<Self, StoreError> {
+        let store = Self::cluster(nodes)?;
+        for node in nodes {
+            let node = node.as_ref();
+            let persistence = Self::open(node)?.persistence().await?;
+            Self::judge(persistence, on_volatile)
+                .map_err(|e| StoreError::new(format!("{e} (cluster node {node})")))?;
+        }
+        Ok(store)
+    }
+
+    fn over(conn: Conn) -> Self {
+        RedisStore {
             conn,
             prefix: "backstop:replay:".to_owned(),
             claim: Script::new(CLAIM),
@@ -97,7 +178,7 @@ impl RedisStore {
                  redis.call('PEXPIRE', KEYS[1], ARGV[3])",
             ),
             release: owned_script("redis.call('DEL', KEYS[1])"),
-        })
+        }
     }
 
     /// Opens the store and checks that the server keeps its data across a restart (an
@@ -108,7 +189,13 @@ impl RedisStore {
     /// about and accepted either way: its persistence is the operator's to confirm.
     pub async fn connect(url: &str, on_volatile: OnVolatile) -> Result<Self, StoreError> {
         let store = Self::open(url)?;
-        match store.persistence().await? {
+        Self::judge(store.persistence().await?, on_volatile)?;
+        Ok(store)
+    }
+
+    /// What `on_volatile` makes of a server's persistence.
+    fn judge(persistence: Persistence, on_volatile: OnVolatile) -> Result<(), StoreError> {
+        match persistence {
             Persistence::None => {
                 let why = "this Redis keeps nothing on disk (appendonly no, no save points): if it \
                            restarts, every claim and stored result is lost and repeated requests \
@@ -125,18 +212,16 @@ impl RedisStore {
             ),
             Persistence::Aof | Persistence::Rdb => {}
         }
-        Ok(store)
+        Ok(())
     }
 
     /// What the server keeps across a restart, from `CONFIG GET appendonly` and `CONFIG GET
     /// save`. An unreachable server is an error; a refused `CONFIG` is
     /// [`Persistence::Unknown`].
     pub async fn persistence(&self) -> Result<Persistence, StoreError> {
-        let mut conn = self.conn.clone();
-        let aof: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("appendonly")
-            .query_async(&mut conn)
+        let aof: RedisResult<Vec<String>> = self
+            .conn
+            .query(redis::cmd("CONFIG").arg("GET").arg("appendonly"))
             .await;
         let aof = match aof {
             Ok(v) => v,
@@ -148,10 +233,9 @@ impl RedisStore {
         if aof.get(1).is_some_and(|v| v == "yes") {
             return Ok(Persistence::Aof);
         }
-        let save: Vec<String> = match redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("save")
-            .query_async(&mut conn)
+        let save: Vec<String> = match self
+            .conn
+            .query(redis::cmd("CONFIG").arg("GET").arg("save"))
             .await
         {
             Ok(v) => v,
@@ -180,8 +264,7 @@ impl RedisStore {
         for a in args {
             inv.arg(*a);
         }
-        let mut conn = self.conn.clone();
-        let n: i64 = inv.invoke_async(&mut conn).await.map_err(err)?;
+        let n: i64 = self.conn.invoke(&inv).await.map_err(err)?;
         Ok(n == 1)
     }
 }
@@ -233,16 +316,11 @@ impl ReplayStore for RedisStore {
             let token = SysRng
                 .try_next_u64()
                 .map_err(|e| StoreError::new(format!("no random token: {e}")))?;
-            let mut conn = self.conn.clone();
-            let reply: Vec<Value> = self
-                .claim
-                .key(self.key(key))
-                .arg(&fingerprint[..])
+            let mut inv = self.claim.key(self.key(key));
+            inv.arg(&fingerprint[..])
                 .arg(token.to_string())
-                .arg(ms(lease))
-                .invoke_async(&mut conn)
-                .await
-                .map_err(err)?;
+                .arg(ms(lease));
+            let reply: Vec<Value> = self.conn.invoke(&inv).await.map_err(err)?;
             match reply.first() {
                 Some(Value::Int(1)) => Ok(Claim::Claimed { token }),
                 Some(Value::Int(2)) => Ok(Claim::InFlight {

@@ -822,6 +822,154 @@ mod redis {
     }
 }
 
+/// The replay layer on a real three-node Redis Cluster (persistent nodes, no replicas, started
+/// by the test on loopback).
+#[cfg(feature = "redis")]
+mod redis_cluster {
+    use super::*;
+    use backstop_replay::{OnVolatile, RedisStore};
+    use backstop_testkit::RedisCluster;
+
+    fn instance(
+        cluster: &RedisCluster,
+        h: &Handler,
+    ) -> impl Service<
+        Request<Full<Bytes>>,
+        Response = Response<backstop_replay::ReplayResponseBody>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static {
+        ReplayLayer::new(RedisStore::cluster(&cluster.urls()).unwrap())
+            .single_tenant()
+            .layer(h.service())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_same_key_from_two_instances_runs_once_on_every_node() {
+        let cluster = RedisCluster::start(3).await;
+        // Its nodes persist: the checked constructor accepts them.
+        RedisStore::connect_cluster(&cluster.urls(), OnVolatile::Refuse)
+            .await
+            .unwrap();
+        let h = Handler::new(Mode::Sleep(Duration::from_millis(50)));
+        let (a, b) = (instance(&cluster, &h), instance(&cluster, &h));
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in 0..30 {
+            for svc in [a.clone(), b.clone(), a.clone(), b.clone()] {
+                tasks.spawn(async move {
+                    let key = format!("refund-{k}");
+                    svc.oneshot(refund(Some(&key), "49"))
+                        .await
+                        .unwrap()
+                        .status()
+                        .as_u16()
+                });
+            }
+        }
+        while let Some(status) = tasks.join_next().await {
+            let status = status.unwrap();
+            assert!(status == 201 || status == 409, "{status}");
+        }
+        assert_eq!(
+            h.runs(),
+            30,
+            "each key ran once, whichever instance it reached"
+        );
+        // Both instances replay every key, and the keys are spread over all three nodes.
+        for k in 0..30 {
+            let key = format!("refund-{k}");
+            for svc in [a.clone(), b.clone()] {
+                let res = svc.oneshot(refund(Some(&key), "49")).await.unwrap();
+                assert_eq!(res.headers()["idempotent-replayed"], "true");
+            }
+        }
+        assert_eq!(h.runs(), 30);
+        for node in 0..3 {
+            assert!(cluster.keys_on(node) > 0, "node {node} holds no key");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_node_killed_fails_its_keys_closed_and_loses_nothing_it_stored() {
+        let mut cluster = RedisCluster::start(3).await;
+        let h = Handler::new(Mode::Ok);
+        let svc = instance(&cluster, &h);
+        for k in 0..30 {
+            let res = svc
+                .clone()
+                .oneshot(refund(Some(&format!("done-{k}")), "49"))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 201);
+        }
+        cluster.kill(1);
+        // Keys on the dead node are refused (503, nothing run); the others go on.
+        let (mut refused, mut ran) = (Vec::new(), 0);
+        for k in 0..30 {
+            let key = format!("new-{k}");
+            let res = svc.clone().oneshot(refund(Some(&key), "49")).await.unwrap();
+            match res.status().as_u16() {
+                503 => refused.push(key),
+                201 => ran += 1,
+                other => panic!("{key}: {other}"),
+            }
+        }
+        assert!(
+            !refused.is_empty() && ran > 0,
+            "{} refused, {ran} ran",
+            refused.len()
+        );
+        assert_eq!(h.runs(), 30 + ran, "no handler ran unprotected");
+        let mut stored_refused = 0;
+        for k in 0..30 {
+            let res = svc
+                .clone()
+                .oneshot(refund(Some(&format!("done-{k}")), "49"))
+                .await
+                .unwrap();
+            match res.status().as_u16() {
+                503 => stored_refused += 1,
+                200 | 201 => assert_eq!(res.headers()["idempotent-replayed"], "true"),
+                other => panic!("done-{k}: {other}"),
+            }
+        }
+        assert!(stored_refused > 0, "some stored keys live on the dead node");
+        assert_eq!(h.runs(), 30 + ran, "a stored result never runs again");
+        // The node comes back with its append-only file: what it stored is replayed, what it
+        // refused runs now, once.
+        cluster.restart(1).await;
+        for k in 0..30 {
+            let res = answered(&svc, &format!("done-{k}")).await;
+            assert_eq!(res.headers()["idempotent-replayed"], "true", "done-{k}");
+        }
+        for key in &refused {
+            assert_eq!(answered(&svc, key).await.status(), 201, "{key}");
+        }
+        assert_eq!(h.runs(), 60, "every key ran exactly once");
+    }
+
+    /// The first answer that is not the 503 of a node still coming back.
+    async fn answered<S>(svc: &S, key: &str) -> Response<backstop_replay::ReplayResponseBody>
+    where
+        S: Service<
+                Request<Full<Bytes>>,
+                Response = Response<backstop_replay::ReplayResponseBody>,
+                Error = Infallible,
+            > + Clone,
+    {
+        for _ in 0..100 {
+            let res = svc.clone().oneshot(refund(Some(key), "49")).await.unwrap();
+            if res.status() != 503 {
+                return res;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{key}: still 503 five seconds after the node came back");
+    }
+}
+
 /// A memory store whose `complete` fails the first `fail_completes` times and whose `renew`
 /// answers as told: a store that fails for a moment, or that lost the claim.
 #[derive(Debug)]

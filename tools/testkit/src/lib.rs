@@ -21,11 +21,13 @@ mod clock;
 mod pg_wire;
 mod postgres;
 mod proxy;
+mod redis_cluster;
 
 pub use clock::{ManualClock, fresh_dir};
 pub use pg_wire::PgWireCounter;
 pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
+pub use redis_cluster::RedisCluster;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Response, StatusCode};
@@ -306,6 +308,17 @@ pub(crate) fn free_port() -> u16 {
         .port()
 }
 
+/// A loopback port free a moment ago whose cluster bus port (`port + 10000`) is free too.
+fn free_cluster_port() -> u16 {
+    for _ in 0..100 {
+        let port = free_port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port pair for a Redis Cluster node");
+}
+
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped.
 ///
 /// Needs `redis-server` on the `PATH`.
@@ -316,6 +329,8 @@ pub struct RedisServer {
     /// With a directory, every write is appended and fsynced before Redis replies, so a
     /// killed server restarts with its data.
     dir: Option<std::path::PathBuf>,
+    /// A cluster node (`--cluster-enabled yes`, its cluster bus on `port + 10000`).
+    cluster: bool,
 }
 
 impl RedisServer {
@@ -325,9 +340,37 @@ impl RedisServer {
             child: None,
             port: free_port(),
             dir: None,
+            cluster: false,
         };
         server.launch_on_a_free_port().await;
         server
+    }
+
+    /// A persistent node of a Redis Cluster, not yet part of one (see [`RedisCluster`]).
+    pub(crate) async fn start_cluster_node() -> RedisServer {
+        let port = free_cluster_port();
+        let dir =
+            std::env::temp_dir().join(format!("backstop-redis-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temporary directory");
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir: Some(dir),
+            cluster: true,
+        };
+        for _ in 0..5 {
+            if server.launch().await {
+                return server;
+            }
+            server.port = free_cluster_port();
+        }
+        panic!("redis-server found no free loopback port pair for a cluster node in 5 tries");
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// Starts one that persists every write to an append-only file in a fresh temporary
@@ -343,6 +386,7 @@ impl RedisServer {
             child: None,
             port,
             dir: Some(dir),
+            cluster: false,
         };
         server.launch_on_a_free_port().await;
         server
@@ -374,6 +418,14 @@ impl RedisServer {
             None => {
                 cmd.args(["--appendonly", "no"]);
             }
+        }
+        if self.cluster {
+            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+                .args(["--cluster-require-full-coverage", "no"])
+                .args([
+                    "--cluster-config-file",
+                    &format!("nodes-{}.conf", self.port),
+                ]);
         }
         let child = cmd
             .stdout(std::process::Stdio::null())
