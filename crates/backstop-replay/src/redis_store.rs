@@ -3,12 +3,14 @@ use crate::store::{
 };
 use rand::{TryRng, rngs::SysRng};
 use redis::{
-    Client, FromRedisValue, RedisResult, Script, ScriptInvocation, Value,
-    aio::{ConnectionManager, ConnectionManagerConfig},
+    AsyncConnectionConfig, Client, FromRedisValue, RedisResult, Script, ScriptInvocation, Value,
+    aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection},
     cluster::{ClusterClientBuilder, ClusterConfig},
     cluster_async::ClusterConnection,
+    sentinel::{SentinelClient, SentinelServerType},
 };
-use std::{fmt, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
+use tokio::sync::Mutex;
 
 const CLAIM: &str = r"
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -82,11 +84,12 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-/// One Redis, or a cluster.
+/// One Redis, a cluster, or the primary that Sentinel names.
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(Arc<Primary>),
 }
 
 impl Conn {
@@ -94,6 +97,10 @@ impl Conn {
         match self {
             Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
             Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Sentinel(p) => {
+                let mut c = p.connection().await?;
+                p.judge(inv.invoke_async(&mut c).await).await
+            }
         }
     }
 
@@ -101,7 +108,51 @@ impl Conn {
         match self {
             Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
             Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Sentinel(p) => {
+                let mut c = p.connection().await?;
+                p.judge(cmd.query_async(&mut c).await).await
+            }
         }
+    }
+}
+
+/// The primary Sentinel names, and a connection to it until it fails: then Sentinel is asked
+/// again, so after a failover the next operation goes to the promoted replica.
+struct Primary {
+    sentinel: Mutex<SentinelClient>,
+    current: Mutex<Option<MultiplexedConnection>>,
+}
+
+impl Primary {
+    async fn connection(&self) -> RedisResult<MultiplexedConnection> {
+        let mut current = self.current.lock().await;
+        if let Some(c) = &*current {
+            return Ok(c.clone());
+        }
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(1)))
+            .set_response_timeout(Some(Duration::from_secs(1)));
+        let c = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        *current = Some(c.clone());
+        Ok(c)
+    }
+
+    /// A result as it is; a connection that failed, or a node that is no longer the primary
+    /// (`READONLY`: a demoted primary), is forgotten, so the next operation asks Sentinel.
+    async fn judge<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
+        if let Err(e) = &result
+            && (e.is_io_error()
+                || e.is_timeout()
+                || e.is_connection_dropped()
+                || e.is_unrecoverable_error()
+                || e.code() == Some("READONLY"))
+        {
+            *self.current.lock().await = None;
+        }
+        result
     }
 }
 
@@ -164,6 +215,32 @@ impl RedisStore {
                 .map_err(|e| StoreError::new(format!("{e} (cluster node {node})")))?;
         }
         Ok(store)
+    }
+
+    /// A store on the primary that the Redis Sentinels at `sentinels` (`redis://127.0.0.1:26379/`,
+    /// ...) monitor as `primary`, key prefix `backstop:replay:`. The primary is asked of
+    /// Sentinel on first use and again whenever its connection fails or it answers as a replica
+    /// (`READONLY`), so after a failover the store follows the promoted replica; while there is
+    /// no primary, operations fail and the replay layer answers 503. A failover can lose what
+    /// the old primary acknowledged and had not replicated (see the type's docs).
+    pub fn sentinel<N: AsRef<str>>(sentinels: &[N], primary: &str) -> Result<Self, StoreError> {
+        let sentinels: Vec<&str> = sentinels.iter().map(AsRef::as_ref).collect();
+        if sentinels.is_empty() {
+            return Err(StoreError::new(
+                "redis: a Sentinel store needs the address of at least one Sentinel",
+            ));
+        }
+        let client = SentinelClient::build(
+            sentinels,
+            primary.to_owned(),
+            None,
+            SentinelServerType::Master,
+        )
+        .map_err(err)?;
+        Ok(Self::over(Conn::Sentinel(Arc::new(Primary {
+            sentinel: Mutex::new(client),
+            current: Mutex::new(None),
+        }))))
     }
 
     fn over(conn: Conn) -> Self {

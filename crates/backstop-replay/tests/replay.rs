@@ -970,6 +970,86 @@ mod redis_cluster {
     }
 }
 
+/// The replay layer behind Redis Sentinel: a primary, its replica and three Sentinels started by
+/// the test on loopback; the primary killed, the replica promoted.
+#[cfg(feature = "redis")]
+mod redis_sentinel {
+    use super::*;
+    use backstop_replay::RedisStore;
+    use backstop_testkit::RedisSentinel;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_failover_the_store_follows_the_promoted_replica_and_replays() {
+        let mut topology = RedisSentinel::start().await;
+        let store =
+            RedisStore::sentinel(&topology.sentinel_urls(), topology.primary_name()).unwrap();
+        let h = Handler::new(Mode::Ok);
+        let svc = ReplayLayer::new(store).single_tenant().layer(h.service());
+        for k in 0..10 {
+            let res = svc
+                .clone()
+                .oneshot(refund(Some(&format!("before-{k}")), "49"))
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 201);
+        }
+        // What the replica has acknowledged survives the failover (what it had not could be
+        // lost: replication is asynchronous).
+        topology.replicated();
+        let killed = tokio::time::Instant::now();
+        topology.kill_primary();
+        // With no primary, a new key is refused, and nothing runs.
+        let res = svc
+            .clone()
+            .oneshot(refund(Some("during"), "49"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 503);
+        assert_eq!(h.runs(), 10, "no handler ran unprotected");
+        topology.promoted().await;
+        let promoted = killed.elapsed();
+        // The store asks Sentinel again and finds the promoted replica: every stored key is
+        // replayed from it, and new keys run once.
+        for k in 0..10 {
+            let key = format!("before-{k}");
+            let res = answered(&svc, &key).await;
+            assert_eq!(res.headers()["idempotent-replayed"], "true", "{key}");
+            if k == 0 {
+                eprintln!(
+                    "primary killed: replica promoted after {promoted:?}, the store answering \
+                     again after {:?}",
+                    killed.elapsed()
+                );
+            }
+        }
+        assert_eq!(answered(&svc, "during").await.status(), 201);
+        assert_eq!(
+            answered(&svc, "during").await.headers()["idempotent-replayed"],
+            "true"
+        );
+        assert_eq!(h.runs(), 11, "every key ran exactly once");
+    }
+
+    /// The first answer that is not the 503 of a store still finding its primary.
+    async fn answered<S>(svc: &S, key: &str) -> Response<backstop_replay::ReplayResponseBody>
+    where
+        S: Service<
+                Request<Full<Bytes>>,
+                Response = Response<backstop_replay::ReplayResponseBody>,
+                Error = Infallible,
+            > + Clone,
+    {
+        for _ in 0..100 {
+            let res = svc.clone().oneshot(refund(Some(key), "49")).await.unwrap();
+            if res.status() != 503 {
+                return res;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{key}: still 503 five seconds after the promotion");
+    }
+}
+
 /// A memory store whose `complete` fails the first `fail_completes` times and whose `renew`
 /// answers as told: a store that fails for a moment, or that lost the claim.
 #[derive(Debug)]

@@ -11,6 +11,7 @@ use std::{
     pin::Pin,
     task::{Context, Poll},
 };
+#[cfg(feature = "reqwest-middleware")]
 use tower_layer::Layer;
 use tower_service::Service;
 

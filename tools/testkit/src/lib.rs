@@ -22,12 +22,14 @@ mod pg_wire;
 mod postgres;
 mod proxy;
 mod redis_cluster;
+mod redis_sentinel;
 
 pub use clock::{ManualClock, fresh_dir};
 pub use pg_wire::PgWireCounter;
 pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
 pub use redis_cluster::RedisCluster;
+pub use redis_sentinel::RedisSentinel;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Response, StatusCode};
@@ -329,8 +331,21 @@ pub struct RedisServer {
     /// With a directory, every write is appended and fsynced before Redis replies, so a
     /// killed server restarts with its data.
     dir: Option<std::path::PathBuf>,
+    /// What it runs as.
+    role: Role,
+}
+
+/// What a [`RedisServer`] runs as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A Redis of its own.
+    Alone,
     /// A cluster node (`--cluster-enabled yes`, its cluster bus on `port + 10000`).
-    cluster: bool,
+    ClusterNode,
+    /// A replica of the Redis on this port.
+    ReplicaOf(u16),
+    /// A Sentinel monitoring the primary on this port as `backstop`.
+    Sentinel(u16),
 }
 
 impl RedisServer {
@@ -340,7 +355,7 @@ impl RedisServer {
             child: None,
             port: free_port(),
             dir: None,
-            cluster: false,
+            role: Role::Alone,
         };
         server.launch_on_a_free_port().await;
         server
@@ -348,7 +363,19 @@ impl RedisServer {
 
     /// A persistent node of a Redis Cluster, not yet part of one (see [`RedisCluster`]).
     pub(crate) async fn start_cluster_node() -> RedisServer {
-        let port = free_cluster_port();
+        Self::start_as(Role::ClusterNode).await
+    }
+
+    /// A persistent server in `role`, on a free port (and, for a cluster node, a free bus port).
+    pub(crate) async fn start_as(role: Role) -> RedisServer {
+        let pick = || {
+            if role == Role::ClusterNode {
+                free_cluster_port()
+            } else {
+                free_port()
+            }
+        };
+        let port = pick();
         let dir =
             std::env::temp_dir().join(format!("backstop-redis-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -357,15 +384,15 @@ impl RedisServer {
             child: None,
             port,
             dir: Some(dir),
-            cluster: true,
+            role,
         };
         for _ in 0..5 {
             if server.launch().await {
                 return server;
             }
-            server.port = free_cluster_port();
+            server.port = pick();
         }
-        panic!("redis-server found no free loopback port pair for a cluster node in 5 tries");
+        panic!("redis-server found no free loopback port for a {role:?} in 5 tries");
     }
 
     /// The port it listens on.
@@ -386,7 +413,7 @@ impl RedisServer {
             child: None,
             port,
             dir: Some(dir),
-            cluster: false,
+            role: Role::Alone,
         };
         server.launch_on_a_free_port().await;
         server
@@ -408,18 +435,43 @@ impl RedisServer {
     /// once (its port was taken).
     async fn launch(&mut self) -> bool {
         let mut cmd = std::process::Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--protected-mode", "yes"]);
+        if let Role::Sentinel(primary) = self.role {
+            // A Sentinel reads (and rewrites) a configuration file of its own.
+            let dir = self.dir.as_ref().expect("a Sentinel has a directory");
+            let conf = dir.join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {}\nbind 127.0.0.1\ndir {}\n\
+                     sentinel monitor backstop 127.0.0.1 {primary} 2\n\
+                     sentinel down-after-milliseconds backstop 1000\n\
+                     sentinel failover-timeout backstop 5000\n\
+                     sentinel parallel-syncs backstop 1\n",
+                    self.port,
+                    dir.display()
+                ),
+            )
+            .expect("sentinel.conf");
+            cmd.arg(&conf).arg("--sentinel");
+        } else {
+            cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"]);
+        }
         match &self.dir {
+            _ if matches!(self.role, Role::Sentinel(_)) => {}
             Some(dir) => {
+                cmd.args(["--save", "", "--protected-mode", "yes"]);
                 cmd.args(["--appendonly", "yes", "--appendfsync", "always", "--dir"])
                     .arg(dir);
             }
             None => {
+                cmd.args(["--save", "", "--protected-mode", "yes"]);
                 cmd.args(["--appendonly", "no"]);
             }
         }
-        if self.cluster {
+        if let Role::ReplicaOf(primary) = self.role {
+            cmd.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
+        }
+        if self.role == Role::ClusterNode {
             cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
                 .args(["--cluster-require-full-coverage", "no"])
                 .args([
