@@ -55,6 +55,27 @@ pub struct CircuitStats {
     pub retry_in: Option<Duration>,
 }
 
+/// What a breaker shares its circuits through (the fleet, feature `fleet`): told of this
+/// process's own transitions, and asked before a circuit whose cooldown is over lets trials
+/// through.
+pub(crate) trait Shared: Send + Sync {
+    /// A transition this process made itself, with the calls that backed it (the failures in a
+    /// row, or the calls in the ratio window, that tripped it; 1 for a trial).
+    fn local(&self, transition: &CircuitTransition, calls: u64);
+    /// Whether this process may send `dependency`'s trial calls now.
+    fn may_trial(&self, dependency: &Dependency) -> bool;
+}
+
+/// Who moved a circuit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// This process: its own calls, an operator, a cooldown's end.
+    Local,
+    /// The fleet: another process's report.
+    #[cfg_attr(not(feature = "fleet"), allow(dead_code))]
+    Fleet,
+}
+
 /// One dependency's circuit.
 pub(crate) struct Circuit {
     dependency: Dependency,
@@ -70,6 +91,8 @@ pub(crate) struct Circuit {
     trials: TrialSlots,
     /// Opens in a row without a successful trial, for the growing cooldown.
     opens: AtomicU32,
+    /// The calls behind the last trip (failures in a row, or calls in the window).
+    tripped_on: AtomicU64,
     transition: Mutex<()>,
 }
 
@@ -150,6 +173,8 @@ pub(crate) struct Inner {
     pub(crate) config: BreakerConfig,
     pub(crate) circuits: Registry<Circuit>,
     origin: Instant,
+    /// The fleet this breaker shares its circuits with, once it joined one.
+    pub(crate) shared: std::sync::OnceLock<Arc<dyn Shared>>,
 }
 
 /// Per-dependency circuits. `Clone`: clones share every circuit, so one `Breaker` given to
@@ -231,6 +256,7 @@ impl Breaker {
             failures: ratio.then(|| SlidingCount::new(window, 10)),
             trials: TrialSlots::new(),
             opens: AtomicU32::new(0),
+            tripped_on: AtomicU64::new(0),
             transition: Mutex::new(()),
         })
         // At the bound, only a closed circuit with no failures in a row makes room: an open,
@@ -243,6 +269,7 @@ impl Breaker {
                 config,
                 circuits,
                 origin: Instant::now(),
+                shared: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -356,6 +383,16 @@ impl Inner {
                             Some(Duration::from_millis(until - now)),
                         ));
                     }
+                    // In a fleet, one process sends the trials for all of them.
+                    if let Some(shared) = self.shared.get()
+                        && !shared.may_trial(dependency)
+                    {
+                        return Err(CircuitOpen::new(
+                            dependency.clone(),
+                            CircuitState::Open,
+                            None,
+                        ));
+                    }
                     // The cooldown is over: let trials through (unless the circuit changed since).
                     self.transition(circuit, Some(OPEN), HALF_OPEN, Some(generation));
                 }
@@ -432,6 +469,7 @@ impl Inner {
                 let run = c.consecutive.fetch_add(1, Ordering::AcqRel) + 1;
                 let cfg = &self.config;
                 let mut trip = cfg.consecutive_failures.is_some_and(|n| run >= n);
+                let mut backing = u64::from(run);
                 if let (Some(calls), Some(failures), Some(ratio)) =
                     (&c.calls, &c.failures, cfg.failure_ratio)
                 {
@@ -443,9 +481,11 @@ impl Inner {
                         && failures.sum(now) as f64 >= ratio * n as f64
                     {
                         trip = true;
+                        backing = backing.max(n);
                     }
                 }
                 if trip {
+                    c.tripped_on.store(backing, Ordering::Release);
                     self.transition(c, Some(CLOSED), OPEN, Some(generation));
                 }
             }
@@ -455,22 +495,56 @@ impl Inner {
     /// Moves `c` to `to` if it is in `from` (any state when `None`) and, when given, still in
     /// `generation`. Serialised per circuit; never held across an `.await`.
     fn transition(&self, c: &Circuit, from: Option<u8>, to: u8, generation: Option<u64>) {
+        self.transition_as(c, from, to, generation, Source::Local, None);
+    }
+
+    #[cfg(feature = "fleet")]
+    /// Opens `dependency`'s circuit, if it is closed, for `cooldown`: the fleet's quorum saw
+    /// it fail. Not reported back to the fleet.
+    pub(crate) fn open_by_fleet(&self, dependency: &Dependency, cooldown: Duration) -> bool {
+        let c = self.circuits.get(dependency);
+        self.transition_as(&c, Some(CLOSED), OPEN, None, Source::Fleet, Some(cooldown))
+    }
+
+    #[cfg(feature = "fleet")]
+    /// Closes `dependency`'s circuit, if it is open or half-open: another process's trial
+    /// succeeded. An isolated circuit stays isolated.
+    pub(crate) fn close_by_fleet(&self, dependency: &Dependency) -> bool {
+        let Some(c) = self.circuits.tracked(dependency) else {
+            return false;
+        };
+        let closed = self.transition_as(&c, Some(OPEN), CLOSED, None, Source::Fleet, None);
+        closed || self.transition_as(&c, Some(HALF_OPEN), CLOSED, None, Source::Fleet, None)
+    }
+
+    /// [`transition`](Self::transition), by `source`, with `cooldown` instead of the grown one
+    /// when given. `true` when it moved.
+    fn transition_as(
+        &self,
+        c: &Circuit,
+        from: Option<u8>,
+        to: u8,
+        generation: Option<u64>,
+        source: Source,
+        cooldown_given: Option<Duration>,
+    ) -> bool {
         let guard = c.transition.lock().unwrap_or_else(|p| p.into_inner());
         let was = c.state.load(Ordering::Acquire);
         if from.is_some_and(|f| f != was)
             || generation.is_some_and(|g| g != c.generation.load(Ordering::Acquire))
         {
-            return;
+            return false;
         }
         let mut cooldown = None;
         match to {
             OPEN => {
                 let opens = c.opens.fetch_add(1, Ordering::AcqRel);
-                let grown = self
-                    .config
-                    .cooldown
-                    .saturating_mul(2u32.saturating_pow(opens.min(31)))
-                    .min(self.config.max_cooldown);
+                let grown = cooldown_given.unwrap_or_else(|| {
+                    self.config
+                        .cooldown
+                        .saturating_mul(2u32.saturating_pow(opens.min(31)))
+                        .min(self.config.max_cooldown)
+                });
                 let until = self
                     .now_ms()
                     .saturating_add(u64::try_from(grown.as_millis()).unwrap_or(u64::MAX));
@@ -533,6 +607,16 @@ impl Inner {
         if let Some(hook) = &self.config.on_transition {
             hook(&t);
         }
+        if source == Source::Local
+            && let Some(shared) = self.shared.get()
+        {
+            let calls = match (was, to) {
+                (CLOSED, OPEN) => c.tripped_on.load(Ordering::Acquire),
+                _ => 1,
+            };
+            shared.local(&t, calls);
+        }
+        true
     }
 }
 

@@ -83,6 +83,8 @@
 
 mod circuit;
 mod config;
+#[cfg(feature = "fleet")]
+mod fleet;
 mod gate;
 mod layer;
 mod slots;
@@ -92,5 +94,7 @@ pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
 pub use circuit::{Breaker, CircuitStats, CircuitTransition};
 pub use config::BreakerConfig;
+#[cfg(feature = "fleet")]
+pub use fleet::{Fleet, FleetConfig, FleetStats};
 pub use gate::DependencyBreaker;
 pub use layer::{BreakerFuture, BreakerLayer, CircuitBreaker};

@@ -344,6 +344,9 @@ pub mod breaker {
         Breaker, BreakerConfig, BreakerFuture, BreakerLayer, CircuitBreaker, CircuitStats,
         CircuitTransition, DependencyBreaker,
     };
+    #[cfg(feature = "fleet-breaker")]
+    #[doc(inline)]
+    pub use backstop_breaker::{Fleet, FleetConfig, FleetStats};
     #[doc(inline)]
     pub use backstop_core::{AttemptGate, CircuitState, Ticket};
 

@@ -1,0 +1,597 @@
+//! Circuits a fleet of processes shares through Redis (feature `fleet`): see [`Fleet`].
+
+use crate::circuit::{Inner, Shared};
+use crate::{Breaker, CircuitState, CircuitTransition};
+use backstop_core::{Dependency, InvalidConfig};
+use redis::{
+    AsyncConnectionConfig, Client, RedisResult, Value, aio::MultiplexedConnection,
+    streams::StreamReadReply,
+};
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+use tokio::{sync::mpsc, task::JoinHandle, time::Instant};
+
+/// How a breaker joins a fleet ([`Breaker::join_fleet`]).
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    quorum: usize,
+    min_calls: u64,
+    stream: String,
+    id: String,
+}
+
+impl Default for FleetConfig {
+    /// A quorum of 2 processes, reports backed by at least 5 calls, the stream
+    /// `backstop:breaker`, a random process id.
+    fn default() -> Self {
+        let mut id = [0u8; 8];
+        rand_id(&mut id);
+        FleetConfig {
+            quorum: 2,
+            min_calls: 5,
+            stream: "backstop:breaker".to_owned(),
+            id: id.iter().map(|b| format!("{b:02x}")).collect(),
+        }
+    }
+}
+
+fn rand_id(buf: &mut [u8; 8]) {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    *buf = h.finish().to_le_bytes();
+}
+
+impl FleetConfig {
+    /// How many distinct processes must report a circuit open before the others open theirs
+    /// (at least 1; 1 lets any one process open the fleet's circuit).
+    #[must_use]
+    pub fn quorum(mut self, processes: usize) -> Self {
+        self.quorum = processes;
+        self
+    }
+
+    /// The fewest calls a report must be backed by to count.
+    #[must_use]
+    pub fn min_calls(mut self, calls: u64) -> Self {
+        self.min_calls = calls;
+        self
+    }
+
+    /// The Redis stream the fleet's reports go on (and the prefix of its trial leases).
+    #[must_use]
+    pub fn stream(mut self, name: impl Into<String>) -> Self {
+        self.stream = name.into();
+        self
+    }
+
+    /// This process's name in its reports (random by default).
+    #[must_use]
+    pub fn process_id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+}
+
+/// What a process's fleet link has done, from [`Fleet::stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FleetStats {
+    /// Redis answered the last operation.
+    pub connected: bool,
+    /// Reports this process put on the stream.
+    pub published: u64,
+    /// Reports of other processes read.
+    pub received: u64,
+    /// Reports not sent: Redis was unreachable, or the queue to the writer was full.
+    pub dropped: u64,
+    /// Circuits this process opened on the fleet's quorum.
+    pub opened_by_fleet: u64,
+    /// Circuits this process closed on another process's successful trial.
+    pub closed_by_fleet: u64,
+    /// Trial leases this process won, and lost to another process.
+    pub trials_won: u64,
+    /// See `trials_won`.
+    pub trials_lost: u64,
+}
+
+/// A breaker's link to the other processes that call the same dependencies
+/// ([`Breaker::join_fleet`], feature `fleet`): a writer and a reader task on the runtime it
+/// was joined from, stopped when this is dropped (the breaker then judges alone again).
+///
+/// Each process keeps judging by its own calls. What the fleet adds:
+///
+/// - **Open reports.** A circuit this process opens on its own calls is reported on a Redis
+///   stream (`XADD`, with the calls that backed it). A process opens its own circuit for a
+///   dependency once a **quorum** of distinct processes (itself included) has reported it open
+///   within the report's cooldown, each report backed by at least `min_calls` calls: one faulty
+///   replica (a bad network path, a bug of its own) cannot open the fleet's circuit alone, and
+///   a report of two unlucky calls counts for nothing. Reports reach the others as soon as
+///   Redis delivers them (`XREAD BLOCK`: a few milliseconds on one network).
+/// - **Fleet-wide trials.** When a circuit's cooldown ends, a process sends trial calls only if
+///   it holds the dependency's trial lease (`SET NX PX`, one holder in the fleet, for a
+///   cooldown): the fleet sends one process's trial calls per cooldown, not one set per
+///   replica. The holder's successful trial is reported and closes the circuit everywhere; a
+///   failed one keeps it open.
+/// - **Redis unreachable.** Reports are dropped (counted) and every process falls back to its
+///   own breaker, trials included; [`FleetStats::connected`] and the gauge
+///   `backstop_breaker_fleet_connected` (feature `metrics`) say so.
+///
+/// ```no_run
+/// use backstop_breaker::{Breaker, FleetConfig};
+///
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), backstop_core::InvalidConfig> {
+/// let breaker = Breaker::default();
+/// // Two replicas must report a dependency failing before the others open its circuit.
+/// let fleet = breaker.join_fleet("redis://127.0.0.1:6379/", FleetConfig::default().quorum(2))?;
+/// // ... give `breaker` to the stacks; keep `fleet` alive as long as they run.
+/// # drop(fleet); Ok(())
+/// # }
+/// ```
+pub struct Fleet {
+    link: Arc<Link>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fleet")
+            .field("id", &self.link.config.id)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Fleet {
+    /// What the link has done so far.
+    pub fn stats(&self) -> FleetStats {
+        self.link.stats()
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.link.connected.store(false, Ordering::Release);
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Breaker {
+    /// Shares this breaker's circuits with the other processes that join the fleet on the
+    /// Redis at `url` (see the module's docs). Spawns the link's tasks on the current tokio
+    /// runtime; a breaker joins one fleet at most.
+    pub fn join_fleet(&self, url: &str, config: FleetConfig) -> Result<Fleet, InvalidConfig> {
+        if config.quorum == 0 {
+            return Err(InvalidConfig::new(
+                "a fleet's quorum must be at least 1 process",
+            ));
+        }
+        let client = Client::open(url)
+            .map_err(|e| InvalidConfig::new(format!("the fleet's Redis URL: {e}")))?;
+        let (tx, rx) = mpsc::channel(1024);
+        let link = Arc::new(Link {
+            breaker: Arc::downgrade(&self.inner),
+            config,
+            tx,
+            connected: AtomicBool::new(false),
+            reports: Mutex::new(HashMap::new()),
+            trials: Mutex::new(HashMap::new()),
+            counts: Counts::default(),
+        });
+        if self.inner.shared.set(link.clone()).is_err() {
+            return Err(InvalidConfig::new(
+                "this breaker has joined a fleet already",
+            ));
+        }
+        let tasks = vec![
+            tokio::spawn(write(link.clone(), client.clone(), rx)),
+            tokio::spawn(read(link.clone(), client)),
+        ];
+        Ok(Fleet { link, tasks })
+    }
+}
+
+/// What the writer task is asked to do.
+enum Out {
+    Report {
+        dependency: Dependency,
+        open: bool,
+        cooldown: Duration,
+        calls: u64,
+    },
+    AskTrial {
+        dependency: Dependency,
+        lease: Duration,
+    },
+}
+
+#[derive(Default)]
+struct Counts {
+    published: AtomicU64,
+    received: AtomicU64,
+    dropped: AtomicU64,
+    opened: AtomicU64,
+    closed: AtomicU64,
+    won: AtomicU64,
+    lost: AtomicU64,
+}
+
+/// A process's right to send a dependency's trials.
+#[derive(Clone, Copy, Debug)]
+enum Trial {
+    /// Asked of Redis, no answer yet.
+    Asked(Instant),
+    /// This process holds the lease until then.
+    Won(Instant),
+    /// Another process holds it until then.
+    Lost(Instant),
+}
+
+struct Link {
+    breaker: Weak<Inner>,
+    config: FleetConfig,
+    tx: mpsc::Sender<Out>,
+    connected: AtomicBool,
+    /// Per dependency, the processes that reported it open, until when their report counts.
+    reports: Mutex<HashMap<Dependency, HashMap<String, Instant>>>,
+    trials: Mutex<HashMap<Dependency, Trial>>,
+    counts: Counts,
+}
+
+impl Link {
+    fn stats(&self) -> FleetStats {
+        let c = &self.counts;
+        FleetStats {
+            connected: self.connected.load(Ordering::Acquire),
+            published: c.published.load(Ordering::Relaxed),
+            received: c.received.load(Ordering::Relaxed),
+            dropped: c.dropped.load(Ordering::Relaxed),
+            opened_by_fleet: c.opened.load(Ordering::Relaxed),
+            closed_by_fleet: c.closed.load(Ordering::Relaxed),
+            trials_won: c.won.load(Ordering::Relaxed),
+            trials_lost: c.lost.load(Ordering::Relaxed),
+        }
+    }
+
+    fn send(&self, out: Out) {
+        if !self.connected.load(Ordering::Acquire) || self.tx.try_send(out).is_err() {
+            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn set_connected(&self, up: bool) {
+        if self.connected.swap(up, Ordering::AcqRel) != up {
+            if up {
+                tracing::info!(target: "backstop::breaker", "fleet: connected to Redis");
+            } else {
+                tracing::warn!(
+                    target: "backstop::breaker",
+                    "fleet: Redis unreachable; each circuit is judged by this process alone"
+                );
+            }
+            #[cfg(feature = "metrics")]
+            metrics::gauge!("backstop_breaker_fleet_connected").set(if up { 1.0 } else { 0.0 });
+        }
+    }
+
+    /// Counts `process`'s open report for `dependency` until `until`, and opens this
+    /// process's circuit once the live reports reach the quorum.
+    fn reported_open(&self, dependency: &Dependency, process: &str, cooldown: Duration) {
+        let now = Instant::now();
+        let live = {
+            let mut reports = self.reports.lock().unwrap_or_else(|p| p.into_inner());
+            let by = reports.entry(dependency.clone()).or_default();
+            by.insert(process.to_owned(), now + cooldown);
+            by.retain(|_, until| *until > now);
+            by.len()
+        };
+        if live >= self.config.quorum
+            && let Some(inner) = self.breaker.upgrade()
+            && inner.open_by_fleet(dependency, cooldown)
+        {
+            self.counts.opened.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                target: "backstop::breaker",
+                dependency = %dependency,
+                reporters = live,
+                "fleet: circuit opened on the fleet's reports"
+            );
+        }
+    }
+
+    fn reported_closed(&self, dependency: &Dependency) {
+        self.reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(dependency);
+        self.trials
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(dependency);
+        if let Some(inner) = self.breaker.upgrade()
+            && inner.close_by_fleet(dependency)
+        {
+            self.counts.closed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Shared for Link {
+    fn local(&self, t: &CircuitTransition, calls: u64) {
+        match (t.from, t.to) {
+            (CircuitState::Closed | CircuitState::HalfOpen, CircuitState::Open) => {
+                let cooldown = t.cooldown.unwrap_or(Duration::from_secs(30));
+                if t.from == CircuitState::Closed && calls < self.config.min_calls {
+                    return;
+                }
+                if t.from == CircuitState::Closed {
+                    // Its own report counts toward the quorum too.
+                    self.reported_open(&t.dependency, &self.config.id.clone(), cooldown);
+                }
+                self.send(Out::Report {
+                    dependency: t.dependency.clone(),
+                    open: true,
+                    cooldown,
+                    calls,
+                });
+            }
+            (CircuitState::HalfOpen, CircuitState::Closed) => {
+                self.reports
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&t.dependency);
+                self.send(Out::Report {
+                    dependency: t.dependency.clone(),
+                    open: false,
+                    cooldown: Duration::ZERO,
+                    calls,
+                });
+            }
+            _ => {}
+        }
+    }
+
+    fn may_trial(&self, dependency: &Dependency) -> bool {
+        if !self.connected.load(Ordering::Acquire) {
+            return true;
+        }
+        let now = Instant::now();
+        let mut trials = self.trials.lock().unwrap_or_else(|p| p.into_inner());
+        match trials.get(dependency) {
+            Some(Trial::Won(until)) if *until > now => return true,
+            Some(Trial::Lost(until)) if *until > now => return false,
+            // An answer is on its way (for up to a second).
+            Some(Trial::Asked(at)) if now.duration_since(*at) < Duration::from_secs(1) => {
+                return false;
+            }
+            _ => {}
+        }
+        trials.insert(dependency.clone(), Trial::Asked(now));
+        drop(trials);
+        let lease = self
+            .breaker
+            .upgrade()
+            .map_or(Duration::from_secs(30), |b| b.config.cooldown);
+        self.send(Out::AskTrial {
+            dependency: dependency.clone(),
+            lease,
+        });
+        false
+    }
+}
+
+fn config() -> AsyncConnectionConfig {
+    AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(Duration::from_secs(2)))
+}
+
+async fn connect(link: &Link, client: &Client) -> MultiplexedConnection {
+    loop {
+        match client
+            .get_multiplexed_async_connection_with_config(&config())
+            .await
+        {
+            Ok(c) => return c,
+            Err(_) => {
+                link.set_connected(false);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// Puts this process's reports on the stream and asks for trial leases.
+async fn write(link: Arc<Link>, client: Client, mut rx: mpsc::Receiver<Out>) {
+    let mut conn = connect(&link, &client).await;
+    while let Some(out) = rx.recv().await {
+        let result = match &out {
+            Out::Report {
+                dependency,
+                open,
+                cooldown,
+                calls,
+            } => {
+                let r: RedisResult<Value> = redis::cmd("XADD")
+                    .arg(&link.config.stream)
+                    .arg("MAXLEN")
+                    .arg("~")
+                    .arg(10_000)
+                    .arg("*")
+                    .arg("process")
+                    .arg(&link.config.id)
+                    .arg("dependency")
+                    .arg(dependency.as_str())
+                    .arg("state")
+                    .arg(if *open { "open" } else { "closed" })
+                    .arg("cooldown_ms")
+                    .arg(u64::try_from(cooldown.as_millis()).unwrap_or(u64::MAX))
+                    .arg("calls")
+                    .arg(*calls)
+                    .query_async(&mut conn)
+                    .await;
+                r.map(|_| link.counts.published.fetch_add(1, Ordering::Relaxed))
+                    .map(|_| ())
+            }
+            Out::AskTrial { dependency, lease } => {
+                let key = format!("{}:trial:{}", link.config.stream, dependency.as_str());
+                let r: RedisResult<Option<String>> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(&link.config.id)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1))
+                    .query_async(&mut conn)
+                    .await;
+                r.map(|won| {
+                    let until = Instant::now() + *lease;
+                    let trial = if won.is_some() {
+                        link.counts.won.fetch_add(1, Ordering::Relaxed);
+                        Trial::Won(until)
+                    } else {
+                        link.counts.lost.fetch_add(1, Ordering::Relaxed);
+                        Trial::Lost(until)
+                    };
+                    link.trials
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(dependency.clone(), trial);
+                })
+            }
+        };
+        match result {
+            Ok(()) => link.set_connected(true),
+            Err(e) => {
+                tracing::debug!(target: "backstop::breaker", error = %e, "fleet: write failed");
+                link.counts.dropped.fetch_add(1, Ordering::Relaxed);
+                if let Out::AskTrial { dependency, .. } = &out {
+                    // No answer: the process decides alone, as with no fleet.
+                    link.trials
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(
+                            dependency.clone(),
+                            Trial::Won(Instant::now() + Duration::from_secs(1)),
+                        );
+                }
+                link.set_connected(false);
+                conn = connect(&link, &client).await;
+            }
+        }
+    }
+}
+
+/// Reads the other processes' reports as they arrive (`XREAD BLOCK`).
+async fn read(link: Arc<Link>, client: Client) {
+    let mut conn = connect(&link, &client).await;
+    // From the newest report on: older ones are history (each is dated by its id, and one older
+    // than its cooldown counts for nothing anyway).
+    let mut last = last_id(&mut conn, &link.config.stream)
+        .await
+        .unwrap_or_else(|| "0-0".to_owned());
+    loop {
+        let reply: RedisResult<Option<StreamReadReply>> = redis::cmd("XREAD")
+            .arg("BLOCK")
+            .arg(500)
+            .arg("COUNT")
+            .arg(100)
+            .arg("STREAMS")
+            .arg(&link.config.stream)
+            .arg(&last)
+            .query_async(&mut conn)
+            .await;
+        match reply {
+            Ok(reply) => {
+                link.set_connected(true);
+                for key in reply.map(|r| r.keys).unwrap_or_default() {
+                    for entry in key.ids {
+                        last.clone_from(&entry.id);
+                        handle(&link, &entry.map);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::debug!(target: "backstop::breaker", error = %e, "fleet: read failed");
+                link.set_connected(false);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                conn = connect(&link, &client).await;
+            }
+        }
+    }
+}
+
+/// The id of the stream's newest entry, so that reading goes on from there.
+async fn last_id(conn: &mut MultiplexedConnection, stream: &str) -> Option<String> {
+    let info: RedisResult<Value> = redis::cmd("XREVRANGE")
+        .arg(stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(conn)
+        .await;
+    match info.ok()? {
+        Value::Array(entries) => match entries.first()? {
+            Value::Array(entry) => match entry.first()? {
+                Value::BulkString(id) => String::from_utf8(id.clone()).ok(),
+                _ => None,
+            },
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn field(map: &HashMap<String, Value>, name: &str) -> Option<String> {
+    match map.get(name)? {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// One report of another process.
+fn handle(link: &Link, map: &HashMap<String, Value>) {
+    let (Some(process), Some(dependency), Some(state)) = (
+        field(map, "process"),
+        field(map, "dependency"),
+        field(map, "state"),
+    ) else {
+        return;
+    };
+    if process == link.config.id {
+        return;
+    }
+    link.counts.received.fetch_add(1, Ordering::Relaxed);
+    let dependency = Dependency::new(dependency);
+    let calls: u64 = field(map, "calls")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let cooldown = Duration::from_millis(
+        field(map, "cooldown_ms")
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0),
+    );
+    match state.as_str() {
+        "open" if calls >= link.config.min_calls => {
+            link.reported_open(&dependency, &process, cooldown);
+        }
+        "closed" => link.reported_closed(&dependency),
+        _ => {}
+    }
+}
