@@ -521,7 +521,7 @@ async fn read(link: Arc<Link>, client: Client) {
                 for key in reply.map(|r| r.keys).unwrap_or_default() {
                     for entry in key.ids {
                         last.clone_from(&entry.id);
-                        handle(&link, &entry.map);
+                        handle(&link, &entry.id, &entry.map);
                     }
                 }
             }
@@ -565,8 +565,23 @@ fn field(map: &HashMap<String, Value>, name: &str) -> Option<String> {
     }
 }
 
+/// What is left of a report's `cooldown` now (`now_ms`, Unix milliseconds), from its stream
+/// `id` (`<Unix ms>-<seq>`): a report read late (after a reconnect) counts only for the rest of
+/// its cooldown, and an expired one not at all.
+fn left_of(id: &str, cooldown: Duration, now_ms: u64) -> Option<Duration> {
+    let at: u64 = id.split('-').next()?.parse().ok()?;
+    let age = Duration::from_millis(now_ms.saturating_sub(at));
+    cooldown.checked_sub(age).filter(|left| !left.is_zero())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// One report of another process.
-fn handle(link: &Link, map: &HashMap<String, Value>) {
+fn handle(link: &Link, id: &str, map: &HashMap<String, Value>) {
     let (Some(process), Some(dependency), Some(state)) = (
         field(map, "process"),
         field(map, "dependency"),
@@ -589,9 +604,36 @@ fn handle(link: &Link, map: &HashMap<String, Value>) {
     );
     match state.as_str() {
         "open" if calls >= link.config.min_calls => {
-            link.reported_open(&dependency, &process, cooldown);
+            if let Some(left) = left_of(id, cooldown, unix_ms()) {
+                link.reported_open(&dependency, &process, left);
+            }
         }
         "closed" => link.reported_closed(&dependency),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_counts_for_what_is_left_of_its_cooldown() {
+        let cooldown = Duration::from_secs(30);
+        let now = 1_800_000_000_000;
+        assert_eq!(left_of(&format!("{now}-0"), cooldown, now), Some(cooldown));
+        assert_eq!(
+            left_of(&format!("{}-3", now - 10_000), cooldown, now),
+            Some(Duration::from_secs(20))
+        );
+        // Read after its cooldown (a reader that was away): it counts for nothing.
+        assert_eq!(left_of(&format!("{}-0", now - 30_000), cooldown, now), None);
+        assert_eq!(left_of(&format!("{}-0", now - 90_000), cooldown, now), None);
+        // A clock behind the writer's: the whole cooldown, never more.
+        assert_eq!(
+            left_of(&format!("{}-0", now + 5_000), cooldown, now),
+            Some(cooldown)
+        );
+        assert_eq!(left_of("not-an-id", cooldown, now), None);
     }
 }
