@@ -11,6 +11,7 @@
 //!   error).
 //! - [`attempt`]: one attempt in flight and its timer ([`InFlight`]).
 //! - [`decide`]: after an attempt that did not succeed at once, the one [`Decision`].
+//! - [`answer`]: the end of the attempt that answered, for a body timer outside the layer.
 //! - [`retrying`]: the loop of waits, readiness and attempts.
 //!
 //! `Retrying` is a hand-written future, not an `async fn`: a boxed `async fn` must be
@@ -18,18 +19,19 @@
 //! `Send + 'static`, and rustc cannot yet prove `Send` for an `async` block holding some
 //! ordinary inner futures (one that ends in `.map_err(BoxError::from)`, say).
 
+mod answer;
 mod attempt;
 mod call;
 mod decide;
 mod retrying;
 
+pub use answer::{Answer, AttemptEnd};
 pub(crate) use call::Call;
 
 use crate::{CallHook, Resend, layer::Policy};
 use attempt::InFlight;
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions, Outcome};
-use backstop_timeout::AttemptCutoff;
 use decide::{Decision, Retries};
 use pin_project::{pin_project, pinned_drop};
 use retrying::Retrying;
@@ -302,34 +304,6 @@ where
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.poll_to_end::<false>(cx, &mut None)
-    }
-}
-
-/// A call's result and the end of the attempt that gave it (`None` when that attempt had
-/// neither an attempt timeout nor a deadline, or when no attempt gave the result).
-pub type Answer<T> = (T, Option<AttemptEnd>);
-
-/// When the attempt that answered a call is cut, and the dependency it went to (for the
-/// error of a body still arriving then).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct AttemptEnd {
-    /// The instant and the limit: its attempt timeout, or the deadline when that comes first.
-    pub cutoff: AttemptCutoff,
-    /// The dependency the attempt went to.
-    pub dependency: backstop_core::Dependency,
-}
-
-impl AttemptEnd {
-    /// Records the end of `call`'s attempt in `end`, when the caller wants it (`END`).
-    #[inline]
-    fn record<const END: bool, S, Req>(end: &mut Option<Self>, call: &Call<S, Req>) {
-        if END {
-            *end = call.cutoff.map(|cutoff| AttemptEnd {
-                cutoff,
-                dependency: call.dependency.clone(),
-            });
-        }
     }
 }
 
