@@ -950,6 +950,69 @@ mod redis_cluster {
         assert_eq!(h.runs(), 60, "every key ran exactly once");
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_node_killed_mid_request_refuses_repeats_and_loses_the_records_it_held() {
+        let mut cluster = RedisCluster::start(3).await;
+        let h = Handler::new(Mode::Sleep(Duration::from_millis(300)));
+        let svc = ReplayLayer::new(RedisStore::cluster(&cluster.urls()).unwrap())
+            .single_tenant()
+            .lease(Duration::from_secs(1))
+            .layer(h.service());
+        // Thirty requests claimed, their handlers running, when a node dies.
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in 0..30 {
+            let svc = svc.clone();
+            tasks.spawn(async move {
+                let res = svc
+                    .oneshot(refund(Some(&format!("mid-{k}")), "49"))
+                    .await
+                    .unwrap();
+                res.status().as_u16()
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(h.runs(), 30);
+        cluster.kill(1);
+        // Every caller gets the answer of the handler that ran for it.
+        while let Some(status) = tasks.join_next().await {
+            assert_eq!(status.unwrap(), 201);
+        }
+        // A repeat while the node is down: replayed where the record was stored, refused (503)
+        // where it was not; nothing runs again.
+        let mut refused = Vec::new();
+        for k in 0..30 {
+            let key = format!("mid-{k}");
+            let res = svc.clone().oneshot(refund(Some(&key), "49")).await.unwrap();
+            match res.status().as_u16() {
+                503 => refused.push(key),
+                201 => assert_eq!(res.headers()["idempotent-replayed"], "true", "{key}"),
+                other => panic!("{key}: {other}"),
+            }
+        }
+        assert!(!refused.is_empty(), "some keys lived on the dead node");
+        assert_eq!(h.runs(), 30, "a repeat never ran while its node was down");
+        // What the node lost: the records of requests it held mid-flight (their results were
+        // never stored). Back with its append-only file, it still has no result for them, so a
+        // repeat runs again, once: the window between effect and record that only the
+        // transactional PostgreSQL store closes.
+        cluster.restart(1).await;
+        for key in &refused {
+            // (409 while a restored in-flight record's lease has not yet run out.)
+            let mut first = answered(&svc, key).await;
+            for _ in 0..40 {
+                if first.status() != 409 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                first = answered(&svc, key).await;
+            }
+            assert_eq!(first.status(), 201, "{key}");
+            let again = answered(&svc, key).await;
+            assert_eq!(again.headers()["idempotent-replayed"], "true", "{key}");
+        }
+        assert_eq!(h.runs(), 30 + refused.len() as u32);
+    }
+
     /// The first answer that is not the 503 of a node still coming back.
     async fn answered<S>(svc: &S, key: &str) -> Response<backstop_replay::ReplayResponseBody>
     where
