@@ -404,19 +404,7 @@ impl RedisServer {
     /// directory (`appendfsync always`), so [`kill`](Self::kill) and [`restart`](Self::restart)
     /// keep its data, as a production Redis holding idempotency records must.
     pub async fn start_persistent() -> RedisServer {
-        let port = free_port();
-        let dir =
-            std::env::temp_dir().join(format!("backstop-redis-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temporary directory");
-        let mut server = RedisServer {
-            child: None,
-            port,
-            dir: Some(dir),
-            role: Role::Alone,
-        };
-        server.launch_on_a_free_port().await;
-        server
+        Self::start_as(Role::Alone).await
     }
 
     /// The port was free when it was picked, but another test may take it before the server
