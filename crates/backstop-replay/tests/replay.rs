@@ -802,17 +802,34 @@ mod redis {
     }
 }
 
-/// The first answer to a repeat of `key` that is not the 503 of a store still coming back (a
-/// node restarting, a replica being promoted), within five seconds.
+/// A replay layer over the test's handler, as the Redis tests call it.
 #[cfg(feature = "redis")]
-async fn answered<S>(svc: &S, key: &str) -> Response<backstop_replay::ReplayResponseBody>
-where
+trait ReplaySvc:
+    Service<
+        Request<Full<Bytes>>,
+        Response = Response<backstop_replay::ReplayResponseBody>,
+        Error = Infallible,
+    > + Clone
+{
+}
+
+#[cfg(feature = "redis")]
+impl<S> ReplaySvc for S where
     S: Service<
             Request<Full<Bytes>>,
             Response = Response<backstop_replay::ReplayResponseBody>,
             Error = Infallible,
-        > + Clone,
+        > + Clone
 {
+}
+
+/// The first answer to a repeat of `key` that is not the 503 of a store still coming back (a
+/// node restarting, a replica being promoted), within five seconds.
+#[cfg(feature = "redis")]
+async fn answered(
+    svc: &impl ReplaySvc,
+    key: &str,
+) -> Response<backstop_replay::ReplayResponseBody> {
     for _ in 0..100 {
         let res = svc.clone().oneshot(refund(Some(key), "49")).await.unwrap();
         if res.status() != 503 {
@@ -821,6 +838,16 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("{key}: still 503 after five seconds");
+}
+
+/// Sends keys `<prefix>-0` .. `<prefix>-<n-1>` once each; every one runs (201).
+#[cfg(feature = "redis")]
+async fn run_each(svc: &impl ReplaySvc, prefix: &str, n: usize) {
+    for k in 0..n {
+        let key = format!("{prefix}-{k}");
+        let res = svc.clone().oneshot(refund(Some(&key), "49")).await.unwrap();
+        assert_eq!(res.status(), 201, "{key}");
+    }
 }
 
 /// The replay layer on a real three-node Redis Cluster (persistent nodes, no replicas, started
@@ -897,14 +924,7 @@ mod redis_cluster {
         let mut cluster = RedisCluster::start(3).await;
         let h = Handler::new(Mode::Ok);
         let svc = instance(&cluster, &h);
-        for k in 0..30 {
-            let res = svc
-                .clone()
-                .oneshot(refund(Some(&format!("done-{k}")), "49"))
-                .await
-                .unwrap();
-            assert_eq!(res.status(), 201);
-        }
+        run_each(&svc, "done", 30).await;
         cluster.kill(1);
         // Keys on the dead node are refused (503, nothing run); the others go on.
         let (mut refused, mut ran) = (Vec::new(), 0);
@@ -1030,14 +1050,7 @@ mod redis_sentinel {
             RedisStore::sentinel(&topology.sentinel_urls(), topology.primary_name()).unwrap();
         let h = Handler::new(Mode::Ok);
         let svc = ReplayLayer::new(store).single_tenant().layer(h.service());
-        for k in 0..10 {
-            let res = svc
-                .clone()
-                .oneshot(refund(Some(&format!("before-{k}")), "49"))
-                .await
-                .unwrap();
-            assert_eq!(res.status(), 201);
-        }
+        run_each(&svc, "before", 10).await;
         // What the replica has acknowledged survives the failover (what it had not could be
         // lost: replication is asynchronous).
         topology.replicated();
