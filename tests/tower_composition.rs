@@ -191,75 +191,257 @@ where
     out
 }
 
-/// tower's readiness contract, and what the stack does with it: its `poll_ready` is always
-/// ready, and a call whose client is not ready waits inside the call, bounded by its deadline.
-/// A `load_shed` outside the stack therefore never sheds; the call ends at its deadline instead,
-/// not sent. Without the stack, the same `load_shed` sheds at once. Paused clock.
-#[tokio::test(start_paused = true)]
-async fn load_shed_outside_sees_no_backpressure_and_the_deadline_bounds_the_wait_instead() {
-    use backstop::{BoxError, Deadline};
-    let client = || {
-        tower::service_fn(|req: http::Request<Body>| async move {
-            if req.uri().path() == "/hold" {
-                std::future::pending::<()>().await;
-            }
-            Ok::<_, BoxError>(http::Response::new(Body::default()))
-        })
+/// tower's readiness contract through the stack, on the paused clock: `poll_ready` answers what
+/// the client under it answers, and each attempt goes out on the handle that was polled ready.
+/// `ConcurrencyLimit` panics when `call` comes on a handle that holds no permit, so every test
+/// here also checks that the call used the reserved handle.
+mod readiness {
+    use super::*;
+    use backstop::{BoxError, Error};
+    use std::{
+        future::Future,
+        pin::Pin,
+        task::{Context, Poll},
     };
-    // One call at a time: the first holds the client's only permit.
-    let limited = ServiceBuilder::new().concurrency_limit(1).service(client());
-    let api = Backstop::http("limited-api")
-        .preset(Preset::ReadOnly)
-        .no_breaker()
-        .deadline(Duration::from_secs(1))
-        .attempt_timeout(Duration::from_millis(800))
+    use tower::{Service, buffer::Buffer, limit::ConcurrencyLimit};
+
+    /// A client that answers after 100 ms, and counts its calls.
+    fn slow(
+        calls: Arc<AtomicUsize>,
+    ) -> ConcurrencyLimit<
+        impl Service<
+            http::Request<Body>,
+            Response = http::Response<Body>,
+            Error = BoxError,
+            Future: Send,
+        > + Clone,
+    > {
+        ConcurrencyLimit::new(
+            tower::service_fn(move |_req: http::Request<Body>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                async {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Ok::<_, BoxError>(http::Response::new(Body::default()))
+                }
+            }),
+            1,
+        )
+    }
+
+    fn stack(
+        deadline: Option<Duration>,
+    ) -> backstop::BackstopLayer<
+        backstop::classify::HttpClassifier,
+        backstop::retry::HttpResend,
+        backstop::idempotency::HttpKeys,
+    > {
+        let b = Backstop::http("limited-api")
+            .no_breaker()
+            .no_budget()
+            .attempt_timeout(Duration::from_secs(1));
+        match deadline {
+            Some(d) => b.deadline(d),
+            None => b.no_deadline(),
+        }
         .build()
         .unwrap()
-        .layer(limited);
-    let shed = ServiceBuilder::new().load_shed().service(api);
-    let holding = tokio::spawn(
-        shed.clone()
-            .oneshot(get("http://limited.local/hold".into())),
-    );
-    tokio::task::yield_now().await;
-    // The second call is not shed: the stack says it is ready, and waits for the client.
-    let mut second = get("http://limited.local/quick".into());
-    second
-        .extensions_mut()
-        .insert(Deadline::after(Duration::from_millis(100)));
-    let started = Instant::now();
-    let err = shed.clone().oneshot(second).await.unwrap_err();
-    assert!(
-        !err.is::<tower::load_shed::error::Overloaded>(),
-        "the stack's readiness hides the limit from load_shed: {err}"
-    );
-    let err = backstop::Error::from_box(err);
-    assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
-    assert_eq!(err.outcome(), Outcome::NotSent, "{err}");
-    assert_eq!(
-        started.elapsed(),
-        Duration::from_millis(100),
-        "its own deadline"
-    );
-    // Once the first call's attempt times out and frees the permit, calls go through again.
-    let first = backstop::Error::from_box(holding.await.unwrap().unwrap_err());
-    assert_eq!(first.outcome(), Outcome::Unknown, "{first}");
-    let res = shed.oneshot(get("http://limited.local/quick".into())).await;
-    assert!(res.is_ok());
+    }
 
-    // Without the stack, load_shed sees the limit and sheds the second call at once.
-    let bare = ServiceBuilder::new()
-        .load_shed()
-        .concurrency_limit(1)
-        .service(client());
-    let _holding = tokio::spawn(
-        bare.clone()
-            .oneshot(get("http://limited.local/hold".into())),
-    );
-    tokio::task::yield_now().await;
-    let err = bare
-        .oneshot(get("http://limited.local/quick".into()))
-        .await
-        .unwrap_err();
-    assert!(err.is::<tower::load_shed::error::Overloaded>(), "{err}");
+    fn quick() -> http::Request<Body> {
+        get("http://limited.local/quick".into())
+    }
+
+    /// One long-lived handle (`ready().await`, then `call`, twice) over a limit of one: each
+    /// call is answered right after the one before, with and without a deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_kept_handle_over_a_limit_of_one_serves_each_call_in_turn() {
+        for deadline in [Some(Duration::from_secs(5)), None] {
+            let calls = Arc::new(AtomicUsize::new(0));
+            let mut svc = stack(deadline).layer(slow(calls.clone()));
+            let started = Instant::now();
+            let first = tokio::spawn(svc.ready().await.unwrap().call(quick()));
+            // Ready again once the first call's attempt gives its permit back.
+            let second = svc.ready().await.unwrap().call(quick()).await;
+            let first = first.await.unwrap();
+            assert!(
+                first.is_ok() && second.is_ok(),
+                "{deadline:?}: {first:?} {second:?}"
+            );
+            assert_eq!(
+                started.elapsed(),
+                Duration::from_millis(200),
+                "{deadline:?}"
+            );
+            assert_eq!(calls.load(Ordering::SeqCst), 2);
+        }
+    }
+
+    /// The usual way to share a service across tasks: a `Buffer` in front, its worker driving
+    /// one handle. Three callers at once over a limit of one inside: answered at 100, 200 and
+    /// 300 ms, none at the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn a_buffer_in_front_of_a_limit_inside_serves_every_caller() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let shared = Buffer::new(
+            stack(Some(Duration::from_secs(5))).layer(slow(calls.clone())),
+            8,
+        );
+        let started = Instant::now();
+        let callers: Vec<_> = (0..3)
+            .map(|_| {
+                let svc = shared.clone();
+                tokio::spawn(async move { svc.oneshot(quick()).await.map(|_| Instant::now()) })
+            })
+            .collect();
+        let mut ends = Vec::new();
+        for caller in callers {
+            ends.push(
+                caller
+                    .await
+                    .unwrap()
+                    .expect("answered")
+                    .duration_since(started),
+            );
+        }
+        ends.sort();
+        let ms = |n| Duration::from_millis(n);
+        assert_eq!(ends, [ms(100), ms(200), ms(300)]);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    /// A `load_shed` outside the stack sees the limit inside: while the only permit is held, the
+    /// next call is shed at once, not sent; once it is free, calls go through again.
+    #[tokio::test(start_paused = true)]
+    async fn a_load_shed_outside_sheds_while_the_limit_inside_is_full() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let shed = ServiceBuilder::new()
+            .load_shed()
+            .service(stack(Some(Duration::from_secs(5))).layer(slow(calls.clone())));
+        let holding = tokio::spawn(shed.clone().oneshot(quick()));
+        tokio::task::yield_now().await;
+        let started = Instant::now();
+        let err = shed.clone().oneshot(quick()).await.unwrap_err();
+        assert!(err.is::<tower::load_shed::error::Overloaded>(), "{err}");
+        assert_eq!(started.elapsed(), Duration::ZERO, "shed at once");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "the shed call was not sent"
+        );
+        holding.await.unwrap().unwrap();
+        shed.oneshot(quick()).await.unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    /// A client that is never ready and is never called.
+    #[derive(Clone)]
+    struct NeverReady;
+
+    impl Service<http::Request<Body>> for NeverReady {
+        type Response = http::Response<Body>;
+        type Error = BoxError;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            Poll::Pending
+        }
+        fn call(&mut self, _req: http::Request<Body>) -> Self::Future {
+            panic!("called without being ready")
+        }
+    }
+
+    /// The deadline bounds a client that never becomes ready: `poll_ready` answers `Ready` when
+    /// the stack's deadline has passed since the first `Pending`, and the call ends at once,
+    /// `DeadlineExceeded`, not sent, the client never called. Without a deadline the stack
+    /// stays pending, as the client does.
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_bounds_a_client_that_never_becomes_ready() {
+        let started = Instant::now();
+        let call = stack(Some(Duration::from_secs(2)))
+            .layer(NeverReady)
+            .oneshot(quick());
+        let err = tokio::time::timeout(Duration::from_secs(10), call)
+            .await
+            .expect("ended by the deadline")
+            .unwrap_err();
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert_eq!(err.kind(), ErrorKind::DeadlineExceeded, "{err}");
+        assert_eq!(err.outcome(), Outcome::NotSent, "{err}");
+        assert!(err.to_string().contains("limited-api"), "{err}");
+
+        // A kept handle: the next wait starts the deadline again.
+        let mut svc = stack(Some(Duration::from_secs(2))).layer(NeverReady);
+        for _ in 0..2 {
+            let started = Instant::now();
+            let ready = tokio::time::timeout(Duration::from_secs(10), svc.ready()).await;
+            let err: Error = ready
+                .expect("ended by the deadline")
+                .unwrap()
+                .call(quick())
+                .await
+                .unwrap_err();
+            assert_eq!(started.elapsed(), Duration::from_secs(2));
+            assert_eq!(err.outcome(), Outcome::NotSent, "{err}");
+        }
+
+        let pending = stack(None).layer(NeverReady).oneshot(quick());
+        let waited = tokio::time::timeout(Duration::from_secs(3600), pending).await;
+        assert!(
+            waited.is_err(),
+            "no deadline: pending as long as the client is"
+        );
+    }
+
+    /// Each retry waits for its own handle's readiness: a retried call holds the limit's permit
+    /// only while an attempt is in flight, so a second caller's call goes between its attempts.
+    #[tokio::test(start_paused = true)]
+    async fn each_retry_waits_for_readiness_on_its_own_handle() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let busy_once = ConcurrencyLimit::new(
+            tower::service_fn(move |req: http::Request<Body>| {
+                let n = seen.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    // The first attempt of the retried call is answered 503.
+                    let status = if n == 0 && req.uri().path() == "/retried" {
+                        503
+                    } else {
+                        200
+                    };
+                    Ok::<_, BoxError>(
+                        http::Response::builder()
+                            .status(status)
+                            .body(Body::default())
+                            .unwrap(),
+                    )
+                }
+            }),
+            1,
+        );
+        let svc = Backstop::http("limited-api")
+            .no_breaker()
+            .no_budget()
+            .backoff(backstop::backoff::Backoff::constant(Duration::from_millis(
+                50,
+            )))
+            .rng(backstop::backoff::RngSource::seeded(1))
+            .build()
+            .unwrap()
+            .layer(busy_once);
+        let started = Instant::now();
+        let retried = tokio::spawn(
+            svc.clone()
+                .oneshot(get("http://limited.local/retried".into())),
+        );
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        // Sent during the retried call's backoff: the permit is free then.
+        let other = svc.oneshot(quick()).await.unwrap();
+        assert_eq!(other.status(), 200);
+        assert_eq!(started.elapsed(), Duration::from_millis(220));
+        let res = retried.await.unwrap().unwrap();
+        assert_eq!(res.status(), 200);
+        // Its retry waited for the permit the other call held, then took 100 ms.
+        assert_eq!(started.elapsed(), Duration::from_millis(320));
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
 }

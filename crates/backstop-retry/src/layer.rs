@@ -1,6 +1,6 @@
 use crate::{
-    AttemptGate, CallHook, CloneRequest, HttpResend, NoBudget, NoHook, Resend, RetryBudget,
-    future::{Call, RetryFuture},
+    AttemptGate, CloneRequest, HttpResend, NoBudget, Resend, RetryBudget,
+    future::{Call, ResponseFuture},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -11,11 +11,13 @@ use backstop_core::{
 use backstop_timeout::BoundLatency;
 use std::{
     fmt,
+    future::Future,
+    pin::Pin,
     sync::Arc,
-    task::{Context, Poll},
+    task::{Context, Poll, ready},
     time::Duration,
 };
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -23,10 +25,9 @@ use tower_service::Service;
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
 /// What every call's future reads: shared by the layer's services through one `Arc`.
-pub(crate) struct Policy<C, P, H> {
+pub(crate) struct Policy<C, P> {
     pub(crate) classifier: C,
     pub(crate) resend: P,
-    pub(crate) hook: H,
     pub(crate) settings: Settings,
 }
 
@@ -78,15 +79,14 @@ pub(crate) struct Settings {
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct RetryLayer<C, P = CloneRequest, K = Dependency, H = NoHook> {
+pub struct RetryLayer<C, P = CloneRequest, K = Dependency> {
     classifier: C,
     resend: P,
     key: K,
-    hook: H,
     settings: Settings,
 }
 
-impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, H> fmt::Debug for RetryLayer<C, P, K, H> {
+impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug> fmt::Debug for RetryLayer<C, P, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.settings;
         f.debug_struct("RetryLayer")
@@ -114,7 +114,6 @@ impl<C> RetryLayer<C> {
             classifier,
             resend: CloneRequest,
             key: Dependency::unnamed(),
-            hook: NoHook,
             settings: Settings {
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
                 backoff: Backoff::default(),
@@ -142,56 +141,39 @@ impl RetryLayer<HttpClassifier, HttpResend, ByAuthority> {
     }
 }
 
-impl<C, P, K, H> RetryLayer<C, P, K, H> {
+impl<C, P, K> RetryLayer<C, P, K> {
     /// Replaces the classifier.
-    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K, H> {
+    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K> {
         RetryLayer {
             classifier,
             resend: self.resend,
             key: self.key,
-            hook: self.hook,
             settings: self.settings,
         }
     }
 
     /// Replaces how requests are copied for each attempt ([`Resend`]).
-    pub fn resend<P2>(self, resend: P2) -> RetryLayer<C, P2, K, H> {
+    pub fn resend<P2>(self, resend: P2) -> RetryLayer<C, P2, K> {
         RetryLayer {
             classifier: self.classifier,
             resend,
             key: self.key,
-            hook: self.hook,
             settings: self.settings,
         }
     }
 
     /// Names the one dependency every request goes to.
-    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency, H> {
+    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency> {
         self.dependency_key(name.into())
     }
 
     /// Derives the dependency from each request. A [`Dependency`] already in the request's
     /// extensions (put there by the caller) wins.
-    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2, H> {
+    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2> {
         RetryLayer {
             classifier: self.classifier,
             resend: self.resend,
             key,
-            hook: self.hook,
-            settings: self.settings,
-        }
-    }
-
-    /// Runs `hook` once per call, around all of its attempts: before the first (it may change
-    /// the request or refuse the call) and with the result (it decides the error type). See
-    /// [`CallHook`]; the composed Backstop stack keeps its call layer here, so a call moves
-    /// and polls one future instead of two.
-    pub fn hook<H2>(self, hook: H2) -> RetryLayer<C, P, K, H2> {
-        RetryLayer {
-            classifier: self.classifier,
-            resend: self.resend,
-            key: self.key,
-            hook,
             settings: self.settings,
         }
     }
@@ -315,48 +297,58 @@ pub struct Limits {
     pub deadline: Option<Duration>,
 }
 
-impl<S, C: Clone, P: Clone, K: Clone, H: Clone> Layer<S> for RetryLayer<C, P, K, H> {
-    type Service = Retry<S, C, P, K, H>;
+impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
+    type Service = Retry<S, C, P, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Retry {
             inner,
-            ready: false,
             key: self.key.clone(),
             policy: Arc::new(Policy {
                 classifier: self.classifier.clone(),
                 resend: self.resend.clone(),
-                hook: self.hook.clone(),
                 settings: self.settings.clone(),
             }),
+            unready: None,
+            expired: None,
         }
     }
 }
 
 /// Retries failed attempts of a call when it is safe and useful; see the crate docs.
 ///
+/// tower's readiness contract: `poll_ready` answers what the inner service answers, and `call`
+/// sends the first attempt on the very handle that was polled ready (it moves into the call's
+/// future, and a fresh clone stays here for the next call). Each retry polls that handle's
+/// readiness again before it is sent, within the deadline.
+///
 /// `Clone`: clones share the policy, the RNG source and the budget.
-pub struct Retry<S, C, P = CloneRequest, K = Dependency, H = NoHook> {
+pub struct Retry<S, C, P = CloneRequest, K = Dependency> {
     inner: S,
     /// How each request's dependency is found.
     key: K,
-    policy: Arc<Policy<C, P, H>>,
-    /// The inner service said it was ready in the last `poll_ready`.
-    ready: bool,
+    policy: Arc<Policy<C, P>>,
+    /// The layer's deadline, running since the inner service first answered `Pending` in this
+    /// wait for readiness.
+    unready: Option<Pin<Box<Sleep>>>,
+    /// The inner service did not become ready within the layer's deadline, waited for since
+    /// this instant: the next call ends at once, not sent, and says how long it waited.
+    expired: Option<Instant>,
 }
 
-impl<S: Clone, C, P, K: Clone, H> Clone for Retry<S, C, P, K, H> {
+impl<S: Clone, C, P, K: Clone> Clone for Retry<S, C, P, K> {
     fn clone(&self) -> Self {
         Retry {
             inner: self.inner.clone(),
             key: self.key.clone(),
             policy: self.policy.clone(),
-            ready: false,
+            unready: None,
+            expired: None,
         }
     }
 }
 
-impl<S: fmt::Debug, C, P, K, H> fmt::Debug for Retry<S, C, P, K, H> {
+impl<S: fmt::Debug, C, P, K> fmt::Debug for Retry<S, C, P, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Retry")
             .field("inner", &self.inner)
@@ -366,7 +358,7 @@ impl<S: fmt::Debug, C, P, K, H> fmt::Debug for Retry<S, C, P, K, H> {
     }
 }
 
-impl<S, C, P, K, H> Retry<S, C, P, K, H> {
+impl<S, C, P, K> Retry<S, C, P, K> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -381,40 +373,40 @@ impl<S, C, P, K, H> Retry<S, C, P, K, H> {
     }
 }
 
-impl<S, Req, C, P, K, H> Service<Req> for Retry<S, C, P, K, H>
+impl<S, Req, C, P, K> Service<Req> for Retry<S, C, P, K>
 where
-    S: Service<Req> + Clone,
-    S::Error: Into<BoxError>,
-    S::Response: HasExtensions,
+    S: Service<Req, Error: Into<BoxError>, Response: HasExtensions> + Clone,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
     P: Resend<Req>,
     K: DependencyKey<Req>,
-    H: CallHook<Req, S::Response>,
 {
     type Response = S::Response;
-    type Error = H::Error;
-    type Future = RetryFuture<S, Req, C, P, H>;
+    type Error = BoxError;
+    type Future = ResponseFuture<(S, Req, C, P)>;
 
-    /// Never waits. When the inner service is ready, the first attempt is sent from `call`;
-    /// when it is not, the call's future waits for it, and that wait is bounded by the call's
-    /// deadline like everything else (a service still not ready then ends the call with
-    /// `DeadlineExceeded`, not sent). An error from the inner service's `poll_ready` is
-    /// returned here.
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        match self.inner.poll_ready(cx) {
-            Poll::Ready(Ok(())) => self.ready = true,
-            Poll::Ready(Err(e)) => {
-                self.ready = false;
-                return Poll::Ready(Err(self.policy.hook.ready_error(e.into())));
-            }
-            Poll::Pending => self.ready = false,
+    /// What the inner service answers: `Pending` while it is not ready. With a
+    /// [`deadline`](RetryLayer::deadline), a wait longer than the deadline answers `Ready`
+    /// instead, and the call that follows ends at once with `DeadlineExceeded`, not sent: a
+    /// client that never becomes ready does not hold its caller past the deadline.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        if let Poll::Ready(ready) = self.inner.poll_ready(cx) {
+            self.unready = None;
+            return Poll::Ready(ready.map_err(Into::into));
         }
+        let Some(limit) = self.policy.settings.deadline else {
+            return Poll::Pending;
+        };
+        let timer = self
+            .unready
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        ready!(timer.as_mut().poll(cx));
+        self.expired = Some(timer.deadline() - limit);
+        self.unready = None;
         Poll::Ready(Ok(()))
     }
 
-    #[inline]
-    fn call(&mut self, mut req: Req) -> Self::Future {
+    fn call(&mut self, req: Req) -> Self::Future {
         // An outer retry layer owns retrying: one attempt here (still gated and timed), under
         // this layer's own dependency name, and none of the call-level work.
         let nested = RetryScope::is_owned_by(&req, crate::owner());
@@ -423,18 +415,10 @@ where
             Some(d) if !nested => d.clone(),
             _ => self.key.dependency(&req),
         };
-        let hooked = if nested {
-            None
-        } else {
-            match policy.hook.begin(&mut req, &dependency) {
-                Ok(state) => Some(state),
-                // Nothing is sent: the ready service stays here for the next call.
-                Err(refused) => return RetryFuture::refused(policy, refused),
-            }
-        };
-        // The clock is read once per call: the budget, the deadline and the attempt timer share
-        // the reading.
-        let now = Instant::now();
+        // The clock is read once per call: the budget and the deadline share the reading. A call
+        // whose service never became ready started when the wait for it did.
+        let expired = self.expired.take();
+        let now = expired.unwrap_or_else(Instant::now);
         if !nested {
             policy.settings.budget.deposit(&dependency, now);
         }
@@ -448,17 +432,11 @@ where
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-
-        // A readied service makes the first attempt now; the clone stays behind for the next
-        // call. Otherwise a clone waits for readiness inside the future, under the deadline.
-        let ready = std::mem::take(&mut self.ready);
-        let svc = if ready {
-            let clone = self.inner.clone();
-            std::mem::replace(&mut self.inner, clone)
-        } else {
-            self.inner.clone()
-        };
-        let call = Call::new(svc, dependency, deadline, now, nested);
-        RetryFuture::start(policy, call, req, ready, hooked)
+        // The handle polled ready goes with the call; a fresh clone stays for the next one.
+        let clone = self.inner.clone();
+        let svc = std::mem::replace(&mut self.inner, clone);
+        let ready = expired.is_none();
+        let call = Call::new(svc, dependency, deadline, nested, now);
+        ResponseFuture::new(policy, call, req, ready)
     }
 }

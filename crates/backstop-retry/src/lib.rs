@@ -28,8 +28,11 @@
 //! makes a single attempt, so three nested stacks against a failing dependency make 3 attempts,
 //! not 27, whether the inner stack is called from `call`, from a future, or from another task.
 //!
-//! `poll_ready` never waits: a service that is not ready is waited for inside the call's future,
-//! bounded by the deadline.
+//! It keeps tower's readiness contract: `poll_ready` answers what the inner service answers,
+//! the first attempt goes out on the handle that was polled ready, and each retry waits for that
+//! handle's readiness again, within the deadline. With a deadline of its own, a service still
+//! not ready when it passes lets the call through to end at once (`DeadlineExceeded`, not
+//! sent).
 //!
 //! Each attempt runs inside a `tracing` span `attempt` (target `backstop::retry`, fields
 //! `dependency` and `attempt`); each retry emits a `retrying` event with the outcome, the wait and
@@ -83,9 +86,9 @@ mod error;
 mod error_kind;
 mod future;
 mod hedge;
-mod hook;
 mod layer;
 mod obs;
+mod policy;
 mod resend;
 mod stream_body;
 
@@ -96,7 +99,6 @@ pub use body::{BufferBody, BufferBodyLayer, ResendBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use error_kind::{Diagnosis, ErrorKind, Told};
 pub use hedge::{Hedge, HedgeFuture, HedgeLayer, Hedging};
-pub use hook::{CallHook, NoHook};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
 pub use resend::{CloneRequest, CopyableBody, HttpResend, NotCopyable, Resend};
 pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
@@ -111,8 +113,15 @@ fn owner() -> backstop_core::ScopeOwner {
     backstop_core::ScopeOwner::of::<Owner>()
 }
 
+/// Whether a Backstop retry layer further out owns `req`'s retries: then every Backstop layer
+/// inside makes one attempt and leaves the call-level work (the key, the call's span, the
+/// error's words) to the stack outside.
+pub fn retried_outside<R: backstop_core::HasExtensions + ?Sized>(req: &R) -> bool {
+    RetryScope::is_owned_by(req, owner())
+}
+
 /// Future types.
 pub mod futures {
     pub use crate::body::BufferBodyFuture;
-    pub use crate::future::{Answer, AttemptEnd, RetryFuture};
+    pub use crate::future::{AttemptEnd, ResponseFuture, Retryable};
 }

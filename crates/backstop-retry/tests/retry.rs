@@ -613,3 +613,66 @@ fn zero_attempts_is_rejected() {
     let e = RetryLayer::http().max_attempts(0).unwrap_err();
     assert!(e.to_string().contains("max_attempts must be at least 1"));
 }
+
+/// tower's readiness contract, the retry layer alone: `poll_ready` answers what the service
+/// under it answers, and the call goes out on the handle polled ready (`ConcurrencyLimit`
+/// panics otherwise).
+mod readiness {
+    use super::*;
+    use tower::{buffer::Buffer, limit::ConcurrencyLimit, load_shed::LoadShed};
+
+    /// Answers 200 after 100 ms, one call at a time.
+    fn limited()
+    -> ConcurrencyLimit<impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone>
+    {
+        ConcurrencyLimit::new(
+            service_fn(|_req: Req| async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok::<_, BoxError>(Response::new("ok"))
+            }),
+            1,
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn poll_ready_is_pending_while_the_service_is_not_ready() {
+        let mut svc = layer().deadline(Duration::from_secs(5)).layer(limited());
+        let started = Instant::now();
+        let first = tokio::spawn(svc.ready().await.unwrap().call(get()));
+        // The only permit went with the first call: the handle is not ready until it ends.
+        let waker = futures_task_noop();
+        let mut cx = Context::from_waker(&waker);
+        assert!(svc.poll_ready(&mut cx).is_pending());
+        let second = svc.ready().await.unwrap().call(get()).await;
+        let first = first.await.unwrap();
+        assert_eq!(
+            (first.unwrap().into_body(), second.unwrap().into_body()),
+            ("ok", "ok")
+        );
+        assert_eq!(started.elapsed(), Duration::from_millis(200));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_buffer_and_a_load_shed_see_the_limit_through_the_layer() {
+        let shared = Buffer::new(layer().deadline(Duration::from_secs(5)).layer(limited()), 4);
+        let started = Instant::now();
+        let calls: Vec<_> = (0..3)
+            .map(|_| tokio::spawn(shared.clone().oneshot(get())))
+            .collect();
+        for call in calls {
+            call.await.unwrap().unwrap();
+        }
+        assert_eq!(started.elapsed(), Duration::from_millis(300));
+
+        let shed = LoadShed::new(layer().layer(limited()));
+        let holding = tokio::spawn(shed.clone().oneshot(get()));
+        tokio::task::yield_now().await;
+        let err = shed.clone().oneshot(get()).await.unwrap_err();
+        assert!(err.is::<tower::load_shed::error::Overloaded>(), "{err}");
+        holding.await.unwrap().unwrap();
+    }
+
+    fn futures_task_noop() -> std::task::Waker {
+        std::task::Waker::noop().clone()
+    }
+}

@@ -221,7 +221,7 @@ impl<B> TimedBody<B> {
     /// `body`, ended with [`BodyTimedOut`] if it is still streaming at `end` (never, when
     /// `None`), naming `dependency` in its error: for a body timer outside the retry layer,
     /// which hands back the end of the attempt that answered
-    /// ([`RetryFuture::poll_answer`](https://docs.rs/backstop-retry)).
+    /// ([`ResponseFuture::attempt_end`](https://docs.rs/backstop-retry)).
     pub fn ending_at(body: B, end: Option<AttemptCutoff>, dependency: Option<Dependency>) -> Self {
         Self::new(body, end.map(|end| (end, dependency)))
     }

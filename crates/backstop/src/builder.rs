@@ -1,34 +1,19 @@
-use crate::box_errors::BoxErrors;
 use crate::{
-    DeadLetterSink,
-    attempt_header::AttemptCount,
-    stack_hook::{Reconcile, Shared, StackHook},
+    BackstopLayer, DeadLetterSink,
+    call::{CallWork, Reconcile},
+    service::HedgeParts,
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
 use backstop_budget::{AdaptiveThrottle, Budget};
-use backstop_classify::{Classify, HttpClassifier};
-use backstop_core::{
-    BoxError, Dependency, HasExtensions, HumanDuration, InvalidConfig, RetryBudget,
-};
+use backstop_classify::HttpClassifier;
+use backstop_core::{Dependency, HumanDuration, InvalidConfig, RetryBudget};
 use backstop_idempotency::{
-    HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey, ToolKeys,
+    HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
 };
-use backstop_retry::{
-    CloneRequest, Hedging, HttpResend, Resend, Retry, RetryLayer,
-    futures::{AttemptEnd, RetryFuture},
-};
-use backstop_timeout::{BoundLatency, LatencyTimeouts, TimedBody};
-use std::{
-    fmt,
-    future::Future,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll, ready},
-    time::Duration,
-};
-use tower_layer::Layer;
-use tower_service::Service;
+use backstop_retry::{CloneRequest, HttpResend, RetryLayer};
+use backstop_timeout::LatencyTimeouts;
+use std::{fmt, sync::Arc, time::Duration};
 
 /// The default overall deadline of a call: 30 s.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
@@ -76,11 +61,11 @@ impl<Req> MakeKey<Req> for KeyGenerator {
 /// Builds the whole Backstop stack for one dependency, in the one right order:
 ///
 /// ```text
-/// idempotency key -> (call span, errors, dead letters) -> deadline + retry (budget) -> breaker -> attempt timeout -> service
+/// call (idempotency key, call span, errors, dead letters) -> deadline + retry (budget) -> breaker -> attempt timeout -> service
 /// ```
 ///
-/// All of it in one layer and one future per call: the retry layer runs the call-level work as
-/// its hook ([`CallHook`](crate::retry::CallHook)) and keeps the deadline, the breaker and the attempt timeout itself.
+/// Two services per call: the call's work, once per logical call, around the retry layer, which
+/// keeps the deadline, the breaker and the attempt timeout itself.
 ///
 /// The deadline is kept by the retry layer itself (`RetryLayer::deadline`): waits never cross
 /// it, the attempt timeout cuts the last attempt to fit it, and a caller's tighter deadline on
@@ -552,340 +537,24 @@ impl<C, P, I> Backstop<C, P, I> {
                     .generator(KeyGenerator::Random)
                     .vouched(self.honours_keys),
             });
-        // The call-level work (key, span, errors, dead letters) runs inside the retry layer's
-        // future: one future per call instead of two.
-        let retry = retry.hook(StackHook::new(Shared {
+        // The call's work (key, span, errors, dead letters), once per logical call, outside the
+        // retry layer.
+        let call = Arc::new(CallWork {
             dependency: self.dependency.clone(),
             inject,
             keys,
             read_only: self.preset == Preset::ReadOnly,
             sink: self.sink,
             reconcile: self.reconcile,
-        }));
+        });
         Ok(BackstopLayer {
-            dependency: self.dependency.clone(),
+            dependency: self.dependency,
+            call,
             retry,
             hedging,
             transport,
             attempt_header: self.attempt_header,
             breaker,
         })
-    }
-}
-
-/// How the composed stack wraps the client for its kind of request: for HTTP ([`HttpResend`])
-/// the attempt number under the configured header; tool calls ([`CloneRequest`]) are passed
-/// as they are. Either way [`BoxErrors`] gives the classifier every error of the client as a
-/// `BoxError`.
-pub trait Transport<S> {
-    /// The wrapped client.
-    type Client;
-    /// Wraps `client` as `settings` say.
-    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
-}
-
-/// How the composed stack hands the client's response `Res` back: for HTTP ([`HttpResend`]),
-/// its body as a [`TimedBody`] that keeps the answering attempt's limit and the deadline
-/// running while the caller reads it; anything else as it is.
-pub trait Deliver<Res> {
-    /// What the caller gets.
-    type Response;
-    /// `res`, from the attempt that ends at `end`.
-    fn deliver(res: Res, end: Option<AttemptEnd>) -> Self::Response;
-}
-
-/// What [`Transport::wrap`] is told.
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct TransportSettings {
-    /// The stack's attempt timeout.
-    pub attempt_timeout: Option<Duration>,
-    /// The header the attempt number goes under (HTTP), if any.
-    pub attempt_header: Option<http::HeaderName>,
-}
-
-impl<S> Transport<S> for HttpResend {
-    type Client = BoxErrors<AttemptCount<S>>;
-    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
-        BoxErrors(AttemptCount {
-            inner: client,
-            header: settings.attempt_header.clone(),
-        })
-    }
-}
-
-impl<B> Deliver<http::Response<B>> for HttpResend {
-    type Response = http::Response<TimedBody<B>>;
-    #[inline]
-    fn deliver(res: http::Response<B>, end: Option<AttemptEnd>) -> Self::Response {
-        res.map(|body| match end {
-            Some(end) => TimedBody::ending_at(body, Some(end.cutoff), Some(end.dependency)),
-            None => TimedBody::ending_at(body, None, None),
-        })
-    }
-}
-
-impl<S> Transport<S> for CloneRequest {
-    type Client = BoxErrors<S>;
-    fn wrap(&self, client: S, _settings: &TransportSettings) -> Self::Client {
-        BoxErrors(client)
-    }
-}
-
-impl<Res> Deliver<Res> for CloneRequest {
-    type Response = Res;
-    #[inline]
-    fn deliver(res: Res, _end: Option<AttemptEnd>) -> Res {
-        res
-    }
-}
-
-/// The service a [`BackstopLayer`] builds over the client `S`: every error is an
-/// [`Error`](crate::Error).
-///
-/// One retry layer over the client, whatever the configuration: it keeps the deadline, times
-/// each attempt and asks the breaker before each one itself, and runs the call-level work
-/// (idempotency key, call span, errors and dead letters) once per call. For HTTP the response's
-/// body is returned as a [`TimedBody`]: the answering attempt's limit and the deadline keep
-/// running while the caller reads it. `C` is the classifier, `P` how requests are copied for
-/// each attempt (and so how the client is wrapped, [`Transport`], and its response handed
-/// back, [`Deliver`]), `I` where the idempotency key goes.
-pub struct BackstopService<S, C, P: Transport<S>, I> {
-    inner: Retry<P::Client, C, P, Dependency, StackHook<I>>,
-}
-
-impl<S, C, P: Transport<S>, I> Clone for BackstopService<S, C, P, I>
-where
-    P::Client: Clone,
-{
-    fn clone(&self) -> Self {
-        BackstopService {
-            inner: self.inner.clone(),
-        }
-    }
-}
-
-impl<S, C, P: Transport<S>, I> fmt::Debug for BackstopService<S, C, P, I>
-where
-    P::Client: fmt::Debug,
-{
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BackstopService")
-            .field("retry", &self.inner)
-            .finish()
-    }
-}
-
-/// The client's response type under the stack.
-type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
-
-impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
-where
-    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>>,
-    P::Client: Service<Req> + Clone,
-    <P::Client as Service<Req>>::Error: Into<BoxError>,
-    ClientResponse<S, P, Req>: HasExtensions,
-    Req: HasExtensions,
-    C: Classify<Req, ClientResponse<S, P, Req>, <P::Client as Service<Req>>::Error>,
-    I: Inject<Req>,
-{
-    type Response = <P as Deliver<ClientResponse<S, P, Req>>>::Response;
-    type Error = crate::Error;
-    type Future = BackstopFuture<S, C, P, I, Req>;
-
-    #[inline]
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    #[inline]
-    fn call(&mut self, req: Req) -> Self::Future {
-        BackstopFuture {
-            inner: self.inner.call(req),
-        }
-    }
-}
-
-/// Response future of [`BackstopService`].
-#[pin_project::pin_project]
-pub struct BackstopFuture<S, C, P, I, Req>
-where
-    P: Transport<S>,
-    P::Client: Service<Req>,
-    ClientResponse<S, P, Req>: HasExtensions,
-    Req: HasExtensions,
-    I: Inject<Req>,
-{
-    #[pin]
-    inner: RetryFuture<P::Client, Req, C, P, StackHook<I>>,
-}
-
-impl<S, C, P, I, Req> fmt::Debug for BackstopFuture<S, C, P, I, Req>
-where
-    P: Transport<S>,
-    P::Client: Service<Req>,
-    ClientResponse<S, P, Req>: HasExtensions,
-    Req: HasExtensions,
-    I: Inject<Req>,
-{
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.fmt(f)
-    }
-}
-
-impl<S, C, P, I, Req> Future for BackstopFuture<S, C, P, I, Req>
-where
-    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>>,
-    P::Client: Service<Req>,
-    <P::Client as Service<Req>>::Error: Into<BoxError>,
-    ClientResponse<S, P, Req>: HasExtensions,
-    Req: HasExtensions,
-    C: Classify<Req, ClientResponse<S, P, Req>, <P::Client as Service<Req>>::Error>,
-    I: Inject<Req>,
-{
-    type Output = Result<<P as Deliver<ClientResponse<S, P, Req>>>::Response, crate::Error>;
-
-    #[inline]
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let (result, end) = ready!(self.project().inner.poll_answer(cx));
-        Poll::Ready(result.map(|res| P::deliver(res, end)))
-    }
-}
-
-/// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
-/// `Clone`; every service it builds shares the budget, the breaker and the random source.
-#[derive(Clone)]
-pub struct BackstopLayer<C, P, I> {
-    dependency: Dependency,
-    retry: RetryLayer<C, P, Dependency, StackHook<I>>,
-    /// What hedged reads need: the stack's classifier, its latency record and its budget.
-    hedging: Option<HedgeParts<C>>,
-    transport: P,
-    attempt_header: Option<http::HeaderName>,
-    breaker: Option<Breaker>,
-}
-
-/// The parts of a stack that its hedged reads share.
-#[derive(Clone)]
-struct HedgeParts<C> {
-    classifier: C,
-    latency: BoundLatency,
-    budget: Arc<dyn RetryBudget>,
-}
-
-impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BackstopLayer")
-            .field("retry", &self.retry)
-            .field("breaker", &self.breaker)
-            .finish()
-    }
-}
-
-impl<C, P, I> BackstopLayer<C, P, I> {
-    /// The dependency the stack calls.
-    pub fn dependency(&self) -> &Dependency {
-        &self.dependency
-    }
-
-    /// The attempt timeout in force.
-    pub fn attempt_timeout(&self) -> Option<Duration> {
-        self.retry.limits().attempt_timeout
-    }
-
-    /// The deadline in force.
-    pub fn deadline(&self) -> Option<Duration> {
-        self.retry.limits().deadline
-    }
-
-    /// The attempts per call.
-    pub fn max_attempts(&self) -> u32 {
-        self.retry.limits().max_attempts
-    }
-
-    /// The circuit breaker the stack asks before each attempt, if it has one.
-    pub fn breaker(&self) -> Option<&Breaker> {
-        self.breaker.as_ref()
-    }
-
-    /// `client` with hedged reads, to build this stack over (`layer.layer(layer.hedge(client,
-    /// Hedging::default())?)`): a replay-safe attempt still unanswered at the dependency's p95
-    /// of latency (the stack's [`attempt_timeout_from_latency`](Backstop::attempt_timeout_from_latency)
-    /// record) gets a copy sent, the first success wins, and each hedge is paid from the
-    /// stack's retry budget (and the call's run), so hedges stop when the dependency is
-    /// failing. A stack without a latency record cannot know when to hedge: that is an error.
-    pub fn hedge<S>(
-        &self,
-        client: S,
-        hedging: Hedging,
-    ) -> Result<backstop_retry::Hedge<S, C, P>, InvalidConfig>
-    where
-        C: Clone,
-        P: Clone,
-    {
-        let Some(parts) = &self.hedging else {
-            return Err(InvalidConfig::new(
-                "hedged reads send their copy after the dependency's observed latency: build the \
-                 stack with attempt_timeout_from_latency(..) first",
-            ));
-        };
-        let layer = backstop_retry::HedgeLayer::new(
-            hedging,
-            self.dependency.clone(),
-            parts.latency.clone(),
-            parts.budget.clone(),
-            parts.classifier.clone(),
-            self.transport.clone(),
-        );
-        Ok(Layer::layer(&layer, client))
-    }
-}
-
-impl<C: Clone, P: Clone, I: Clone> BackstopLayer<C, P, I> {
-    /// The stack over a **leaf client**: hyper-util's `Client`, a `reqwest::Client` (which
-    /// [`reqwest`](Self::reqwest) builds this way), tonic's `Channel`, or a client of one's own
-    /// that calls no Backstop layer. The attempts' requests then go without the call context
-    /// (the retry-scope mark, the deadline, the attempt's end), which nothing in a leaf reads:
-    /// each call is spared the request's extension map (three allocations and about a quarter
-    /// of the stack's cost per call). With an [`attempt_header`](Backstop::attempt_header)
-    /// the context is written all the same: the header is set from it.
-    ///
-    /// Not for a service that holds another Backstop stack or retry layer: that one would not
-    /// see that this stack retries, and would retry too. [`Layer::layer`] (and
-    /// `ServiceBuilder`) gives every inner service the context, wherever it runs.
-    pub fn leaf<S>(&self, client: S) -> BackstopService<S, C, P, I>
-    where
-        P: Transport<S>,
-    {
-        if self.attempt_header.is_some() {
-            return Layer::layer(self, client);
-        }
-        self.build_over(client, self.retry.clone().leaf_client())
-    }
-
-    fn build_over<S>(
-        &self,
-        inner: S,
-        retry: RetryLayer<C, P, Dependency, StackHook<I>>,
-    ) -> BackstopService<S, C, P, I>
-    where
-        P: Transport<S>,
-    {
-        let settings = TransportSettings {
-            attempt_timeout: self.retry.limits().attempt_timeout,
-            attempt_header: self.attempt_header.clone(),
-        };
-        let client = self.transport.wrap(inner, &settings);
-        BackstopService {
-            inner: retry.layer(client),
-        }
-    }
-}
-
-impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
-    type Service = BackstopService<S, C, P, I>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        self.build_over(inner, self.retry.clone())
     }
 }

@@ -4,7 +4,7 @@ use crate::{
     Backstop,
     attempt_header::AttemptCount,
     box_errors::BoxErrors,
-    builder::{Deliver, Transport, TransportSettings},
+    transport::{Deliver, Transport, TransportSettings},
 };
 use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{BoxError, CallContext, Deadline, Dependency};

@@ -24,9 +24,9 @@
 //! Stack them in this order, outermost first: idempotency key, deadline, retry (with the
 //! budget), breaker, attempt timeout, the client. The retry layer can keep the deadline, ask the
 //! breaker before each attempt and time each attempt itself, which is what the [`Backstop`]
-//! builder does (one future per call instead of five: its call-level work runs in the retry
-//! future too, as a [`retry::CallHook`]; and the budget and the breaker account to the dependency
-//! the retry layer names). By hand:
+//! builder does (two futures per call instead of five: the call's work, once per call, around
+//! the retry layer's; and the budget and the breaker account to the dependency the retry layer
+//! names). By hand:
 //!
 //! ```
 //! use backstop::{breaker::Breaker, budget::Budget, retry::RetryLayer, Dependency};
@@ -109,6 +109,7 @@
 mod attempt_header;
 mod box_errors;
 mod builder;
+mod call;
 mod dead_letter;
 #[cfg(feature = "dead-letters-redis")]
 mod dead_letter_stream;
@@ -121,16 +122,15 @@ mod journaled;
 mod mcp_stack;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
-mod stack_hook;
+mod service;
+mod transport;
 
-pub use builder::{
-    Backstop, BackstopFuture, BackstopLayer, BackstopService, DEFAULT_ATTEMPT_TIMEOUT,
-    DEFAULT_DEADLINE, Preset,
-};
+pub use builder::{Backstop, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset};
 #[cfg(feature = "json")]
 pub use dead_letter::JsonLinesSink;
 pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
 pub use error::{Error, ErrorKind};
+pub use service::{BackstopFuture, BackstopLayer, BackstopService};
 
 #[doc(inline)]
 pub use backstop_core::{
@@ -270,10 +270,10 @@ pub mod retry {
     pub use backstop_core::{CallContext, RetryScope, ScopeOwner};
     #[doc(inline)]
     pub use backstop_retry::{
-        AttemptRecord, BufferBody, BufferBodyLayer, CallHook, CloneRequest, CopyableBody,
+        AttemptRecord, BufferBody, BufferBodyLayer, CloneRequest, CopyableBody,
         DEFAULT_MAX_ATTEMPTS, Diagnosis, Hedge, HedgeFuture, HedgeLayer, Hedging, HttpResend,
-        Limits, NoHook, NotCopyable, Resend, ResendBody, Retry, RetryError, RetryHistory,
-        RetryLayer, StopReason, Told, futures,
+        Limits, NotCopyable, Resend, ResendBody, Retry, RetryError, RetryHistory, RetryLayer,
+        StopReason, Told, futures, retried_outside,
     };
 }
 
@@ -568,14 +568,4 @@ pub mod grpc {
     pub use backstop_classify::{GrpcClassifier, GrpcCode, RETRY_PUSHBACK, grpc_timeout};
     #[doc(inline)]
     pub use backstop_retry::{BodyTee, StreamedBody, StreamingResend, TeeReader};
-}
-
-/// How the composed stack wraps the client for each attempt: the pieces between its retry
-/// layer and the client, for each kind of request ([`Transport`](transport::Transport)).
-pub mod transport {
-    pub use crate::attempt_header::AttemptCount;
-    pub use crate::box_errors::{BoxErrors, BoxErrorsFuture};
-    pub use crate::builder::{Deliver, Transport, TransportSettings};
-    #[cfg(feature = "grpc")]
-    pub use crate::grpc_stack::{GrpcAttempt, GrpcAttemptFuture};
 }

@@ -1,8 +1,13 @@
 //! A TCP proxy in front of PostgreSQL that counts what its clients ask of the server, read off
 //! the wire protocol's messages: round trips (each `Sync`, `Flush` or simple `Query`: the
-//! messages after which a client waits for the server) and executed statements that write
-//! (`INSERT`, `UPDATE`, `DELETE`, or a `WITH` that holds one: from `Parse`, `Bind` and
-//! `Execute`, or a simple `Query`).
+//! messages after which a client waits for the server), executed statements (each `Execute`
+//! or simple `Query`) and executed statements that write (`INSERT`, `UPDATE`, `DELETE`, or a
+//! `WITH` that holds one: from `Parse`, `Bind` and `Execute`, or a simple `Query`).
+//!
+//! Round trips include what a pool spends on itself (a `Sync` to check a connection before it
+//! is lent, the `Parse` of a statement on a connection that has not prepared it yet), which
+//! depends on how many connections the pool opened and so on the machine's load. Executed
+//! statements do not: count those when the claim is about the queries a client sends.
 
 use std::{
     collections::HashMap,
@@ -22,6 +27,7 @@ use tokio::{
 #[derive(Debug, Default)]
 struct Counts {
     round_trips: AtomicU64,
+    statements: AtomicU64,
     writes: AtomicU64,
 }
 
@@ -73,6 +79,12 @@ impl PgWireCounter {
         self.counts.round_trips.load(Ordering::SeqCst)
     }
 
+    /// Statements executed (each `Execute` or simple `Query`), since the last reset: what a
+    /// client asked, whatever its pool spent on connections (see the module docs).
+    pub fn statements(&self) -> u64 {
+        self.counts.statements.load(Ordering::SeqCst)
+    }
+
     /// Executed statements that write, since the last reset.
     pub fn writes(&self) -> u64 {
         self.counts.writes.load(Ordering::SeqCst)
@@ -81,6 +93,7 @@ impl PgWireCounter {
     /// Starts counting again from zero.
     pub fn reset(&self) {
         self.counts.round_trips.store(0, Ordering::SeqCst);
+        self.counts.statements.store(0, Ordering::SeqCst);
         self.counts.writes.store(0, Ordering::SeqCst);
     }
 }
@@ -97,14 +110,27 @@ async fn relay(client: TcpStream, server: TcpStream, counts: Arc<Counts>) {
         if n == 0 {
             break;
         }
-        let (trips, writes) = reader.feed(&buf[..n]);
+        let Fed {
+            trips,
+            statements,
+            writes,
+        } = reader.feed(&buf[..n]);
         counts.round_trips.fetch_add(trips, Ordering::SeqCst);
+        counts.statements.fetch_add(statements, Ordering::SeqCst);
         counts.writes.fetch_add(writes, Ordering::SeqCst);
         if to_server.write_all(&buf[..n]).await.is_err() {
             break;
         }
     }
     down.abort();
+}
+
+/// What one [`Frontend::feed`] completed.
+#[derive(Default)]
+struct Fed {
+    trips: u64,
+    statements: u64,
+    writes: u64,
 }
 
 /// Reads the frontend's messages as they pass.
@@ -120,11 +146,11 @@ struct Frontend {
 }
 
 impl Frontend {
-    /// Takes `bytes` in; returns the round trips and the writing statements executed in the
-    /// messages completed.
-    fn feed(&mut self, bytes: &[u8]) -> (u64, u64) {
+    /// Takes `bytes` in; returns the round trips, the statements executed and those that write
+    /// in the messages completed.
+    fn feed(&mut self, bytes: &[u8]) -> Fed {
         self.pending.extend_from_slice(bytes);
-        let (mut trips, mut writes) = (0, 0);
+        let mut fed = Fed::default();
         loop {
             let header = if self.started { 5 } else { 4 };
             if self.pending.len() < header {
@@ -163,17 +189,21 @@ impl Frontend {
                     let statement = parts.next().unwrap_or_default();
                     self.bound_writes = self.statements.get(statement).copied().unwrap_or(false);
                 }
-                b'E' if self.bound_writes => writes += 1,
+                b'E' => {
+                    fed.statements += 1;
+                    fed.writes += u64::from(self.bound_writes);
+                }
                 b'Q' => {
-                    trips += 1;
-                    writes +=
+                    fed.trips += 1;
+                    fed.statements += 1;
+                    fed.writes +=
                         u64::from(is_write(body.split(|b| *b == 0).next().unwrap_or_default()));
                 }
-                b'S' | b'H' => trips += 1,
+                b'S' | b'H' => fed.trips += 1,
                 _ => {}
             }
         }
-        (trips, writes)
+        fed
     }
 }
 

@@ -1,13 +1,18 @@
+//! The call's work, once per logical call, outside the retry layer: the idempotency key (attached
+//! before the retry layer copies the request, so every attempt carries it), the call's span,
+//! one [`Error`] for every end, dead letters and reconciliation.
+
 use crate::builder::KeyGenerator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};
-use backstop_retry::{CallHook, RetryHistory};
+use backstop_retry::RetryHistory;
 use std::{fmt, sync::Arc};
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
 
-pub(crate) struct Shared<I> {
+/// What the call's work needs, shared by every service of one stack.
+pub(crate) struct CallWork<I> {
     pub(crate) dependency: Dependency,
     pub(crate) inject: I,
     /// Attaches idempotency keys (`None`: turned off).
@@ -17,91 +22,61 @@ pub(crate) struct Shared<I> {
     pub(crate) reconcile: Option<Reconcile>,
 }
 
-/// The call-level work of the composed stack, run by the retry layer as its [`CallHook`]:
-/// attaches the idempotency key (once per logical call, before the request is copied for
-/// replays), keeps the call's span, marks read-only calls replay-safe, turns every error into
-/// an [`Error`], and hands failed mutating calls to the dead-letter sink (and unknown outcomes
-/// to the reconciliation hook).
-///
-/// A hook rather than a layer of its own: every layer a call goes through moves its whole
-/// future once more and polls it once more.
-pub(crate) struct StackHook<I> {
-    shared: Arc<Shared<I>>,
-}
-
-impl<I> StackHook<I> {
-    pub(crate) fn new(shared: Shared<I>) -> Self {
-        StackHook {
-            shared: Arc::new(shared),
-        }
-    }
-}
-
-impl<I> Clone for StackHook<I> {
-    fn clone(&self) -> Self {
-        StackHook {
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-impl<I> fmt::Debug for StackHook<I> {
+impl<I> fmt::Debug for CallWork<I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StackHook")
-            .field("dependency", &self.shared.dependency)
-            .finish()
+        f.debug_struct("CallWork")
+            .field("dependency", &self.dependency)
+            .finish_non_exhaustive()
     }
 }
 
-/// What a failed mutating call's dead letter needs, taken from the request before it is sent.
+/// Where a failed mutating call's dead letter goes, and what it says, taken from the request
+/// before it is sent.
 struct Letterhead {
     run_id: Option<Arc<str>>,
     call_id: Option<Arc<str>>,
     key: Option<IdempotencyKey>,
+    sink: Option<Arc<dyn DeadLetterSink>>,
+    reconcile: Option<Reconcile>,
 }
 
-/// What [`StackHook`] keeps for one call: its span, and what a dead letter would need.
-pub(crate) struct StackCall {
-    span: tracing::Span,
+/// What one call keeps from its start to its end: its span, and what a dead letter would need.
+pub(crate) struct CallState {
+    pub(crate) span: tracing::Span,
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.
     letterhead: Option<Box<Letterhead>>,
 }
 
-impl fmt::Debug for StackCall {
+impl fmt::Debug for CallState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StackCall")
+        f.debug_struct("CallState")
             .field("span", &self.span)
             .field("letter", &self.letterhead.is_some())
             .finish()
     }
 }
 
-impl<I, Req, Res> CallHook<Req, Res> for StackHook<I>
-where
-    Req: HasExtensions,
-    Res: HasExtensions,
-    I: Inject<Req>,
-{
-    type State = StackCall;
-    type Error = Error;
-
-    fn begin(&self, req: &mut Req, _dependency: &Dependency) -> Result<StackCall, Error> {
-        let sh = &*self.shared;
-        if sh.read_only {
+impl<I> CallWork<I> {
+    /// Before the call: marks a read-only call replay-safe, attaches the key (or refuses the
+    /// call, nothing sent), opens the call's span and takes what a dead letter would need.
+    pub(crate) fn begin<Req>(&self, req: &mut Req) -> Result<CallState, Error>
+    where
+        Req: HasExtensions,
+        I: Inject<Req>,
+    {
+        if self.read_only {
             req.extensions_mut().insert(ReplaySafe);
         }
-        if let Some(keys) = &sh.keys
+        if let Some(keys) = &self.keys
             && let Err(refused) = backstop_idempotency::plumbing::attach(keys, req)
         {
-            let mut err = Error::from_box(Box::new(refused));
-            err.set_dependency_if_missing(&sh.dependency);
-            return Err(err);
+            return Err(self.error(Box::new(refused)));
         }
         let span = tracing::info_span!(
             target: "backstop::call",
             "call",
-            dependency = %sh.dependency,
+            dependency = %self.dependency,
             run_id = tracing::field::Empty,
             tool_call_id = tracing::field::Empty,
             idempotency_key = tracing::field::Empty,
@@ -111,9 +86,9 @@ where
         );
         // The request's labels are looked up only when something will use them: a span that
         // is being recorded, or a dead letter a failed mutating call may need.
-        let wants_letter = (sh.sink.is_some() || sh.reconcile.is_some())
-            && !sh.read_only
-            && sh.inject.needs_key(req);
+        let wants_letter = (self.sink.is_some() || self.reconcile.is_some())
+            && !self.read_only
+            && self.inject.needs_key(req);
         let mut letterhead = None;
         if wants_letter || !span.is_disabled() {
             let ext = req.extensions();
@@ -139,18 +114,30 @@ where
                     run_id: action.map(|a| Arc::from(a.run_id())),
                     call_id: action.and_then(|a| a.call_id()).map(Arc::from),
                     key: key.cloned(),
+                    sink: self.sink.clone(),
+                    reconcile: self.reconcile.clone(),
                 })
             });
         }
-        Ok(StackCall { span, letterhead })
+        Ok(CallState { span, letterhead })
     }
 
-    fn span<'a>(&self, state: &'a StackCall) -> Option<&'a tracing::Span> {
-        Some(&state.span)
+    /// An error of this stack's (a refusal, a `poll_ready` error) as the call's [`Error`].
+    pub(crate) fn error(&self, error: BoxError) -> Error {
+        let mut err = Error::from_box(error);
+        err.set_dependency_if_missing(&self.dependency);
+        err
     }
+}
 
-    fn end(&self, state: &mut StackCall, result: Result<Res, BoxError>) -> Result<Res, Error> {
-        let span = &state.span;
+impl CallState {
+    /// After the call, once: the span's fields, the one [`Error`], the dead letter and the
+    /// reconciliation of a failed mutating call.
+    pub(crate) fn end<Res: HasExtensions>(
+        &mut self,
+        result: Result<Res, BoxError>,
+    ) -> Result<Res, Error> {
+        let span = &self.span;
         let e = match result {
             Ok(res) => {
                 if !span.is_disabled() {
@@ -162,19 +149,17 @@ where
             }
             Err(e) => e,
         };
-        let shared = &*self.shared;
-        let mut err = Error::from_box(e);
-        err.set_dependency_if_missing(&shared.dependency);
+        let err = Error::from_box(e);
         span.record("attempts", err.attempts());
         span.record("outcome", err.outcome().as_str());
         span.record("error", err.kind().as_str());
-        if let Some(head) = state.letterhead.take() {
+        if let Some(head) = self.letterhead.take() {
             let head = *head;
             let letter = DeadLetter::new(&err, head.run_id, head.call_id, head.key);
-            if let (Some(hook), Outcome::Unknown) = (&shared.reconcile, err.outcome()) {
+            if let (Some(hook), Outcome::Unknown) = (&head.reconcile, err.outcome()) {
                 hook(&letter);
             }
-            if let Some(sink) = &shared.sink {
+            if let Some(sink) = &head.sink {
                 let _entered = span.enter();
                 tracing::warn!(
                     target: "backstop::dead_letter",
@@ -187,17 +172,5 @@ where
             }
         }
         Err(err)
-    }
-
-    fn ready_error(&self, error: BoxError) -> Error {
-        let mut err = Error::from_box(error);
-        err.set_dependency_if_missing(&self.shared.dependency);
-        err
-    }
-
-    fn pass(&self, error: BoxError) -> Error {
-        // Another Backstop stack outside owns this call: hand it the raw error, which its
-        // `BoxErrors` takes out again, so one logical call makes one `Error`.
-        Error::passing(error)
     }
 }

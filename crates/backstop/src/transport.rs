@@ -1,0 +1,78 @@
+//! How the composed stack wraps the client for its kind of request, and hands its response
+//! back: the pieces between the stack's retry layer and the client. Sealed: named by the stack's
+//! types, implemented here for HTTP, tool calls and gRPC only.
+
+use crate::{attempt_header::AttemptCount, box_errors::BoxErrors};
+use backstop_retry::{CloneRequest, HttpResend, futures::AttemptEnd};
+use backstop_timeout::TimedBody;
+use std::time::Duration;
+
+/// How the composed stack wraps the client for its kind of request: for HTTP ([`HttpResend`])
+/// the attempt number under the configured header; tool calls ([`CloneRequest`]) are passed
+/// as they are. Either way [`BoxErrors`] gives the classifier every error of the client as a
+/// `BoxError`.
+#[allow(unreachable_pub)] // Sealed: public in name only, so that public types can use it.
+pub trait Transport<S> {
+    /// The wrapped client.
+    type Client;
+    /// Wraps `client` as `settings` say.
+    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
+}
+
+/// How the composed stack hands the client's response `Res` back: for HTTP ([`HttpResend`]),
+/// its body as a [`TimedBody`] that keeps the answering attempt's limit and the deadline
+/// running while the caller reads it; anything else as it is.
+#[allow(unreachable_pub)] // Sealed, as `Transport`.
+pub trait Deliver<Res> {
+    /// What the caller gets.
+    type Response;
+    /// `res`, from the attempt that ends at `end`.
+    fn deliver(res: Res, end: Option<AttemptEnd>) -> Self::Response;
+}
+
+/// What [`Transport::wrap`] is told.
+#[derive(Clone, Debug, Default)]
+#[allow(unreachable_pub)] // Sealed, as `Transport`.
+pub struct TransportSettings {
+    /// The header the attempt number goes under (HTTP), if any.
+    pub(crate) attempt_header: Option<http::HeaderName>,
+    /// The stack's attempt timeout (gRPC sends it as `grpc-timeout`).
+    #[cfg_attr(not(feature = "grpc"), allow(dead_code))]
+    pub(crate) attempt_timeout: Option<Duration>,
+}
+
+impl<S> Transport<S> for HttpResend {
+    type Client = BoxErrors<AttemptCount<S>>;
+    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
+        BoxErrors(AttemptCount {
+            inner: client,
+            header: settings.attempt_header.clone(),
+        })
+    }
+}
+
+impl<B> Deliver<http::Response<B>> for HttpResend {
+    type Response = http::Response<TimedBody<B>>;
+    #[inline]
+    fn deliver(res: http::Response<B>, end: Option<AttemptEnd>) -> Self::Response {
+        res.map(|body| match end {
+            Some(end) => TimedBody::ending_at(body, Some(end.cutoff), Some(end.dependency)),
+            None => TimedBody::ending_at(body, None, None),
+        })
+    }
+}
+
+impl<S> Transport<S> for CloneRequest {
+    type Client = BoxErrors<S>;
+    fn wrap(&self, client: S, _settings: &TransportSettings) -> Self::Client {
+        BoxErrors(client)
+    }
+}
+
+impl<Res> Deliver<Res> for CloneRequest {
+    type Response = Res;
+    #[inline]
+    fn deliver(res: Res, _end: Option<AttemptEnd>) -> Res {
+        res
+    }
+}
