@@ -99,8 +99,10 @@ async fn the_attempt_timeout_covers_a_body_that_stalls_or_trickles() {
         assert_eq!(res.status(), 200, "the headers arrive at once");
         let err = res.into_body().collect().await.unwrap_err();
         let took = start.elapsed();
+        // Which limit cut the body is read off the error (the 600 ms attempt timeout, not the
+        // deadline); the clock only shows it was not cut early, which load cannot change.
         assert!(
-            took >= Duration::from_millis(590) && took < Duration::from_millis(1_500),
+            took >= Duration::from_millis(590),
             "trickle {trickle}: {took:?}"
         );
         let err = err.downcast::<BodyTimedOut>().unwrap();
@@ -132,7 +134,11 @@ async fn the_deadline_covers_the_body_when_it_comes_first() {
     let res = svc.oneshot(req).await.unwrap();
     let err = res.into_body().collect().await.unwrap_err();
     let took = start.elapsed();
-    assert!(took < Duration::from_millis(1_000), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(690),
+        "not cut early: {took:?}"
+    );
+    // The caller's 700 ms deadline cut it, as the error says, not the stack's 1 s one.
     let err = err.downcast::<BodyTimedOut>().unwrap();
     assert!(err.limit().is::<DeadlineExceeded>(), "{err}");
     assert!(

@@ -336,8 +336,12 @@ async fn a_pushback_longer_than_the_deadline_ends_the_call_at_once() {
     .await;
     let started = Instant::now();
     let status = issue(&mut client).await.unwrap_err();
+    // No waiting for a retry that cannot happen. The stack's decision is not visible through
+    // tonic's `Status` (the final answer is a response), so the clock tells it, with a margin no
+    // load reaches: the wrong behaviour waits out the 3 s deadline, the right one ends after
+    // one loopback round trip.
     assert!(
-        started.elapsed() < Duration::from_secs(1),
+        started.elapsed() < Duration::from_millis(2_500),
         "no waiting for a retry that cannot happen"
     );
     assert_eq!(status.code(), Code::Unavailable);

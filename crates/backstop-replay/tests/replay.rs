@@ -991,7 +991,14 @@ mod redis_cluster {
                 res.status().as_u16()
             });
         }
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        // Every handler is running before the node dies: waited for, not slept on.
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while h.runs() < 30 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("30 handlers running");
         assert_eq!(h.runs(), 30);
         cluster.kill(1);
         // Every caller gets the answer of the handler that ran for it.
