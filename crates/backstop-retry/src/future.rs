@@ -1,16 +1,15 @@
 //! The retry layer's future, in tower's shape: an attempt in flight, a wait before the next, the
 //! service getting ready for it. Every attempt, the first included, is begun by
-//! [`Call::begin`]; every end of a call passes [`Call::finish`].
+//! [`Call::begin`]; every end of a call passes [`Call::finish`] (`call.rs`).
 
 use crate::{
-    AttemptRecord, Diagnosis, ErrorKind, NotCopyable, Resend, RetryError, RetryHistory, StopReason,
-    Ticket, layer::Policy, policy::Schedule,
+    Resend, StopReason,
+    call::{Call, Ended, Template},
+    layer::Policy,
 };
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{
-    BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
-};
-use backstop_timeout::{AttemptCutoff, Expiry};
+use backstop_core::{BoxError, Dependency, HasExtensions, Outcome};
+use backstop_timeout::AttemptCutoff;
 use pin_project::{pin_project, pinned_drop};
 use std::{
     fmt,
@@ -18,11 +17,9 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
-    time::Duration,
 };
-use tokio::time::{Instant, Sleep, sleep, sleep_until};
+use tokio::time::{Instant, Sleep, sleep};
 use tower_service::Service;
-use tracing::Span;
 
 /// What the retry layer asks of the service it wraps (`Svc`), the request (`Req`), the
 /// classifier and the copier: the bounds, written once. Implemented for the tuple
@@ -58,15 +55,15 @@ where
     type Resend = P;
 }
 
-type Res<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Response;
-type Err<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Error;
-type Fut<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Future;
-type PolicyOf<T> = Policy<<T as Retryable>::Classifier, <T as Retryable>::Resend>;
+pub(crate) type Res<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Response;
+pub(crate) type Err<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Error;
+pub(crate) type Fut<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Future;
+pub(crate) type PolicyOf<T> = Policy<<T as Retryable>::Classifier, <T as Retryable>::Resend>;
 /// An attempt's end and its verdict.
-type EndOf<T> = (Ended<Res<T>, Err<T>>, Verdict);
+pub(crate) type EndOf<T> = (Ended<Res<T>, Err<T>>, Verdict);
 
 /// The verdict on an attempt that was never sent.
-const NOT_SENT: Verdict = Verdict::Fatal {
+pub(crate) const NOT_SENT: Verdict = Verdict::Fatal {
     outcome: Outcome::NotSent,
 };
 const POLLED_AFTER: &str = "ResponseFuture polled after completion";
@@ -81,7 +78,7 @@ pub struct ResponseFuture<T: Retryable> {
 }
 
 #[pin_project(project = StateProj)]
-enum State<F> {
+pub(crate) enum State<F> {
     /// An attempt in flight, and its timer (created at its first `Pending`).
     Called {
         #[pin]
@@ -113,53 +110,6 @@ pub struct AttemptEnd {
     pub cutoff: AttemptCutoff,
     /// The dependency the attempt went to.
     pub dependency: Dependency,
-}
-
-/// How an attempt ended: the inner service's result, or this layer's own error.
-pub(crate) enum Ended<T, E> {
-    Inner(Result<T, E>),
-    Own(BoxError),
-}
-
-/// One call: the service whose readiness it holds, the caller's request, and its attempts.
-pub(crate) struct Call<T: Retryable> {
-    svc: T::Svc,
-    pub(crate) template: Template<T::Req>,
-    pub(crate) dependency: Dependency,
-    pub(crate) deadline: Option<Deadline>,
-    started: Instant,
-    /// Attempts begun so far, the one in flight included.
-    pub(crate) attempt: u32,
-    attempt_started: Instant,
-    /// Whether the current attempt was handed to the service.
-    sent: bool,
-    /// An outer retry layer owns retrying: one attempt, its raw result handed back.
-    nested: bool,
-    ticket: Option<Ticket>,
-    cutoff: Option<AttemptCutoff>,
-    span: Span,
-    history: Vec<AttemptRecord>,
-    pub(crate) schedule: Option<Schedule>,
-}
-
-/// The caller's request, kept as the caller sent it: every attempt sends a copy.
-pub(crate) enum Template<Req> {
-    /// One attempt only (`max_attempts` is 1, or an outer layer retries): nothing is kept.
-    Unneeded,
-    Kept(Req),
-    /// It could not be copied, for this reason: the call has one attempt.
-    Uncopyable(NotCopyable),
-}
-
-impl<Req> Template<Req> {
-    /// The kept request, or why there is none.
-    pub(crate) fn kept(&self) -> Result<&Req, NotCopyable> {
-        match self {
-            Template::Kept(req) => Ok(req),
-            Template::Uncopyable(why) => Err(why.clone()),
-            Template::Unneeded => Err(NotCopyable::new("the request was not kept for a retry")),
-        }
-    }
 }
 
 impl<T: Retryable> ResponseFuture<T> {
@@ -270,293 +220,6 @@ impl<T: Retryable> Future for ResponseFuture<T> {
     }
 }
 
-impl<T: Retryable> Call<T> {
-    /// A call begun at `now`, to `dependency` on `svc`, the service polled ready for it.
-    pub(crate) fn new(
-        svc: T::Svc,
-        dependency: Dependency,
-        deadline: Option<Deadline>,
-        nested: bool,
-        now: Instant,
-    ) -> Self {
-        Call {
-            svc,
-            template: Template::Unneeded,
-            dependency,
-            deadline,
-            started: now,
-            attempt: 0,
-            attempt_started: now,
-            sent: false,
-            nested,
-            ticket: None,
-            cutoff: None,
-            span: Span::none(),
-            history: Vec::new(),
-            schedule: None,
-        }
-    }
-
-    /// Counts the next attempt, begun at `now` and not sent yet.
-    fn begin_attempt(&mut self, now: Instant) {
-        self.attempt += 1;
-        self.attempt_started = now;
-        self.sent = false;
-    }
-
-    /// Begins the next attempt at `now` on the ready service: asks the budget's admission and
-    /// the learned limit (when there are), plans its cutoff within the deadline, asks the gate,
-    /// and only then makes the request (`req`, so a refused attempt copies nothing) and sends it.
-    fn begin(
-        &mut self,
-        policy: &PolicyOf<T>,
-        now: Instant,
-        req: impl FnOnce(&mut Template<T::Req>) -> T::Req,
-    ) -> State<Fut<T>> {
-        self.begin_attempt(now);
-        self.span = attempt_span(&self.dependency, self.attempt);
-        let limit = if policy.settings.attempt_hooks {
-            match self.before_attempt(policy) {
-                Ok(limit) => limit,
-                Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
-            }
-        } else {
-            policy.settings.attempt_timeout
-        };
-        self.cutoff = match AttemptCutoff::plan(now, limit, self.deadline) {
-            Ok(cutoff) => cutoff,
-            Err(passed) => {
-                let error = passed.error(Some(self.dependency.clone()));
-                let verdict = own_verdict(&error);
-                return State::Unsent(Some((error, verdict)));
-            }
-        };
-        if let Some(gate) = &policy.settings.gate {
-            match gate.admit(&self.dependency) {
-                Ok(ticket) => self.ticket = Some(ticket),
-                Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
-            }
-        }
-        let mut req = req(&mut self.template);
-        // The call's context travels with each attempt's copy, across tasks and futures; a leaf
-        // client reads none of it. A nested layer leaves the outer layer's attempt number.
-        if !policy.settings.leaf {
-            let attempt = (!self.nested).then_some(self.attempt);
-            CallContext::claim(
-                &mut req,
-                crate::owner(),
-                self.dependency.clone(),
-                self.deadline,
-            )
-            .for_attempt(attempt, self.cutoff.map(|c| c.at));
-        }
-        if self.attempt > 1 {
-            crate::obs::retry(&self.dependency);
-        }
-        self.sent = true;
-        // A span the service makes in its own `call` is the attempt's child.
-        let _entered = self.span.enter();
-        State::Called {
-            fut: self.svc.call(req),
-            timer: None,
-        }
-    }
-
-    /// Polls the attempt in flight to its end: the service's result, or this layer's own
-    /// timeout once the cutoff passes (the response wins a tie: it is polled first).
-    fn poll_attempt(
-        &mut self,
-        policy: &PolicyOf<T>,
-        fut: Pin<&mut Fut<T>>,
-        mut timer: Pin<&mut Option<Sleep>>,
-        cx: &mut Context<'_>,
-    ) -> Poll<EndOf<T>> {
-        let polled = {
-            let _entered = self.span.enter();
-            fut.poll(cx)
-        };
-        if let Poll::Ready(result) = polled {
-            let verdict = policy.classifier.classify(result.as_ref());
-            self.end_attempt(policy, Some(verdict));
-            let ended = match result {
-                // A Backstop layer further in refused the attempt: it was not sent.
-                Err(e) if verdict == NOT_SENT => {
-                    let e: BoxError = e.into();
-                    self.sent &= !refused_before_sending(&*e);
-                    Ended::Own(e)
-                }
-                r => Ended::Inner(r),
-            };
-            return Poll::Ready((ended, verdict));
-        }
-        let Some(cutoff) = self.cutoff else {
-            return Poll::Pending;
-        };
-        if timer.is_none() {
-            timer.set(Some(sleep_until(cutoff.at)));
-        }
-        ready!(timer.as_pin_mut().expect("set above").poll(cx));
-        // A learned timeout counts the attempt it cut at its limit (it took at least that).
-        if let (Some(latency), Expiry::Attempt { limit }) =
-            (&policy.settings.latency, cutoff.expiry)
-        {
-            latency.record_cut(&self.dependency, limit);
-        }
-        let error = cutoff.error(Some(self.dependency.clone()));
-        let verdict = own_verdict(&error);
-        self.end_attempt(policy, Some(verdict));
-        Poll::Ready((Ended::Own(error), verdict))
-    }
-
-    /// Polls the service's readiness for the next attempt; the deadline ends the wait, not sent.
-    fn poll_ready(
-        &mut self,
-        mut timer: Pin<&mut Option<Sleep>>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<(), BoxError>> {
-        if let Poll::Ready(ready) = self.svc.poll_ready(cx) {
-            return Poll::Ready(ready.map_err(Into::into));
-        }
-        let Some(deadline) = self.deadline else {
-            return Poll::Pending;
-        };
-        if timer.is_none() {
-            timer.set(Some(sleep_until(deadline.instant())));
-        }
-        ready!(timer.as_pin_mut().expect("set above").poll(cx));
-        Poll::Ready(Err(self.not_ready()))
-    }
-
-    /// The error of a service that did not become ready within the deadline: not sent.
-    fn not_ready(&self) -> BoxError {
-        let length = self.deadline.and_then(Deadline::length);
-        Box::new(
-            DeadlineExceeded::new(Some(self.dependency.clone()), Outcome::NotSent)
-                .with_length(length),
-        )
-    }
-
-    /// Tells the gate, the budget and the latency record how the attempt ended (`None`:
-    /// cancelled), once.
-    fn end_attempt(&mut self, policy: &PolicyOf<T>, verdict: Option<Verdict>) {
-        let settings = &policy.settings;
-        if let (Some(ticket), Some(gate)) = (self.ticket.take(), &settings.gate) {
-            gate.complete(&self.dependency, ticket, verdict, self.attempt_started);
-        }
-        if !(settings.attempt_hooks && self.sent) {
-            return;
-        }
-        if settings.budget_admits
-            && let Some(verdict) = verdict
-        {
-            settings.budget.observe(&self.dependency, &verdict);
-        }
-        if let Some(latency) = &settings.latency
-            && verdict == Some(Verdict::Success)
-        {
-            latency.record(&self.dependency, self.attempt_started.elapsed());
-        }
-    }
-
-    /// Before an attempt: the budget's admission (client-side throttling) and the learned
-    /// limit (the fixed one otherwise); `Err` refuses it, nothing sent.
-    #[cold]
-    #[inline(never)]
-    fn before_attempt(&mut self, policy: &PolicyOf<T>) -> Result<Option<Duration>, BoxError> {
-        let settings = &policy.settings;
-        if settings.budget_admits {
-            settings.budget.admit(&self.dependency)?;
-        }
-        let Some(latency) = &settings.latency else {
-            return Ok(settings.attempt_timeout);
-        };
-        let limit = latency.timeout(&self.dependency, self.attempt);
-        crate::obs::attempt_timeout(&self.dependency, limit);
-        self.span
-            .record("attempt_timeout_ms", limit.as_millis() as u64);
-        Ok(Some(limit))
-    }
-
-    /// Records the attempt that ended with `verdict` and decides: another after a wait, or a
-    /// stop (`None`: an outer layer owns the call, and decides).
-    fn decide(
-        &mut self,
-        policy: &PolicyOf<T>,
-        verdict: Verdict,
-    ) -> Result<Duration, Option<StopReason>> {
-        if self.nested {
-            return Err(None);
-        }
-        let decision = self.rules(policy, verdict);
-        // A call that succeeds at once keeps no history.
-        if verdict != Verdict::Success || !self.history.is_empty() {
-            self.history.push(AttemptRecord {
-                attempt: self.attempt,
-                sent: self.sent,
-                verdict,
-                took: self.attempt_started.elapsed(),
-                wait: decision.as_ref().ok().copied(),
-            });
-        }
-        decision.map_err(Some)
-    }
-
-    /// The one exit of every call: its metrics, once, and its result with the history of its
-    /// attempts, on the response or in the [`RetryError`] (`stopped` is `None` for a nested
-    /// call: its raw result goes to the layer outside).
-    fn finish(
-        &mut self,
-        ended: Ended<Res<T>, Err<T>>,
-        verdict: Verdict,
-        stopped: Option<StopReason>,
-    ) -> Result<Res<T>, BoxError> {
-        let Some(stopped) = stopped else {
-            return match ended {
-                Ended::Inner(r) => r.map_err(Into::into),
-                Ended::Own(e) => Err(e),
-            };
-        };
-        let attempts = std::mem::take(&mut self.history);
-        let succeeded = stopped == StopReason::Succeeded;
-        let unknown = !succeeded
-            && attempts
-                .iter()
-                .any(|a| a.verdict.outcome() == Outcome::Unknown);
-        crate::obs::finished(&self.dependency, self.attempt, succeeded, unknown);
-        if attempts.is_empty()
-            && let Ended::Inner(Ok(res)) = ended
-        {
-            return Ok(res);
-        }
-        if !succeeded {
-            tracing::debug!(
-                target: "backstop::retry",
-                dependency = %self.dependency,
-                attempts = self.attempt,
-                outcome = verdict.outcome().as_str(),
-                reason = ?stopped,
-                "stopped"
-            );
-        }
-        let history = RetryHistory {
-            dependency: self.dependency.clone(),
-            attempts,
-            elapsed: self.started.elapsed(),
-            deadline: self.deadline.and_then(Deadline::length),
-            stopped,
-        };
-        let cause = match ended {
-            Ended::Inner(Ok(mut res)) => {
-                res.extensions_mut().insert(history);
-                return Ok(res);
-            }
-            Ended::Inner(Err(e)) => e.into(),
-            Ended::Own(e) => e,
-        };
-        Err(Box::new(RetryError::new(history, verdict, cause)))
-    }
-}
-
 #[pinned_drop]
 impl<T: Retryable> PinnedDrop for ResponseFuture<T> {
     /// A call dropped mid-attempt: the gate learns the attempt ended without a verdict.
@@ -575,41 +238,4 @@ impl<T: Retryable> fmt::Debug for ResponseFuture<T> {
             .field("attempt", &self.call.attempt)
             .finish_non_exhaustive()
     }
-}
-
-/// The verdict the classifiers give this layer's own error (timed out, no time left): one rule
-/// for the layer and the layers further in.
-fn own_verdict(error: &BoxError) -> Verdict {
-    backstop_classify::classify_error(&**error).unwrap_or(Verdict::Fatal {
-        outcome: Outcome::Unknown,
-    })
-}
-
-/// Whether a Backstop layer further in refused the attempt before sending it (an open circuit,
-/// a deadline already passed).
-fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
-    let d = Diagnosis::of(error);
-    d.outcome == Some(Outcome::NotSent)
-        && matches!(
-            d.kind,
-            Some(ErrorKind::Unavailable | ErrorKind::Throttled | ErrorKind::DeadlineExceeded)
-        )
-}
-
-/// The attempt's span, inside whatever span is current (the call's). A resend carries
-/// OpenTelemetry's `http.request.resend_count` (1 on the second attempt), as the HTTP semantic
-/// conventions ask; the first attempt has none.
-fn attempt_span(dependency: &Dependency, attempt: u32) -> Span {
-    let span = tracing::debug_span!(
-        target: "backstop::retry",
-        "attempt",
-        dependency = %dependency,
-        attempt,
-        http.request.resend_count = tracing::field::Empty,
-        attempt_timeout_ms = tracing::field::Empty,
-    );
-    if attempt > 1 && !span.is_disabled() {
-        span.record("http.request.resend_count", attempt - 1);
-    }
-    span
 }

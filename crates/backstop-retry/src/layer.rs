@@ -1,6 +1,6 @@
 use crate::{
-    AttemptGate, CloneRequest, HttpResend, NoBudget, Resend, RetryBudget,
-    future::{Call, ResponseFuture},
+    AttemptGate, CloneRequest, HttpResend, NoBudget, Resend, RetryBudget, call::Call,
+    future::ResponseFuture,
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};

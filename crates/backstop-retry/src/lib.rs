@@ -82,6 +82,7 @@
 #![deny(missing_docs)]
 
 mod body;
+mod call;
 mod error;
 mod error_kind;
 mod future;

@@ -1,11 +1,7 @@
 //! Whether an attempt that did not end the call is retried, and after what wait: every rule of
 //! the crate docs, in order.
 
-use crate::{
-    Resend, StopReason,
-    future::{Call, Retryable},
-    layer::Policy,
-};
+use crate::{Resend, StopReason, call::Call, future::Retryable, layer::Policy};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{AttemptLimit, Outcome, ReplaySafe, Run, UnvouchedKey};
 use rand::rngs::SmallRng;
