@@ -396,6 +396,52 @@ mod readiness {
         );
     }
 
+    /// A wait that outlasted the deadline answered `Ready`, but the caller did not call; once the
+    /// client is ready after all, the next `poll_ready` says so and the call is sent on that
+    /// handle, not ended as never ready.
+    #[tokio::test(start_paused = true)]
+    async fn a_handle_ready_again_after_an_expired_wait_sends_its_call() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let limited = ConcurrencyLimit::new(
+            tower::service_fn(move |req: http::Request<Body>| {
+                seen.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let hold = if req.uri().path() == "/hold" {
+                        3_000
+                    } else {
+                        100
+                    };
+                    tokio::time::sleep(Duration::from_millis(hold)).await;
+                    Ok::<_, BoxError>(http::Response::new(Body::default()))
+                }
+            }),
+            1,
+        );
+        // The limit's only permit is held for 3 s by a caller beside the stack (clones of a
+        // `ConcurrencyLimit` share it), longer than the stack's 1 s deadline.
+        let mut beside = limited.clone();
+        let holding = tokio::spawn(
+            beside
+                .ready()
+                .await
+                .unwrap()
+                .call(get("http://limited.local/hold".into())),
+        );
+        let mut svc = stack(Some(Duration::from_secs(1))).layer(limited);
+        // The wait answers Ready at the 1 s deadline, and again at once when asked again, as
+        // tower's contract wants.
+        let started = Instant::now();
+        svc.ready().await.unwrap();
+        svc.ready().await.unwrap();
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+        // The caller does not call; the holding call ends and frees the permit.
+        holding.await.unwrap().unwrap();
+        let res = svc.ready().await.unwrap().call(quick()).await;
+        assert!(res.is_ok(), "sent on the handle ready again: {res:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
     /// Each retry waits for its own handle's readiness: a retried call holds the limit's permit
     /// only while an attempt is in flight, so a second caller's call goes between its attempts.
     #[tokio::test(start_paused = true)]

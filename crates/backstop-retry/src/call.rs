@@ -3,7 +3,8 @@
 //! ([`Call::decide`], the rules in `policy.rs`); every end passes [`Call::finish`].
 
 use crate::{
-    AttemptRecord, Diagnosis, ErrorKind, NotCopyable, RetryError, RetryHistory, StopReason, Ticket,
+    AttemptRecord, Diagnosis, ErrorKind, NotCopyable, Resend, RetryError, RetryHistory, StopReason,
+    Ticket,
     future::{EndOf, Err, Fut, NOT_SENT, PolicyOf, Res, Retryable, State},
     policy::Schedule,
 };
@@ -59,6 +60,22 @@ pub(crate) enum Template<Req> {
 }
 
 impl<Req> Template<Req> {
+    /// Keeps `req` (prepared for copying) and returns a copy to send, or, when it cannot be
+    /// copied, keeps why and returns `req` itself.
+    pub(crate) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
+        let req = resend.prepare(req);
+        match resend.copy(&req) {
+            Ok(copy) => {
+                *self = Template::Kept(req);
+                copy
+            }
+            Err(why) => {
+                *self = Template::Uncopyable(why);
+                req
+            }
+        }
+    }
+
     /// The kept request, or why there is none.
     pub(crate) fn kept(&self) -> Result<&Req, NotCopyable> {
         match self {

@@ -4,7 +4,7 @@
 
 use crate::{
     Resend, StopReason,
-    call::{Call, Ended, Template},
+    call::{Call, Ended},
     layer::Policy,
 };
 use backstop_classify::{Classify, Verdict};
@@ -129,19 +129,10 @@ impl<T: Retryable> ResponseFuture<T> {
         let state = if ready {
             let copies = !nested && policy.settings.max_attempts > 1;
             call.begin(&policy, now, |template| {
-                if !copies {
-                    return req;
-                }
-                let req = policy.resend.prepare(req);
-                match policy.resend.copy(&req) {
-                    Ok(copy) => {
-                        *template = Template::Kept(req);
-                        copy
-                    }
-                    Err(why) => {
-                        *template = Template::Uncopyable(why);
-                        req
-                    }
+                if copies {
+                    template.keep(&policy.resend, req)
+                } else {
+                    req
                 }
             })
         } else {

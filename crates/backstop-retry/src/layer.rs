@@ -391,8 +391,15 @@ where
     /// client that never becomes ready does not hold its caller past the deadline.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         if let Poll::Ready(ready) = self.inner.poll_ready(cx) {
+            // Ready after all (or failed): whatever the wait did is over, and a call sent now
+            // goes out on this handle.
             self.unready = None;
+            self.expired = None;
             return Poll::Ready(ready.map_err(Into::into));
+        }
+        // Readiness already answered stays answered until the call.
+        if self.expired.is_some() {
+            return Poll::Ready(Ok(()));
         }
         let Some(limit) = self.policy.settings.deadline else {
             return Poll::Pending;

@@ -171,9 +171,9 @@ where
                 };
                 (state.end(result), inner.attempt_end())
             }
-            CallingProj::Passed { inner } => {
-                let result = ready!(inner.poll(cx));
-                (result.map_err(crate::Error::passing), None)
+            CallingProj::Passed { mut inner } => {
+                let result = ready!(inner.as_mut().poll(cx));
+                (result.map_err(crate::Error::passing), inner.attempt_end())
             }
             CallingProj::Refused { error } => {
                 let error = error
