@@ -47,7 +47,9 @@ pub(crate) struct Call<T: Retryable> {
     pub(crate) cutoff: Option<AttemptCutoff>,
     pub(crate) span: Span,
     pub(crate) history: Vec<AttemptRecord>,
-    pub(crate) schedule: Option<Schedule>,
+    /// The backoff and its random source, boxed at the first wait they decide: only a call
+    /// that retries pays for them, and the future every call moves stays smaller.
+    pub(crate) schedule: Option<Box<Schedule>>,
 }
 
 /// The caller's request, kept as the caller sent it: every attempt sends a copy.
@@ -62,6 +64,7 @@ pub(crate) enum Template<Req> {
 impl<Req> Template<Req> {
     /// Keeps `req` (prepared for copying) and returns a copy to send, or, when it cannot be
     /// copied, keeps why and returns `req` itself.
+    #[inline]
     pub(crate) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
         let req = resend.prepare(req);
         match resend.copy(&req) {
@@ -88,6 +91,7 @@ impl<Req> Template<Req> {
 
 impl<T: Retryable> Call<T> {
     /// A call begun at `now`, to `dependency` on `svc`, the service polled ready for it.
+    #[inline]
     pub(crate) fn new(
         svc: T::Svc,
         dependency: Dependency,
@@ -123,6 +127,7 @@ impl<T: Retryable> Call<T> {
     /// Begins the next attempt at `now` on the ready service: asks the budget's admission and
     /// the learned limit (when there are), plans its cutoff within the deadline, asks the gate,
     /// and only then makes the request (`req`, so a refused attempt copies nothing) and sends it.
+    #[inline]
     pub(crate) fn begin(
         &mut self,
         policy: &PolicyOf<T>,
@@ -180,6 +185,7 @@ impl<T: Retryable> Call<T> {
 
     /// Polls the attempt in flight to its end: the service's result, or this layer's own
     /// timeout once the cutoff passes (the response wins a tie: it is polled first).
+    #[inline]
     pub(crate) fn poll_attempt(
         &mut self,
         policy: &PolicyOf<T>,
@@ -254,6 +260,7 @@ impl<T: Retryable> Call<T> {
 
     /// Tells the gate, the budget and the latency record how the attempt ended (`None`:
     /// cancelled), once.
+    #[inline]
     pub(crate) fn end_attempt(&mut self, policy: &PolicyOf<T>, verdict: Option<Verdict>) {
         let settings = &policy.settings;
         if let (Some(ticket), Some(gate)) = (self.ticket.take(), &settings.gate) {
@@ -295,6 +302,7 @@ impl<T: Retryable> Call<T> {
 
     /// Records the attempt that ended with `verdict` and decides: another after a wait, or a
     /// stop (`None`: an outer layer owns the call, and decides).
+    #[inline]
     pub(crate) fn decide(
         &mut self,
         policy: &PolicyOf<T>,
@@ -320,6 +328,7 @@ impl<T: Retryable> Call<T> {
     /// The one exit of every call: its metrics, once, and its result with the history of its
     /// attempts, on the response or in the [`RetryError`] (`stopped` is `None` for a nested
     /// call: its raw result goes to the layer outside).
+    #[inline]
     pub(crate) fn finish(
         &mut self,
         ended: Ended<Res<T>, Err<T>>,
@@ -332,6 +341,26 @@ impl<T: Retryable> Call<T> {
                 Ended::Own(e) => Err(e),
             };
         };
+        // A first attempt that succeeded: no history to keep, the response as it is.
+        if self.history.is_empty()
+            && let Ended::Inner(Ok(res)) = ended
+        {
+            crate::obs::finished(&self.dependency, self.attempt, true, false);
+            return Ok(res);
+        }
+        self.finish_with_history(ended, verdict, stopped)
+    }
+
+    /// [`finish`](Self::finish) for every other end: the history goes on the response or into
+    /// the [`RetryError`].
+    #[cold]
+    #[inline(never)]
+    fn finish_with_history(
+        &mut self,
+        ended: Ended<Res<T>, Err<T>>,
+        verdict: Verdict,
+        stopped: StopReason,
+    ) -> Result<Res<T>, BoxError> {
         let attempts = std::mem::take(&mut self.history);
         let succeeded = stopped == StopReason::Succeeded;
         let unknown = !succeeded
@@ -339,11 +368,6 @@ impl<T: Retryable> Call<T> {
                 .iter()
                 .any(|a| a.verdict.outcome() == Outcome::Unknown);
         crate::obs::finished(&self.dependency, self.attempt, succeeded, unknown);
-        if attempts.is_empty()
-            && let Ended::Inner(Ok(res)) = ended
-        {
-            return Ok(res);
-        }
         if !succeeded {
             tracing::debug!(
                 target: "backstop::retry",
@@ -395,6 +419,7 @@ fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
 /// The attempt's span, inside whatever span is current (the call's). A resend carries
 /// OpenTelemetry's `http.request.resend_count` (1 on the second attempt), as the HTTP semantic
 /// conventions ask; the first attempt has none.
+#[inline]
 fn attempt_span(dependency: &Dependency, attempt: u32) -> Span {
     let span = tracing::debug_span!(
         target: "backstop::retry",

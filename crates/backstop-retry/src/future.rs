@@ -115,6 +115,7 @@ pub struct AttemptEnd {
 impl<T: Retryable> ResponseFuture<T> {
     /// Starts `call` with its first attempt, `req` (`ready`: false when the service's
     /// readiness wait outlasted the deadline, and the call ends at once, not sent).
+    #[inline]
     pub(crate) fn new(
         policy: Arc<PolicyOf<T>>,
         mut call: Call<T>,
@@ -160,6 +161,7 @@ impl<T: Retryable> ResponseFuture<T> {
 impl<T: Retryable> Future for ResponseFuture<T> {
     type Output = Result<Res<T>, BoxError>;
 
+    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let (policy, call) = (&**this.policy, &mut *this.call);

@@ -413,6 +413,7 @@ where
         Poll::Ready(Ok(()))
     }
 
+    #[inline]
     fn call(&mut self, req: Req) -> Self::Future {
         // An outer retry layer owns retrying: one attempt here (still gated and timed), under
         // this layer's own dependency name, and none of the call-level work.

@@ -52,9 +52,9 @@ impl<T: Retryable> Call<T> {
         let wait = match after {
             Some(after) => after,
             None => {
-                let (schedule, rng) = self
-                    .schedule
-                    .get_or_insert_with(|| (settings.backoff.schedule(), settings.rng.rng()));
+                let (schedule, rng) = &mut **self.schedule.get_or_insert_with(|| {
+                    Box::new((settings.backoff.schedule(), settings.rng.rng()))
+                });
                 schedule.next_delay(rng)
             }
         };

@@ -91,6 +91,7 @@ where
         self.inner.poll_ready(cx).map_err(|e| self.call.error(e))
     }
 
+    #[inline]
     fn call(&mut self, mut req: Req) -> Self::Future {
         // Another Backstop stack outside owns this call: its work is that stack's, and the raw
         // error goes back to it (its `BoxErrors` takes it out again: one `Error` per call).
