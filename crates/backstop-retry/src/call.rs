@@ -311,7 +311,11 @@ impl<T: Retryable> Call<T> {
         if self.nested {
             return Err(None);
         }
-        let decision = self.rules(policy, verdict);
+        // A success stops the call without the rules (the common case, kept short).
+        let decision = match verdict {
+            Verdict::Success => Err(StopReason::Succeeded),
+            verdict => self.rules(policy, verdict),
+        };
         // A call that succeeds at once keeps no history.
         if verdict != Verdict::Success || !self.history.is_empty() {
             self.history.push(AttemptRecord {
