@@ -61,7 +61,9 @@ async fn replay_server() -> Result<(), BoxError> {
 
 #[rustfmt::skip]
 async fn journal() -> Result<(), BoxError> {
-    use backstop::journal::{HttpJudge, Judge, RunContext, Worker};
+    use backstop::journal::{CallResult, HttpJudge, Judge, RunContext, Worker};
+    use backstop::Outcome;
+    use http_body_util::BodyExt;
     use tower::ServiceExt;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let shutdown = std::future::ready(());
@@ -77,10 +79,22 @@ async fn journal() -> Result<(), BoxError> {
                         .header("idempotency-key", &sent.key)         // the same key on every attempt and after a crash
                         .body(Full::from(r#"{"eur":40}"#))
                         .expect("a valid request");
-                    HttpJudge::default().judge(&billing.oneshot(req).await)
+                    let res = billing.oneshot(req).await;
+                    let judged = HttpJudge::default().judge(&res);    // 2xx done; 4xx failed; lost: unknown
+                    let (Ok(res), CallResult::Succeeded { .. }) = (res, &judged) else { return judged };
+                    match res.into_body().collect().await {           // the created invoice: {"id":"inv_..."}
+                        Ok(body) => {
+                            let body = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+                            let id = serde_json::from_str::<serde_json::Value>(&body).ok()
+                                .and_then(|v| v["id"].as_str().map(str::to_owned));
+                            CallResult::Succeeded { result: Some(body), provider_ref: id }
+                        }
+                        // Created, but its answer was cut: the worker reconciles it by key.
+                        Err(e) => CallResult::Failed { outcome: Outcome::Unknown, error: e.to_string(), retry_after: None },
+                    }
                 })
                 .await?;                                               // parked, failed, unknown: the worker knows what to do
-            Ok(invoice.provider_ref)
+            Ok(invoice.provider_ref)                                   // the run's output: the invoice's id
         }
     });
     journal.start_run("order-4812", "invoice", Some(r#"{"order":"ORD-4812"}"#)).await?;

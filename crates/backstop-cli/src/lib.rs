@@ -61,7 +61,14 @@ enum Command {
     Letters(letters::LettersArgs),
 }
 
+/// The exit codes, as `--help` shows them (the crate docs say the same).
+const EXIT_CODES: &str = "Exit codes: 0 done; 1 the journal's database failed; 2 the command \
+line is wrong (a --result that is not JSON too); 3 no such journal, run or step; 4 the action \
+was refused (the step or the run is over, or another worker moved it); 5 stuck --fail-if-any \
+found steps.";
+
 #[derive(Args, Debug)]
+#[command(after_help = EXIT_CODES)]
 struct JournalArgs {
     /// The journal: a SQLite file (`journal.db`, `sqlite://PATH`) or `postgres://...`.
     #[arg(
@@ -175,8 +182,8 @@ struct ResolveArgs {
     /// It happened (you checked with the provider).
     #[arg(long)]
     succeeded: bool,
-    /// The result to store with --succeeded.
-    #[arg(long, requires = "succeeded")]
+    /// The result to store with --succeeded, as JSON.
+    #[arg(long, requires = "succeeded", value_parser = parse_json)]
     result: Option<String>,
     /// It did not take effect and must not be retried.
     #[arg(long)]

@@ -22,6 +22,18 @@ fn backstop(db: &str, args: &[&str]) -> (i32, String, String) {
     run_cli(&[&["journal", "--db", db][..], args].concat())
 }
 
+/// `backstop journal --help` lists every exit code a script may branch on.
+#[test]
+fn the_journal_help_lists_the_exit_codes() {
+    let (code, out, err) = run_cli(&["journal", "--help"]);
+    assert_eq!(code, 0, "{err}");
+    for n in 0..=5 {
+        assert!(out.contains(&format!("{n} ")), "exit code {n} in:\n{out}");
+    }
+    assert!(out.contains("Exit codes: 0 done;"), "{out}");
+    assert!(out.contains("5 stuck --fail-if-any found steps"), "{out}");
+}
+
 /// A run with a done step, a step nobody can tell about, and a parked one.
 async fn write_a_run(j: &Journal) {
     let invoice = NewStep::tool_call("run-1", "invoice", "", "billing", b"{}");
@@ -207,6 +219,24 @@ fn operate(db: &str) {
         "{out}"
     );
 
+    // A result that is not JSON is refused as `stub` refuses it, and nothing is stored.
+    let (code, _, err) = backstop(
+        db,
+        &[
+            "resolve",
+            "run-1",
+            "reserve",
+            "--succeeded",
+            "--result",
+            "not-json",
+            "--by",
+            "ana",
+            "--why",
+            "checked",
+        ],
+    );
+    assert_eq!(code, 2, "a result that is not JSON: {err}");
+    assert!(err.contains("the result must be JSON"), "{err}");
     let (code, out, err) = backstop(
         db,
         &[
