@@ -279,6 +279,32 @@ async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
     assert_eq!(sink.take()[0].idempotency_key, Some(want));
 }
 
+/// A POST that carries its own `Idempotency-Key` header: its dead letter names that key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_names_the_key_the_caller_set_in_the_header() {
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let sink = Arc::new(MemorySink::default());
+    let svc = stack(builder("payments-api").dead_letters(sink.clone()));
+    let mut req = post(server.url("/refunds"));
+    req.headers_mut().insert(
+        "idempotency-key",
+        http::HeaderValue::from_static("refund-4812"),
+    );
+    let err = svc.oneshot(req).await.unwrap_err();
+    assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+    assert!(
+        server
+            .seen()
+            .iter()
+            .all(|s| s.header("idempotency-key") == Some("refund-4812")),
+        "the caller's key is sent as it is"
+    );
+    let letters = sink.take();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    let want = backstop::idempotency::IdempotencyKey::new("refund-4812").unwrap();
+    assert_eq!(letters[0].idempotency_key, Some(want));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn presets_follow_the_tool_policy_table() {
     // Read-only: a POST search is retried after a lost reply, without a key.

@@ -539,11 +539,13 @@ impl Inner {
         match to {
             OPEN => {
                 let opens = c.opens.fetch_add(1, Ordering::AcqRel);
-                let grown = cooldown_given.unwrap_or_else(|| {
-                    self.config
+                let grown = cooldown_given.unwrap_or_else(|| match self.config.max_cooldown {
+                    Some(max) => self
+                        .config
                         .cooldown
                         .saturating_mul(2u32.saturating_pow(opens.min(31)))
-                        .min(self.config.max_cooldown)
+                        .min(max),
+                    None => self.config.cooldown,
                 });
                 let until = self
                     .now_ms()

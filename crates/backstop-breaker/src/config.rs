@@ -12,7 +12,8 @@ pub struct BreakerConfig {
     pub(crate) minimum_calls: u32,
     pub(crate) window: Duration,
     pub(crate) cooldown: Duration,
-    pub(crate) max_cooldown: Duration,
+    /// The most a cooldown grows to, doubling after each failed trial (`None`: no growth).
+    pub(crate) max_cooldown: Option<Duration>,
     pub(crate) trial_calls: u32,
     pub(crate) slow_call: Option<Duration>,
     pub(crate) max_dependencies: usize,
@@ -44,7 +45,7 @@ impl Default for BreakerConfig {
             minimum_calls: 20,
             window: Duration::from_secs(30),
             cooldown: Duration::from_secs(30),
-            max_cooldown: Duration::from_secs(30),
+            max_cooldown: None,
             trial_calls: 1,
             slow_call: None,
             max_dependencies: 1_000,
@@ -91,16 +92,13 @@ impl BreakerConfig {
     #[must_use]
     pub fn cooldown(mut self, cooldown: Duration) -> Self {
         self.cooldown = cooldown;
-        if self.max_cooldown < cooldown {
-            self.max_cooldown = cooldown;
-        }
         self
     }
 
     /// Doubles the cooldown each time a trial fails, up to `max` (off by default).
     #[must_use]
     pub fn cooldown_growth(mut self, max: Duration) -> Self {
-        self.max_cooldown = max;
+        self.max_cooldown = Some(max);
         self
     }
 
@@ -176,7 +174,7 @@ impl BreakerConfig {
         if self.cooldown.is_zero() {
             return bad("breaker cooldown must be greater than zero");
         }
-        if self.max_cooldown < self.cooldown {
+        if self.max_cooldown.is_some_and(|max| max < self.cooldown) {
             return bad("breaker cooldown_growth maximum must not be less than the cooldown");
         }
         if self.trial_calls == 0 {

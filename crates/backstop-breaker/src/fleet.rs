@@ -95,7 +95,8 @@ pub struct FleetStats {
     pub published: u64,
     /// Reports of other processes read.
     pub received: u64,
-    /// Reports not sent: Redis was unreachable, or the queue to the writer was full.
+    /// Reports not sent: the link had not reached Redis yet, Redis was unreachable, or the
+    /// queue to the writer was full.
     pub dropped: u64,
     /// Circuits this process opened on the fleet's quorum.
     pub opened_by_fleet: u64,
@@ -175,6 +176,13 @@ impl Breaker {
     /// Shares this breaker's circuits with the other processes that join the fleet on the
     /// Redis at `url` (see the module's docs). Spawns the link's tasks on the current tokio
     /// runtime; a breaker joins one fleet at most.
+    ///
+    /// It returns before the link has reached Redis. Until it has (`Fleet::stats().connected`,
+    /// typically within a second), and whenever Redis is unreachable, this process's reports
+    /// are not sent but dropped and counted (`FleetStats::dropped`): a circuit that opens then
+    /// is judged by this process alone and is not heard by the fleet. Reports are not queued
+    /// for later, since a report written late would be dated by its write and count for a
+    /// whole cooldown it no longer has. Wait for `connected` before relying on the fleet.
     pub fn join_fleet(&self, url: &str, config: FleetConfig) -> Result<Fleet, InvalidConfig> {
         if config.quorum == 0 {
             return Err(InvalidConfig::new(

@@ -42,6 +42,8 @@ pub trait Inject<Req> {
     fn needs_key(&self, req: &Req) -> bool;
     /// Whether the request already carries a key; an existing key is never overwritten.
     fn has_key(&self, req: &Req) -> bool;
+    /// The key the request carries, when it carries a valid one (what a dead letter names).
+    fn carried(&self, req: &Req) -> Option<IdempotencyKey>;
     /// Puts `key` on the request.
     fn inject(&self, req: &mut Req, key: &IdempotencyKey);
 }
@@ -69,6 +71,9 @@ impl<B> Inject<Request<B>> for HttpKeys {
     }
     fn has_key(&self, req: &Request<B>) -> bool {
         req.headers().contains_key(&self.header)
+    }
+    fn carried(&self, req: &Request<B>) -> Option<IdempotencyKey> {
+        IdempotencyKey::from_header(req.headers().get(&self.header)?).ok()
     }
     fn inject(&self, req: &mut Request<B>, key: &IdempotencyKey) {
         req.headers_mut()
@@ -100,6 +105,9 @@ impl<Req: KeyedRequest> Inject<Req> for ToolKeys {
     }
     fn has_key(&self, req: &Req) -> bool {
         req.idempotency_key().is_some()
+    }
+    fn carried(&self, req: &Req) -> Option<IdempotencyKey> {
+        req.idempotency_key().cloned()
     }
     fn inject(&self, req: &mut Req, key: &IdempotencyKey) {
         req.set_idempotency_key(key.clone());

@@ -362,7 +362,9 @@ impl<C, P, I> Backstop<C, P, I> {
         self
     }
 
-    /// Where failed mutating calls go (with run id, key and cause).
+    /// Where failed mutating calls go (with run id, key and cause): every mutating call that
+    /// ends in an [`Error`](crate::Error). A final 5xx or 429 returned as a response (with its
+    /// `RetryHistory`) writes no letter.
     #[must_use]
     pub fn dead_letters(mut self, sink: Arc<dyn DeadLetterSink>) -> Self {
         self.sink = Some(sink);

@@ -91,9 +91,14 @@ impl<I> CallWork<I> {
             && self.inject.needs_key(req);
         let mut letterhead = None;
         if wants_letter || !span.is_disabled() {
+            // The key on the request as it is sent (the caller's own header too), else the one
+            // in its extensions.
+            let key = self
+                .inject
+                .carried(req)
+                .or_else(|| req.extensions().get::<IdempotencyKey>().cloned());
             let ext = req.extensions();
             let action = ext.get::<ActionContext>();
-            let key = ext.get::<IdempotencyKey>();
             if !span.is_disabled() {
                 // A call of a run: its retries (attempts - 1) are the run's spend by this call.
                 if let Some(run) = backstop_core::Run::of(req) {
@@ -105,7 +110,7 @@ impl<I> CallWork<I> {
                         span.record("tool_call_id", c);
                     }
                 }
-                if let Some(k) = key {
+                if let Some(k) = &key {
                     span.record("idempotency_key", k.as_str());
                 }
             }
@@ -113,7 +118,7 @@ impl<I> CallWork<I> {
                 Box::new(Letterhead {
                     run_id: action.map(|a| Arc::from(a.run_id())),
                     call_id: action.and_then(|a| a.call_id()).map(Arc::from),
-                    key: key.cloned(),
+                    key,
                     sink: self.sink.clone(),
                     reconcile: self.reconcile.clone(),
                 })

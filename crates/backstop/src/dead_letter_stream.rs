@@ -43,12 +43,17 @@ pub struct StreamStats {
     pub written: u64,
     /// Letters dropped because the queue was full (Redis slower than the failures, or down).
     pub dropped: u64,
+    /// Letters taken and not written yet (queued, or in the writer's hands while Redis is
+    /// down): `written + dropped + pending` is every letter the sink was given.
+    pub pending: u64,
     /// Writes that failed and were tried again (Redis down or restarting).
     pub write_errors: u64,
 }
 
 #[derive(Debug, Default)]
 struct Counts {
+    /// Letters the queue took.
+    taken: AtomicU64,
     written: AtomicU64,
     dropped: AtomicU64,
     write_errors: AtomicU64,
@@ -97,7 +102,7 @@ impl RedisStreamSink {
                         .await;
                     match added {
                         Ok(_) => {
-                            c.written.fetch_add(1, Ordering::Relaxed);
+                            c.written.fetch_add(1, Ordering::Release);
                             break;
                         }
                         Err(e) => {
@@ -118,11 +123,16 @@ impl RedisStreamSink {
         })
     }
 
-    /// What has been written, dropped and retried.
+    /// What has been written, dropped, is pending and was retried.
     pub fn stats(&self) -> StreamStats {
+        // Written is read first: a letter written between the two reads counts as pending,
+        // never as neither.
+        let written = self.counts.written.load(Ordering::Acquire);
+        let taken = self.counts.taken.load(Ordering::Acquire);
         StreamStats {
-            written: self.counts.written.load(Ordering::Relaxed),
+            written,
             dropped: self.counts.dropped.load(Ordering::Relaxed),
+            pending: taken.saturating_sub(written),
             write_errors: self.counts.write_errors.load(Ordering::Relaxed),
         }
     }
@@ -130,7 +140,10 @@ impl RedisStreamSink {
 
 impl DeadLetterSink for RedisStreamSink {
     fn record(&self, letter: DeadLetter) {
+        // Counted as taken before it is queued, so the writer can never count it written first.
+        self.counts.taken.fetch_add(1, Ordering::Release);
         if self.queue.try_send(letter.to_json().to_string()).is_err() {
+            self.counts.taken.fetch_sub(1, Ordering::Release);
             self.counts.dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(target: "backstop::dead_letters", stream = %self.stream, "dead letter queue full: a letter was dropped");
         }

@@ -150,6 +150,31 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     );
 }
 
+/// Growth is off unless asked for: a short cooldown stays what it is after a failed trial.
+#[tokio::test(start_paused = true)]
+async fn a_failed_trial_reopens_for_the_same_cooldown_by_default() {
+    let config = BreakerConfig::default()
+        .consecutive_failures(2)
+        .cooldown(Duration::from_millis(100));
+    let breaker = Breaker::new(config).unwrap();
+    let dep = Dep::new(Answer::Status(500));
+    let svc = backstop::breaker::http_layer(breaker.clone())
+        .dependency("carrier-api")
+        .layer(dep.service());
+    call(&svc).await.unwrap();
+    call(&svc).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            breaker.stats(&carrier()).retry_in,
+            Some(Duration::from_millis(100))
+        );
+        advance(Duration::from_millis(100)).await;
+        // The trial fails: open again, for the same 100 ms.
+        assert_eq!(call(&svc).await.unwrap().status(), 500);
+        assert_eq!(breaker.state(&carrier()), CircuitState::Open);
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_cooldown() {
     let (transitions, hook) = recorder();

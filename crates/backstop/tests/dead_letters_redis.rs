@@ -124,10 +124,18 @@ async fn a_full_queue_drops_letters_and_counts_them_without_blocking_the_call() 
     let stats = sink.stats();
     assert!(stats.dropped >= 7, "{stats:?}");
     assert!(stats.dropped <= 8, "{stats:?}");
+    // Every letter is accounted for while Redis is down: the kept ones are pending.
+    assert_eq!(
+        stats.written + stats.dropped + stats.pending,
+        10,
+        "{stats:?}"
+    );
+    assert_eq!(stats.pending, 10 - stats.dropped, "{stats:?}");
     redis.restart().await;
     let kept = 10 - stats.dropped;
     written(&sink, kept).await;
     assert!(sink.stats().write_errors > 0);
+    assert_eq!(sink.stats().pending, 0, "{:?}", sink.stats());
     let ops = DeadLetterStream::connect(&redis.url(), "dead-letters")
         .await
         .unwrap();
