@@ -43,6 +43,10 @@ pub(crate) struct Call<T: Retryable> {
     pub(crate) sent: bool,
     /// An outer retry layer owns retrying: one attempt, its raw result handed back.
     pub(crate) nested: bool,
+    /// The attempts are planned from, and recorded in, the learned latency record: a layer
+    /// with one, and a request that is replay-safe (a cut one may be sent again). Any other
+    /// keeps the fixed attempt timeout, and its latency stays out of the record.
+    pub(crate) learned: bool,
     pub(crate) ticket: Option<Ticket>,
     pub(crate) cutoff: Option<AttemptCutoff>,
     pub(crate) span: Span,
@@ -97,6 +101,7 @@ impl<T: Retryable> Call<T> {
         dependency: Dependency,
         deadline: Option<Deadline>,
         nested: bool,
+        learned: bool,
         now: Instant,
     ) -> Self {
         Call {
@@ -109,6 +114,7 @@ impl<T: Retryable> Call<T> {
             attempt_started: now,
             sent: false,
             nested,
+            learned,
             ticket: None,
             cutoff: None,
             span: Span::none(),
@@ -218,11 +224,11 @@ impl<T: Retryable> Call<T> {
             timer.set(Some(sleep_until(cutoff.at)));
         }
         ready!(timer.as_pin_mut().expect("set above").poll(cx));
-        // A learned timeout counts the attempt it cut at its limit (it took at least that).
-        if let (Some(latency), Expiry::Attempt { limit }) =
-            (&policy.settings.latency, cutoff.expiry)
+        // A learned timeout counts the attempts it cut (each took at least its limit).
+        if let (true, Some(latency), Expiry::Attempt { .. }) =
+            (self.learned, &policy.settings.latency, cutoff.expiry)
         {
-            latency.record_cut(&self.dependency, limit);
+            latency.record_cut(&self.dependency);
         }
         let error = cutoff.error(Some(self.dependency.clone()));
         let verdict = own_verdict(&error);
@@ -275,6 +281,7 @@ impl<T: Retryable> Call<T> {
             settings.budget.observe(&self.dependency, &verdict);
         }
         if let Some(latency) = &settings.latency
+            && self.learned
             && verdict == Some(Verdict::Success)
         {
             latency.record(&self.dependency, self.attempt_started.elapsed());
@@ -290,7 +297,7 @@ impl<T: Retryable> Call<T> {
         if settings.budget_admits {
             settings.budget.admit(&self.dependency)?;
         }
-        let Some(latency) = &settings.latency else {
+        let Some(latency) = settings.latency.as_ref().filter(|_| self.learned) else {
             return Ok(settings.attempt_timeout);
         };
         let limit = latency.timeout(&self.dependency, self.attempt);

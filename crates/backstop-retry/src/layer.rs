@@ -6,7 +6,7 @@ use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{
     BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
-    RetryScope,
+    ReplaySafe, RetryScope,
 };
 use backstop_timeout::BoundLatency;
 use std::{
@@ -241,8 +241,12 @@ impl<C, P, K> RetryLayer<C, P, K> {
     /// of its successful attempts, doubled for each retry, within a floor and a ceiling; a
     /// fallback until enough samples exist) instead of a fixed
     /// [`attempt_timeout`](Self::attempt_timeout). Every successful attempt is recorded, and
-    /// every attempt the learned limit cut, at that limit; the deadline still bounds every
-    /// attempt.
+    /// every attempt the learned limit cut is counted apart (a few leave the limit where the
+    /// answers put it; more than the percentile's tail raise it); the deadline still bounds
+    /// every attempt. Only replay-safe requests (an idempotent method, a key the dependency
+    /// honours, [`ReplaySafe`]) are planned from and recorded in it: an attempt cut there may be
+    /// sent again. Any other request keeps the fixed `attempt_timeout`, since a cut would leave
+    /// its outcome unknown for good, and its latency stays out of the record its reads learn.
     #[must_use]
     pub fn attempt_timeout_from_latency(mut self, latency: BoundLatency) -> Self {
         self.settings.latency = Some(latency);
@@ -444,7 +448,10 @@ where
         let clone = self.inner.clone();
         let svc = std::mem::replace(&mut self.inner, clone);
         let ready = expired.is_none();
-        let call = Call::new(svc, dependency, deadline, nested, now);
+        // A learned limit plans only attempts that may be sent again once cut.
+        let learned = policy.settings.latency.is_some()
+            && (ReplaySafe::is_marked(&req) || policy.classifier.is_replay_safe(&req));
+        let call = Call::new(svc, dependency, deadline, nested, learned, now);
         ResponseFuture::new(policy, call, req, ready)
     }
 }

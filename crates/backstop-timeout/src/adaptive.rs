@@ -158,7 +158,10 @@ impl LatencyConfig {
 struct Window {
     /// The window's number (time since the record's start, in windows).
     epoch: AtomicU64,
+    /// Answered attempts, by latency.
     counts: [AtomicU64; BUCKETS],
+    /// Attempts the learned limit cut: each took at least its limit, how much more is unknown.
+    cuts: AtomicU64,
 }
 
 impl Window {
@@ -166,6 +169,7 @@ impl Window {
         Window {
             epoch: AtomicU64::new(0),
             counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            cuts: AtomicU64::new(0),
         }
     }
 }
@@ -210,6 +214,7 @@ impl Record {
             for c in &w.counts {
                 c.store(0, Ordering::Relaxed);
             }
+            w.cuts.store(0, Ordering::Relaxed);
         }
         w
     }
@@ -312,9 +317,22 @@ impl LatencyTimeouts {
     }
 
     fn record_in(&self, record: &Record, latency: Duration) {
-        let now = Instant::now();
-        let epoch = record.epoch(now, self.inner.config.window);
+        let epoch = record.epoch(Instant::now(), self.inner.config.window);
         record.window_for(epoch).counts[bucket(latency)].fetch_add(1, Ordering::Relaxed);
+        self.counted(record, epoch);
+    }
+
+    fn record_cut_in(&self, record: &Record) {
+        let epoch = record.epoch(Instant::now(), self.inner.config.window);
+        record
+            .window_for(epoch)
+            .cuts
+            .fetch_add(1, Ordering::Relaxed);
+        self.counted(record, epoch);
+    }
+
+    /// One more sample: the timeout is recomputed every 16, and at the first `min_samples`.
+    fn counted(&self, record: &Record, epoch: u64) {
         let n = record.samples.fetch_add(1, Ordering::Relaxed) + 1;
         if n.is_multiple_of(16) || n == self.inner.config.min_samples {
             self.recompute(record, epoch);
@@ -325,7 +343,7 @@ impl LatencyTimeouts {
         let c = &self.inner.config;
         // This window and the one before it, if it is the one just before.
         let mut counts = [0u64; BUCKETS];
-        let mut total = 0;
+        let (mut total, mut cuts) = (0, 0);
         for w in &record.windows {
             let e = w.epoch.load(Ordering::Acquire);
             if e == epoch || e + 1 == epoch {
@@ -334,9 +352,10 @@ impl LatencyTimeouts {
                     *sum += n;
                     total += n;
                 }
+                cuts += w.cuts.load(Ordering::Relaxed);
             }
         }
-        if total < c.min_samples {
+        if total + cuts < c.min_samples {
             record.timeout.store(0, Ordering::Relaxed);
             record.hedge.store(0, Ordering::Relaxed);
             return;
@@ -353,7 +372,24 @@ impl LatencyTimeouts {
             upper_edge(BUCKETS - 1)
         };
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX).max(1);
-        let timeout = at(c.percentile).mul_f64(c.factor).clamp(c.floor, c.ceiling);
+        // Cuts are censored: each took at least its limit. A share of them within twice the
+        // percentile's tail (2 % for p99: attempts that hang, say) says nothing of the answered
+        // attempts' percentile, which the limit follows. A larger share means the percentile
+        // itself lies past the limit: it rises by `factor` from the limit in force, until the
+        // answers fit under it again.
+        let tail = (1.0 - c.percentile) * 2.0;
+        let past = total == 0 || (cuts as f64) > tail * ((total + cuts) as f64);
+        let timeout = if past {
+            let current = Duration::from_nanos(record.timeout.load(Ordering::Relaxed));
+            current.max(if total == 0 {
+                c.floor
+            } else {
+                at(c.percentile)
+            })
+        } else {
+            at(c.percentile)
+        };
+        let timeout = timeout.mul_f64(c.factor).clamp(c.floor, c.ceiling);
         record.timeout.store(nanos(timeout), Ordering::Relaxed);
         record
             .hedge
@@ -444,19 +480,22 @@ impl BoundLatency {
         }
     }
 
-    /// Records an attempt to `dependency` that a learned timeout cut at `limit` (it took at
-    /// least that): without it, a timeout learned from fast answers would cut the slow ones
-    /// and never learn them. An attempt cut at the fallback is not recorded (the fallback is
-    /// a guess, not evidence).
+    /// Records an attempt to `dependency` that a learned timeout cut (it took at least its
+    /// limit). Cuts are counted apart from answers: a few (within twice the percentile's
+    /// tail, 2 % for p99: attempts that hang) leave the limit on the answered attempts'
+    /// percentile; more than that mean the percentile lies past the limit, which then rises by
+    /// `factor` at each recomputation until answers fit under it. Without them a timeout learned
+    /// from fast answers would cut the slow ones and never learn them. An attempt cut at the
+    /// fallback is not recorded (the fallback is a guess, not evidence).
     #[inline]
-    pub fn record_cut(&self, dependency: &Dependency, limit: Duration) {
+    pub fn record_cut(&self, dependency: &Dependency) {
         let record = if *dependency == self.dependency {
             self.record.clone()
         } else {
             self.timeouts.inner.records.get(dependency)
         };
         if record.timeout.load(Ordering::Relaxed) != 0 {
-            self.timeouts.record_in(&record, limit);
+            self.timeouts.record_cut_in(&record);
         }
     }
 

@@ -4,6 +4,7 @@
 
 use backstop_core::Dependency;
 use backstop_timeout::{LatencyConfig, LatencyTimeouts};
+use std::time::Duration as D;
 use std::time::Duration;
 
 fn ms(n: u64) -> Duration {
@@ -123,4 +124,66 @@ fn a_configuration_that_cannot_be_is_refused_with_words() {
         let e = LatencyTimeouts::new(config).unwrap_err();
         assert!(e.to_string().contains(words), "{e}");
     }
+}
+
+/// A GET every 10 ms at a 20 ms median, 1 % of attempts hanging and cut at the learned limit:
+/// the limit stays on the answered attempts' own p99, the hangs cut there, instead of the cuts
+/// becoming the p99 and doubling the limit each time it is computed.
+#[tokio::test(start_paused = true)]
+async fn attempts_that_hang_do_not_ratchet_the_limit() {
+    let t = LatencyTimeouts::new(LatencyConfig::default()).unwrap();
+    let dep = Dependency::new("search-api");
+    let bound = t.bind(&dep);
+    samples(&t, &dep, 200, ms(20), ms(10)).await;
+    let answered = t.timeout(&dep, 1);
+    assert!(
+        answered <= ms(100),
+        "2 x p99 of ~20 ms (40 ms tail): {answered:?}"
+    );
+    // Four 30 s windows: 99 answers, then one attempt hanging until the limit cuts it.
+    let mut worst = D::ZERO;
+    for round in 0..120 {
+        samples(&t, &dep, 99, ms(20), ms(10)).await;
+        let limit = t.timeout(&dep, 1);
+        tokio::time::advance(limit).await;
+        bound.record_cut(&dep);
+        if round >= 60 {
+            worst = worst.max(t.timeout(&dep, 1));
+        }
+    }
+    println!("1 % hanging: the limit {answered:?} before, at most {worst:?} after two windows");
+    assert!(
+        worst <= answered * 2,
+        "no ratchet: {worst:?} against {answered:?}"
+    );
+}
+
+/// When most attempts are cut (the dependency slowed past the limit), the cuts raise the
+/// limit until the slow answers fit under it: a limit never learns what it always cuts.
+#[tokio::test(start_paused = true)]
+async fn cuts_beyond_the_tail_let_the_limit_rise_past_what_it_cuts() {
+    let t = LatencyTimeouts::new(LatencyConfig::default()).unwrap();
+    let dep = Dependency::new("search-api");
+    let bound = t.bind(&dep);
+    samples(&t, &dep, 200, ms(20), ms(10)).await;
+    // Every attempt takes 600 ms now: cut while the limit is under it, answered once above.
+    let mut answered_after = None;
+    for i in 0..2_000 {
+        let limit = t.timeout(&dep, 1);
+        if limit > ms(600) {
+            tokio::time::advance(ms(600)).await;
+            t.record(&dep, ms(600));
+            answered_after.get_or_insert(i);
+        } else {
+            tokio::time::advance(limit).await;
+            bound.record_cut(&dep);
+        }
+    }
+    let after = answered_after.expect("the limit rises past 600 ms");
+    println!("20 ms -> 600 ms: answered after {after} attempts");
+    let now = t.timeout(&dep, 1);
+    assert!(
+        now > ms(600) && now <= ms(2_000),
+        "on the answers' p99 again: {now:?}"
+    );
 }

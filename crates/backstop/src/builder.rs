@@ -282,9 +282,11 @@ impl<C, P, I> Backstop<C, P, I> {
     /// Each attempt's timeout learned from the dependency's observed latency instead of a fixed
     /// one: `factor` x a high percentile of its successful attempts (2 x p99 by default),
     /// doubled for each retry, within a floor and a ceiling, and a fallback until enough
-    /// samples exist ([`LatencyConfig`](backstop_timeout::LatencyConfig)). The fixed attempt
-    /// timeout (`attempt_timeout`, `p99`) is then the limit of the response body's first
-    /// read only when no retry layer planned one; the deadline bounds every attempt either way.
+    /// samples exist ([`LatencyConfig`](backstop_timeout::LatencyConfig)). Only replay-safe
+    /// calls (reads, keys the dependency honours) are timed by it and teach it: a write that is
+    /// not replay-safe keeps the fixed attempt timeout (`attempt_timeout`, `p99`), since a cut
+    /// would leave its outcome unknown for good, and its latency does not pull its reads'
+    /// limit. The deadline bounds every attempt either way.
     /// One `LatencyTimeouts` given to several stacks learns from all their calls; its current
     /// value is on each attempt's span (`attempt_timeout_ms`) and, with `metrics`, in
     /// `backstop_attempt_timeout_seconds`.

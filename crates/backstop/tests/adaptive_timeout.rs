@@ -116,3 +116,55 @@ async fn the_deadline_still_bounds_a_learned_attempt() {
     assert_eq!(e.kind(), ErrorKind::DeadlineExceeded);
     assert_eq!(start.elapsed(), Duration::from_secs(1));
 }
+
+/// One dependency's reads and writes: the limit learned from fast reads does not time a slow
+/// write that is not replay-safe (a cut would leave it unknown for good), and the write's
+/// latency does not pull the reads' limit.
+#[tokio::test(start_paused = true)]
+async fn a_slow_write_beside_fast_reads_is_not_cut_by_their_limit() {
+    let latency = LatencyTimeouts::new(LatencyConfig::default()).unwrap();
+    let writes = Arc::new(AtomicU64::new(0));
+    let seen = writes.clone();
+    let stack = Backstop::http("billing-api")
+        .no_idempotency()
+        .attempt_timeout(Duration::from_secs(2))
+        .attempt_timeout_from_latency(latency.clone())
+        .no_breaker()
+        .no_budget()
+        .build()
+        .unwrap()
+        .layer(service_fn(move |req: Request<String>| {
+            let write = req.method() == http::Method::POST;
+            if write {
+                seen.fetch_add(1, Ordering::SeqCst);
+            }
+            async move {
+                // Reads in 8 ms, writes in 150 ms.
+                let took = if write { 150 } else { 8 };
+                tokio::time::sleep(Duration::from_millis(took)).await;
+                Ok::<_, std::io::Error>(Response::new(()))
+            }
+        }));
+    for _ in 0..200 {
+        stack.clone().oneshot(get("/q")).await.unwrap();
+    }
+    let reads = latency.timeout(&"billing-api".into(), 1);
+    assert!(
+        reads < Duration::from_millis(150),
+        "the reads' limit: {reads:?}"
+    );
+    for _ in 0..50 {
+        let post = Request::post("http://billing.local/invoices")
+            .body(String::new())
+            .unwrap();
+        let started = Instant::now();
+        stack.clone().oneshot(post).await.expect("no write cut");
+        assert_eq!(started.elapsed(), Duration::from_millis(150));
+    }
+    assert_eq!(writes.load(Ordering::SeqCst), 50, "each write sent once");
+    assert_eq!(
+        latency.timeout(&"billing-api".into(), 1),
+        reads,
+        "the writes did not teach the reads' record"
+    );
+}
