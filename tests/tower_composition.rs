@@ -338,6 +338,44 @@ mod readiness {
         assert_eq!(calls.load(Ordering::SeqCst), 2);
     }
 
+    /// A balancer over two stacks (`tower::balance::p2c`) sees each one's readiness: while one
+    /// stack's client has its only permit reserved (by a handle beside the stack), every call
+    /// goes to the other and is answered in 100 ms, none waits behind the full one.
+    #[tokio::test(start_paused = true)]
+    async fn a_balancer_over_two_stacks_sends_each_call_to_the_ready_one() {
+        use tower::{
+            balance::p2c::Balance,
+            discover::ServiceList,
+            load::{CompleteOnResponse, PendingRequests},
+        };
+        let (full, free) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let a = slow(full.clone());
+        let b = slow(free.clone());
+        // A's only permit, reserved beside the stack (a ready handle holds it) and never used.
+        let mut beside = a.clone();
+        beside.ready().await.unwrap();
+        let stacks = [a, b].map(|client| {
+            PendingRequests::new(
+                stack(Some(Duration::from_secs(5))).layer(client),
+                CompleteOnResponse::default(),
+            )
+        });
+        let mut balance = Balance::new(ServiceList::new(stacks.into_iter().collect::<Vec<_>>()));
+        for _ in 0..10 {
+            let started = Instant::now();
+            let res = balance.ready().await.unwrap().call(quick()).await;
+            assert!(res.is_ok(), "{res:?}");
+            assert_eq!(started.elapsed(), Duration::from_millis(100));
+        }
+        assert_eq!(
+            free.load(Ordering::SeqCst),
+            10,
+            "every call went to the ready stack"
+        );
+        assert_eq!(full.load(Ordering::SeqCst), 0, "none reached the full one");
+        drop(beside);
+    }
+
     /// A client that is never ready and is never called.
     #[derive(Clone)]
     struct NeverReady;
