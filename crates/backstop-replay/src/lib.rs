@@ -88,6 +88,9 @@
 #![deny(missing_docs)]
 
 mod body;
+mod capture;
+mod claim;
+mod key;
 mod layer;
 mod lease;
 mod memory;
@@ -96,16 +99,21 @@ mod pg_store;
 mod problem;
 #[cfg(feature = "redis")]
 mod redis_store;
+mod serve;
+mod service;
 mod store;
+#[cfg(feature = "postgres")]
+mod transaction;
 
-pub use layer::{Principal, Replay, ReplayFuture, ReplayLayer, ReplayRequestBody};
+pub use layer::{Principal, ReplayLayer};
 pub use lease::Lease;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use pg_store::{PgStore, PgTransaction};
-pub use problem::{BodyError, ReplayResponseBody};
+pub use problem::{BodyError, ReplayRequestBody, ReplayResponseBody};
 #[cfg(feature = "redis")]
 pub use redis_store::{OnVolatile, Persistence, RedisStore};
+pub use service::{Replay, ReplayFuture};
 pub use store::{
     Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
     scope_of,
