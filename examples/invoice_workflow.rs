@@ -14,7 +14,7 @@ use backstop::BoxError;
 use backstop_workspace::invoice::{self, World};
 use std::path::Path;
 
-// The test suite runs `run_demo` with the worker binary (tests/examples.rs).
+// The test suite runs `run_demo` with the worker binary (tests/it/examples.rs).
 #[allow(dead_code)]
 pub(crate) fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().collect();

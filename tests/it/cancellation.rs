@@ -104,7 +104,7 @@ async fn a_call_dropped_at_any_point_leaves_no_claim_no_stuck_breaker_and_no_dup
     let budget = Budget::default();
     let breaker = Breaker::new(BreakerConfig::default()).unwrap();
     // The dependency is a ReplayLayer server: it honours keys.
-    let stack = Backstop::http("payments-api")
+    let stack = Backstop::http("cancellation-payments-api")
         .honours_keys()
         .budget(budget.clone())
         .breaker(breaker.clone())
@@ -168,12 +168,12 @@ async fn a_call_dropped_at_any_point_leaves_no_claim_no_stuck_breaker_and_no_dup
             "order {order} refunded {n} times after a drop at poll {k}"
         );
         assert_ne!(
-            breaker.state(&Dependency::new("payments-api")),
+            breaker.state(&Dependency::new("cancellation-payments-api")),
             CircuitState::Open,
             "after a drop at poll {k}"
         );
     }
-    let stats = budget.stats(&Dependency::new("payments-api"));
+    let stats = budget.stats(&Dependency::new("cancellation-payments-api"));
     assert!(stats.retries as f64 <= stats.allowance, "{stats:?}");
 }
 
@@ -202,7 +202,7 @@ async fn a_half_open_trial_dropped_at_any_point_gives_its_slot_back() {
             .cooldown(Duration::from_secs(5)),
     )
     .unwrap();
-    let stack = Backstop::http("search-api")
+    let stack = Backstop::http("cancellation-search-api")
         .preset(backstop::Preset::ReadOnly)
         .budget(Budget::default())
         .breaker(breaker.clone())
@@ -217,7 +217,7 @@ async fn a_half_open_trial_dropped_at_any_point_gives_its_slot_back() {
             .body(Full::default())
             .unwrap()
     };
-    let dep_name = Dependency::new("search-api");
+    let dep_name = Dependency::new("cancellation-search-api");
 
     // Open the circuit.
     let _ = stack.clone().oneshot(search()).await;

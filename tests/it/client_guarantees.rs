@@ -205,7 +205,7 @@ fn exhausted(ready_for: u32) -> Exhausted {
 
 /// One GET through a stack with a 500 ms deadline over `client`: it must end at the deadline.
 async fn call_within_500_ms(client: &Exhausted) -> Error {
-    let svc = builder("rates-api")
+    let svc = builder("client-guarantees-rates-api")
         .deadline(Duration::from_millis(500))
         .attempt_timeout(Duration::from_millis(200))
         .build()
@@ -273,7 +273,7 @@ async fn three_nested_stacks_through_lazy_futures_make_one_call() {
     let server = TestServer::start(|_: &Seen| Action::status(503)).await;
     let sinks: Vec<Arc<MemorySink>> = (0..3).map(|_| Arc::new(MemorySink::default())).collect();
     let layer = |i: usize| {
-        builder("payments-api")
+        builder("client-guarantees-payments-api")
             .dead_letters(sinks[i].clone())
             .build()
             .unwrap()
@@ -317,7 +317,13 @@ async fn three_nested_stacks_through_lazy_futures_make_one_call() {
         assert!(!e.is::<Error>(), "an Error inside the Error: {err}");
         next = e.source();
     }
-    assert_eq!(err.to_string().matches("payments-api").count(), 1, "{err}");
+    assert_eq!(
+        err.to_string()
+            .matches("client-guarantees-payments-api")
+            .count(),
+        1,
+        "{err}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -336,7 +342,7 @@ async fn a_timeout_raised_under_the_stack_is_an_attempt_timeout() {
     let client = tower::ServiceBuilder::new()
         .timeout(Duration::from_millis(100))
         .service(hangs);
-    let svc = builder("rates-api")
+    let svc = builder("client-guarantees-rates-api")
         .deadline(Duration::from_secs(10))
         .attempt_timeout(Duration::from_secs(1))
         .build()
@@ -356,7 +362,7 @@ async fn a_timeout_raised_under_the_stack_is_an_attempt_timeout() {
     assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
     assert!(
         err.to_string()
-            .starts_with("rates-api did not reply in time"),
+            .starts_with("client-guarantees-rates-api did not reply in time"),
         "{err}"
     );
 }
@@ -410,7 +416,7 @@ async fn a_reqwest_timeout_is_an_attempt_timeout() {
         .timeout(Duration::from_millis(150))
         .build()
         .unwrap();
-    let svc = builder("rates-api")
+    let svc = builder("client-guarantees-rates-api")
         .deadline(Duration::from_secs(5))
         .attempt_timeout(Duration::from_secs(2))
         .build()

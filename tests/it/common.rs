@@ -19,15 +19,15 @@ use std::{
 use tower::{Layer, ServiceExt, service_fn};
 
 /// One keyed label purchase through the full stack (`Create` preset, constant 300 ms backoff)
-/// against a dependency whose first answer is a 503: two attempts, a success.
-pub(crate) async fn label_purchase_retried_once() {
+/// against `dependency`, whose first answer is a 503: two attempts, a success.
+pub(crate) async fn label_purchase_retried_once(dependency: &'static str) {
     let n = Arc::new(AtomicU32::new(0));
     let flaky = service_fn(move |_req: Request<String>| {
         let first = n.fetch_add(1, Ordering::SeqCst) == 0;
         let status = if first { 503 } else { 201 };
         async move { Ok::<_, io::Error>(Response::builder().status(status).body(()).unwrap()) }
     });
-    let svc = Backstop::http("labels-api")
+    let svc = Backstop::http(dependency)
         .preset(Preset::Create)
         .budget(Budget::default())
         .breaker(Breaker::new(BreakerConfig::default()).unwrap())

@@ -1,21 +1,21 @@
 //! Every example runs, and holds the invariants it asserts (one refund, one label, the breaker
 //! keeping calls away), as part of the test suite so none of them rots.
 
-#[path = "../examples/agent_tools.rs"]
+#[path = "../../examples/agent_tools.rs"]
 mod agent_tools;
-#[path = "../examples/double_refund.rs"]
+#[path = "../../examples/double_refund.rs"]
 mod double_refund;
-#[path = "../examples/hyper_client.rs"]
+#[path = "../../examples/hyper_client.rs"]
 mod hyper_client;
-#[path = "../examples/invoice_workflow.rs"]
+#[path = "../../examples/invoice_workflow.rs"]
 mod invoice_workflow;
-#[path = "../examples/mcp_agent.rs"]
+#[path = "../../examples/mcp_agent.rs"]
 mod mcp_agent;
-#[path = "../examples/otel_export.rs"]
+#[path = "../../examples/otel_export.rs"]
 mod otel_export;
-#[path = "../examples/reqwest_client.rs"]
+#[path = "../../examples/reqwest_client.rs"]
 mod reqwest_client;
-#[path = "../examples/shipping_label.rs"]
+#[path = "../../examples/shipping_label.rs"]
 mod shipping_label;
 
 #[test]

@@ -36,7 +36,7 @@ fn stack(
         .layer(DeadlineLayer::new(Duration::from_secs(5)))
         .layer(
             RetryLayer::http()
-                .dependency("carrier-api")
+                .dependency("http-outage-carrier-api")
                 .backoff(
                     Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20))
                         .unwrap(),
@@ -71,7 +71,7 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
     let breaker = Breaker::new(BreakerConfig::default().cooldown(cooldown)).unwrap();
     let budget = Budget::default();
     let svc = stack(&breaker, &budget);
-    let carrier = Dependency::new("carrier-api");
+    let carrier = Dependency::new("http-outage-carrier-api");
 
     // Two calls of three attempts: the fifth failure in a row opens the circuit.
     for _ in 0..2 {

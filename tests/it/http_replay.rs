@@ -133,7 +133,7 @@ fn client_stack()
         .layer(DeadlineLayer::new(Duration::from_secs(5)))
         .layer(
             RetryLayer::http()
-                .dependency("payments-api")
+                .dependency("http-replay-payments-api")
                 .backoff(
                     Backoff::full_jitter(Duration::from_millis(5), Duration::from_millis(20))
                         .unwrap(),
@@ -253,7 +253,7 @@ async fn two_replicas_sharing_redis_refund_once_when_the_retry_lands_on_the_othe
         .layer(IdempotencyLayer::http().vouched(true))
         .layer(
             RetryLayer::http()
-                .dependency("payments-api")
+                .dependency("http-replay-payments-api")
                 .backoff(Backoff::constant(Duration::from_millis(5)))
                 .rng(RngSource::seeded(1)),
         )
@@ -312,7 +312,7 @@ async fn a_slow_handler_whose_client_gives_up_refunds_once_over_hyper_util() {
     let refunds = Refunds::default();
     let server = TestServer::serve(slow_refunds(refunds.clone())).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let svc = backstop::Backstop::http("payments-api")
+    let svc = backstop::Backstop::http("http-replay-payments-api")
         .honours_keys()
         .attempt_timeout(Duration::from_millis(500))
         .deadline(Duration::from_secs(8))

@@ -46,7 +46,7 @@ fn stack(
         .layer(DeadlineLayer::new(deadline))
         .layer(
             RetryLayer::http()
-                .dependency("payments-api")
+                .dependency("http-retry-payments-api")
                 .backoff(fast_backoff())
                 .rng(RngSource::seeded(11)),
         )
@@ -126,7 +126,7 @@ async fn a_lost_reply_to_a_post_without_a_key_is_not_repeated() {
     assert_eq!(err.stop_reason(), &StopReason::NotReplaySafe);
     let text = err.to_string();
     assert!(
-        text.starts_with("the call to payments-api may or may not have taken effect"),
+        text.starts_with("the call to http-retry-payments-api may or may not have taken effect"),
         "{text}"
     );
     assert!(
@@ -274,7 +274,7 @@ async fn a_hanging_server_meets_the_attempt_timeout() {
     assert_eq!(err.outcome(), Outcome::Unknown);
     assert!(
         err.to_string()
-            .contains("payments-api did not reply within the 100 ms attempt timeout"),
+            .contains("http-retry-payments-api did not reply within the 100 ms attempt timeout"),
         "{err}"
     );
     // Three 100 ms attempts and two waits of at most 40 ms, with slack for a loaded machine.

@@ -1,6 +1,6 @@
 //! What the stack counts: metrics that count logical calls and attempts apart, per dependency.
 
-mod common;
+use crate::common;
 
 use backstop::{
     Backstop,
@@ -60,22 +60,24 @@ async fn calls_attempts_retries_and_successes_are_counted_apart() {
     let counters = Counters::default();
     let _metrics = metrics::set_default_local_recorder(&counters);
 
-    common::label_purchase_retried_once().await;
+    common::label_purchase_retried_once("observability-labels-api").await;
 
     assert_eq!(
-        counters.get("backstop_calls_total{dependency=labels-api}"),
+        counters.get("backstop_calls_total{dependency=observability-labels-api}"),
         1
     );
     assert_eq!(
-        counters.get("backstop_attempts_total{dependency=labels-api}"),
+        counters.get("backstop_attempts_total{dependency=observability-labels-api}"),
         2
     );
     assert_eq!(
-        counters.get("backstop_retries_total{dependency=labels-api}"),
+        counters.get("backstop_retries_total{dependency=observability-labels-api}"),
         1
     );
     assert_eq!(
-        counters.get("backstop_success_after_attempt_total{attempt=2,dependency=labels-api}"),
+        counters.get(
+            "backstop_success_after_attempt_total{attempt=2,dependency=observability-labels-api}"
+        ),
         1
     );
 }
@@ -88,7 +90,7 @@ async fn breaker_transitions_refusals_and_unknown_outcomes_are_counted() {
         Err::<Response<()>, _>(io::Error::from(io::ErrorKind::ConnectionReset))
     });
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
-    let svc = Backstop::http("carrier-api")
+    let svc = Backstop::http("observability-carrier-api")
         .budget(
             Budget::new(backstop::budget::BudgetConfig::default().min_retries_per_sec(0.0))
                 .unwrap(),
@@ -109,26 +111,26 @@ async fn breaker_transitions_refusals_and_unknown_outcomes_are_counted() {
             .await;
     }
     assert_eq!(
-        counters.get("backstop_calls_total{dependency=carrier-api}"),
+        counters.get("backstop_calls_total{dependency=observability-carrier-api}"),
         3
     );
     // No budget floor and no deposits yet in the window beyond 3 requests: 10 % of 1 request is
     // less than one retry, so every retry is refused.
     assert_eq!(
-        counters.get("backstop_budget_refusals_total{dependency=carrier-api}"),
+        counters.get("backstop_budget_refusals_total{dependency=observability-carrier-api}"),
         2
     );
     assert_eq!(
-        counters.get("backstop_unknown_outcomes_total{dependency=carrier-api}"),
+        counters.get("backstop_unknown_outcomes_total{dependency=observability-carrier-api}"),
         2
     );
     assert_eq!(
         counters
-            .get("backstop_breaker_transitions_total{dependency=carrier-api,from=closed,to=open}"),
+            .get("backstop_breaker_transitions_total{dependency=observability-carrier-api,from=closed,to=open}"),
         1
     );
     assert_eq!(
-        counters.get("backstop_breaker_rejections_total{dependency=carrier-api}"),
+        counters.get("backstop_breaker_rejections_total{dependency=observability-carrier-api}"),
         1
     );
 }

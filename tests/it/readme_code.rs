@@ -249,7 +249,7 @@ async fn the_tower_mcp_block_runs() {
 
 /// The Rust blocks of the README, in order.
 fn readme_blocks() -> Vec<String> {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let mut blocks = Vec::new();
     let mut lines = readme.lines();
     while let Some(line) = lines.next() {
@@ -303,7 +303,7 @@ fn every_rust_block_of_the_readme_is_compiled_here_as_it_is_written() {
         assert_eq!(
             r.trim_end(),
             c.trim_end(),
-            "README block {} differs from tests/readme_code.rs",
+            "README block {} differs from tests/it/readme_code.rs",
             i + 1
         );
     }

@@ -24,7 +24,7 @@ type Body = Full<Bytes>;
 
 /// The paragraphs of the README's "What the model is told" block, each on one line.
 fn readme_samples() -> Vec<String> {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let start = readme
         .find("## What the model is told")
         .expect("the section");

@@ -139,7 +139,7 @@ fn the_configuration_is_validated_with_the_setting_to_change() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_circuit_comes_back_as_an_honest_error() {
     let server = TestServer::start(|_: &Seen| Action::status(503)).await;
-    let svc = stack(builder("carrier-api"));
+    let svc = stack(builder("stack-carrier-api"));
     // Three failed attempts open the circuit (consecutive_failures(3)).
     assert_eq!(
         svc.clone()
@@ -163,13 +163,13 @@ async fn an_open_circuit_comes_back_as_an_honest_error() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable);
     assert_eq!(err.outcome(), Outcome::NotSent);
-    assert_eq!(err.dependency().unwrap().as_str(), "carrier-api");
+    assert_eq!(err.dependency().unwrap().as_str(), "stack-carrier-api");
     assert!(err.is_retryable_later());
     let retry_after = err.retry_after().unwrap();
     assert!(retry_after > Duration::from_secs(25) && retry_after <= Duration::from_secs(30));
     assert_eq!(
         err.to_string(),
-        "carrier-api is unavailable (circuit open); do not retry now; it can be tried again in 30 s; tell the user"
+        "stack-carrier-api is unavailable (circuit open); do not retry now; it can be tried again in 30 s; tell the user"
     );
     assert_eq!(server.requests(), 3);
 }
@@ -179,7 +179,7 @@ async fn a_lost_reply_to_an_unkeyed_post_is_not_retried_and_is_reported_unknown(
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
     let sink = Arc::new(MemorySink::default());
     let svc = stack(
-        builder("payments-api")
+        builder("stack-payments-api")
             .no_idempotency()
             .dead_letters(sink.clone()),
     );
@@ -192,7 +192,7 @@ async fn a_lost_reply_to_an_unkeyed_post_is_not_retried_and_is_reported_unknown(
     assert!(!err.is_retryable_later());
     let text = err.to_string();
     assert!(
-        text.starts_with("the call to payments-api may or may not have taken effect"),
+        text.starts_with("the call to stack-payments-api may or may not have taken effect"),
         "{text}"
     );
     assert!(
@@ -213,7 +213,7 @@ async fn a_key_the_stack_minted_is_sent_but_does_not_make_a_lost_post_retryable(
     // A server that ignores keys and whose replies are lost: three sends would be three charges.
     for derived in [false, true] {
         let server = TestServer::start(|_: &Seen| Action::DropReply).await;
-        let svc = stack(builder("payments-api"));
+        let svc = stack(builder("stack-payments-api"));
         let mut req = post(server.url("/charges"));
         if derived {
             req.extensions_mut()
@@ -226,7 +226,7 @@ async fn a_key_the_stack_minted_is_sent_but_does_not_make_a_lost_post_retryable(
         assert_eq!(err.outcome(), Outcome::Unknown);
         let text = err.to_string();
         assert!(
-            text.contains("it was not repeated because nobody declared that payments-api honours idempotency keys"),
+            text.contains("it was not repeated because nobody declared that stack-payments-api honours idempotency keys"),
             "{text}"
         );
         assert!(text.contains("honours_keys()"), "{text}");
@@ -236,7 +236,7 @@ async fn a_key_the_stack_minted_is_sent_but_does_not_make_a_lost_post_retryable(
     let mut req = post(server.url("/charges"));
     req.headers_mut()
         .insert("idempotency-key", "caller-key-1".parse().unwrap());
-    let err = stack(builder("payments-api"))
+    let err = stack(builder("stack-payments-api"))
         .oneshot(req)
         .await
         .unwrap_err();
@@ -246,7 +246,7 @@ async fn a_key_the_stack_minted_is_sent_but_does_not_make_a_lost_post_retryable(
     let mut req = post(server.url("/charges"));
     req.extensions_mut()
         .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
-    let err = stack(builder("payments-api").preset(Preset::Create))
+    let err = stack(builder("stack-payments-api").preset(Preset::Create))
         .oneshot(req)
         .await
         .unwrap_err();
@@ -258,7 +258,7 @@ async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
     let sink = Arc::new(MemorySink::default());
     let svc = stack(
-        builder("payments-api")
+        builder("stack-payments-api")
             .honours_keys()
             .dead_letters(sink.clone()),
     );
@@ -284,7 +284,7 @@ async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
 async fn a_dead_letter_names_the_key_the_caller_set_in_the_header() {
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
     let sink = Arc::new(MemorySink::default());
-    let svc = stack(builder("payments-api").dead_letters(sink.clone()));
+    let svc = stack(builder("stack-payments-api").dead_letters(sink.clone()));
     let mut req = post(server.url("/refunds"));
     req.headers_mut().insert(
         "idempotency-key",
@@ -316,7 +316,7 @@ async fn presets_follow_the_tool_policy_table() {
         }
     })
     .await;
-    let res = stack(builder("search-api").preset(Preset::ReadOnly))
+    let res = stack(builder("stack-search-api").preset(Preset::ReadOnly))
         .oneshot(post(server.url("/search")))
         .await
         .unwrap();
@@ -353,7 +353,7 @@ async fn presets_follow_the_tool_policy_table() {
     let reconciled = Arc::new(Mutex::new(Vec::new()));
     let r = reconciled.clone();
     let svc = stack(
-        builder("payments-api")
+        builder("stack-payments-api")
             .preset(Preset::Payment)
             .reconcile(move |l| r.lock().unwrap().push(l.idempotency_key.clone())),
     );
@@ -389,7 +389,7 @@ async fn the_json_lines_sink_writes_one_object_per_line() {
     let sink = Arc::new(JsonLinesSink::open(&path).unwrap());
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
     let svc = stack(
-        builder("payments-api")
+        builder("stack-payments-api")
             .honours_keys()
             .dead_letters(sink.clone() as Arc<dyn DeadLetterSink>),
     );
@@ -407,7 +407,7 @@ async fn the_json_lines_sink_writes_one_object_per_line() {
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[1]["run_id"], "run-9");
     assert_eq!(lines[1]["tool_call_id"], "call-2");
-    assert_eq!(lines[1]["dependency"], "payments-api");
+    assert_eq!(lines[1]["dependency"], "stack-payments-api");
     assert_eq!(lines[0]["outcome"], "unknown");
     assert_eq!(lines[0]["kind"], "failed");
     assert_eq!(lines[0]["attempts"], 3);
@@ -434,7 +434,7 @@ async fn behind_a_buffer_a_second_stack_makes_one_attempt_per_outer_attempt() {
     // inside another stack: the call's context travels in the request, so the worker's stack
     // knows it is nested. No breakers here: they would open on the 503s and stop the
     // multiplication themselves.
-    let stack = || builder("rates-api").no_breaker().build().unwrap();
+    let stack = || builder("stack-rates-api").no_breaker().build().unwrap();
     let inner = tower::buffer::Buffer::new(stack().layer(client()), 16);
     let get = Request::get(server.url("/rates"))
         .body(Body::default())
@@ -465,7 +465,7 @@ impl Service<Request<Body>> for Shut {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_is_not_ready_fails_with_an_error_naming_the_dependency() {
-    let svc = builder("rates-api").build().unwrap().layer(Shut);
+    let svc = builder("stack-rates-api").build().unwrap().layer(Shut);
     let err = svc
         .oneshot(
             Request::get("http://rates.local/")
@@ -474,7 +474,10 @@ async fn a_client_that_is_not_ready_fails_with_an_error_naming_the_dependency() 
         )
         .await
         .unwrap_err();
-    assert_eq!(err.dependency().map(|d| d.as_str()), Some("rates-api"));
+    assert_eq!(
+        err.dependency().map(|d| d.as_str()),
+        Some("stack-rates-api")
+    );
     assert!(
         err.to_string().contains("the connection pool is shut"),
         "{err}"
@@ -505,14 +508,14 @@ impl http_body::Body for CountedBody {
 #[tokio::test(start_paused = true)]
 async fn an_open_circuit_fails_fast_without_copying_the_request_or_calling_the_client() {
     let breaker = Breaker::new(BreakerConfig::default()).unwrap();
-    breaker.isolate(&"rates-api".into());
+    breaker.isolate(&"stack-rates-api".into());
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let seen = calls.clone();
     let client = tower::service_fn(move |_req: Request<CountedBody>| {
         seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         async { Ok::<_, BoxError>(Response::new(Full::<Bytes>::default())) }
     });
-    let svc = Backstop::http("rates-api")
+    let svc = Backstop::http("stack-rates-api")
         .breaker(breaker)
         .budget(Budget::default())
         .build()
@@ -563,7 +566,7 @@ async fn the_idempotency_header_is_named_once_for_the_key_and_the_classifier() {
     })
     .await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let svc = Backstop::http("payments-api")
+    let svc = Backstop::http("stack-payments-api")
         .idempotency_header(
             http::HeaderName::from_static("x-idempotency-key"),
             backstop::idempotency::KeyFormat::StructuredField,
@@ -608,7 +611,7 @@ async fn the_idempotency_header_is_named_once_for_the_key_and_the_classifier() {
 async fn a_callers_key_under_the_named_header_makes_a_post_replay_safe_without_the_key_layer() {
     let server = TestServer::start(|s: &Seen| lose_the_first_reply(s)).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let svc = Backstop::http("payments-api")
+    let svc = Backstop::http("stack-payments-api")
         .idempotency_header(
             http::HeaderName::from_static("x-idempotency-key"),
             backstop::idempotency::KeyFormat::Plain,
@@ -639,7 +642,7 @@ async fn reqwest_under_the_stack_keeps_the_keys_the_deadline_and_the_typed_error
         _ => Action::Hang,
     })
     .await;
-    let svc = Backstop::http("labels-api")
+    let svc = Backstop::http("stack-labels-api")
         .deadline(Duration::from_millis(600))
         .p99(Duration::from_millis(100))
         .build()
@@ -708,7 +711,7 @@ async fn the_attempt_number_goes_onward_under_the_named_header() {
             .build()
             .unwrap()
     };
-    let svc = counted("rates-api").layer(client.clone());
+    let svc = counted("stack-rates-api").layer(client.clone());
     let get = || {
         Request::get(server.url("/rates"))
             .body(Full::default())
@@ -725,12 +728,15 @@ async fn the_attempt_number_goes_onward_under_the_named_header() {
         let inner = inner.clone();
         async move { inner.oneshot(req).await }
     });
-    let outer = counted("rates-api").layer(lazy);
+    let outer = counted("stack-rates-api").layer(lazy);
     assert_eq!(outer.oneshot(get()).await.unwrap().status(), 200);
     assert_eq!(seen(&server)[3..], [one("1"), one("2"), one("3")]);
 
     // Off by default.
-    let plain = Backstop::http("rates-api").build().unwrap().layer(client);
+    let plain = Backstop::http("stack-rates-api")
+        .build()
+        .unwrap()
+        .layer(client);
     let _ = plain.oneshot(get()).await.unwrap();
     assert_eq!(seen(&server)[6], None);
 }

@@ -47,7 +47,7 @@ async fn a_concurrency_limit_under_the_stack_bounds_attempts_in_flight() {
     .await;
     // README block 7's shape: the limit around the client, the stack on top.
     let limited = ServiceBuilder::new().concurrency_limit(2).service(client());
-    let search = Backstop::http("search-api")
+    let search = Backstop::http("tower-composition-search-api")
         .preset(Preset::ReadOnly)
         .no_breaker()
         .build()

@@ -126,7 +126,7 @@ fn stack() -> backstop::BackstopLayer<
     backstop::retry::HttpResend,
     backstop::idempotency::HttpKeys,
 > {
-    Backstop::http("rates-api")
+    Backstop::http("tower-http-rates-api")
         .rng(backstop::backoff::RngSource::seeded(3))
         .no_breaker()
         .no_budget()

@@ -3,7 +3,7 @@
 //! caches each callsite's interest per process, and a test without a subscriber running in
 //! parallel could make this one miss spans.
 
-mod common;
+use crate::common;
 
 use std::{
     collections::BTreeMap,
@@ -81,7 +81,7 @@ async fn spans_and_events_carry_the_fields_operators_need() {
     let seen = Seen::default();
     let _tracing = tracing::subscriber::set_default(seen.clone());
 
-    common::label_purchase_retried_once().await;
+    common::label_purchase_retried_once("tracing-fields-labels-api").await;
 
     let spans = seen.spans.lock().unwrap().clone();
     let parents = seen.parents.lock().unwrap().clone();
@@ -90,7 +90,7 @@ async fn spans_and_events_carry_the_fields_operators_need() {
         .position(|(name, _)| name == "call")
         .expect("a call span");
     let call = &spans[call_at].1;
-    assert_eq!(call["dependency"], "labels-api");
+    assert_eq!(call["dependency"], "tracing-fields-labels-api");
     assert_eq!(call["run_id"], "run-91f2");
     assert_eq!(call["tool_call_id"], "call-07");
     assert_eq!(
@@ -146,7 +146,7 @@ async fn three_nested_stacks_make_one_call_span() {
     let seen = Seen::default();
     let _tracing = tracing::subscriber::set_default(seen.clone());
     let stack = || {
-        Backstop::http("rates-api")
+        Backstop::http("tracing-fields-rates-api")
             .budget(backstop::budget::Budget::default())
             .no_breaker()
             .build()

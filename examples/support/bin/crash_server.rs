@@ -1,4 +1,4 @@
-//! A refund server for the crash test (`tests/crash_replay.rs`): `POST /refunds` behind the
+//! A refund server for the crash test (`tests/it/crash_replay.rs`): `POST /refunds` behind the
 //! replay layer, each refund booked as a row in PostgreSQL, and a place to be killed.
 //!
 //! `crash_server MODE PG_URL REDIS_URL HOLD`: MODE is `redis` (the Redis store; the refund row

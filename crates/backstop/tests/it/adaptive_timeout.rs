@@ -49,7 +49,7 @@ fn get(path: &str) -> Request<String> {
 async fn a_hung_attempt_is_cut_at_the_learned_limit() {
     let calls = Arc::new(AtomicU64::new(0));
     let latency = LatencyTimeouts::new(LatencyConfig::default()).unwrap();
-    let stack = Backstop::http("search-api")
+    let stack = Backstop::http("adaptive-timeout-search-api")
         .attempt_timeout(Duration::from_secs(10)) // what a guess would be
         .attempt_timeout_from_latency(latency.clone())
         .backoff(Backoff::constant(Duration::from_millis(1)))
@@ -76,7 +76,7 @@ async fn a_hung_attempt_is_cut_at_the_learned_limit() {
     for _ in 0..100 {
         stack.clone().oneshot(get("/ok")).await.unwrap();
     }
-    let learned = latency.timeout(&"search-api".into(), 1);
+    let learned = latency.timeout(&"adaptive-timeout-search-api".into(), 1);
     assert!(
         learned >= Duration::from_millis(80) && learned <= Duration::from_millis(110),
         "2 x p99 of 40 ms: {learned:?}"
@@ -104,7 +104,7 @@ async fn the_deadline_still_bounds_a_learned_attempt() {
     let calls = Arc::new(AtomicU64::new(0));
     let latency =
         LatencyTimeouts::new(LatencyConfig::default().fallback(Duration::from_secs(20))).unwrap();
-    let stack = Backstop::http("search-api")
+    let stack = Backstop::http("adaptive-timeout-search-api")
         .attempt_timeout_from_latency(latency)
         .deadline(Duration::from_secs(1))
         .no_breaker()
@@ -125,7 +125,7 @@ async fn a_slow_write_beside_fast_reads_is_not_cut_by_their_limit() {
     let latency = LatencyTimeouts::new(LatencyConfig::default()).unwrap();
     let writes = Arc::new(AtomicU64::new(0));
     let seen = writes.clone();
-    let stack = Backstop::http("billing-api")
+    let stack = Backstop::http("adaptive-timeout-billing-api")
         .no_idempotency()
         .attempt_timeout(Duration::from_secs(2))
         .attempt_timeout_from_latency(latency.clone())
@@ -148,7 +148,7 @@ async fn a_slow_write_beside_fast_reads_is_not_cut_by_their_limit() {
     for _ in 0..200 {
         stack.clone().oneshot(get("/q")).await.unwrap();
     }
-    let reads = latency.timeout(&"billing-api".into(), 1);
+    let reads = latency.timeout(&"adaptive-timeout-billing-api".into(), 1);
     assert!(
         reads < Duration::from_millis(150),
         "the reads' limit: {reads:?}"
@@ -163,7 +163,7 @@ async fn a_slow_write_beside_fast_reads_is_not_cut_by_their_limit() {
     }
     assert_eq!(writes.load(Ordering::SeqCst), 50, "each write sent once");
     assert_eq!(
-        latency.timeout(&"billing-api".into(), 1),
+        latency.timeout(&"adaptive-timeout-billing-api".into(), 1),
         reads,
         "the writes did not teach the reads' record"
     );

@@ -84,7 +84,7 @@ impl Dep {
 }
 
 fn carrier() -> Dependency {
-    Dependency::new("carrier-api")
+    Dependency::new("breaker-carrier-api")
 }
 
 /// The transitions a hook saw, as (from, to).
@@ -94,7 +94,7 @@ fn recorder() -> (Seen, impl Fn(&CircuitTransition) + Send + Sync + 'static) {
     let seen: Seen = Arc::default();
     let s = seen.clone();
     (seen, move |t: &CircuitTransition| {
-        assert_eq!(t.dependency.as_str(), "carrier-api");
+        assert_eq!(t.dependency.as_str(), "breaker-carrier-api");
         s.lock().unwrap().push((t.from, t.to));
     })
 }
@@ -118,7 +118,7 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
     let dep = Dep::new(Answer::Status(503));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
 
     for _ in 0..5 {
@@ -142,7 +142,7 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     let e = call(&svc).await.unwrap_err();
     assert_eq!(
         e.to_string(),
-        "carrier-api is unavailable (circuit open); do not retry now; try again in 27 s"
+        "breaker-carrier-api is unavailable (circuit open); do not retry now; try again in 27 s"
     );
     assert_eq!(
         *transitions.lock().unwrap(),
@@ -159,7 +159,7 @@ async fn a_failed_trial_reopens_for_the_same_cooldown_by_default() {
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Status(500));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
     call(&svc).await.unwrap();
@@ -186,7 +186,7 @@ async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_coold
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Status(500));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
 
     call(&svc).await.unwrap();
@@ -249,7 +249,7 @@ async fn half_open_admits_exactly_the_trial_calls_and_fails_the_rest_fast() {
     .unwrap();
     let dep = Dep::new(Answer::Status(503));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
     advance(Duration::from_secs(30)).await;
@@ -286,7 +286,7 @@ async fn a_cancelled_trial_gives_its_slot_back() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
     cancelled_trials_give_their_slots_back(&svc, &breaker, &dep).await;
@@ -331,7 +331,7 @@ async fn a_cancelled_call_while_closed_is_no_failure() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Hang);
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     for _ in 0..10 {
         let mut s = svc.clone();
@@ -347,7 +347,7 @@ async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
     let breaker = Breaker::new(BreakerConfig::default()).unwrap();
     let dep = Dep::new(Answer::Ok);
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     // Alternate success and failure: never 5 in a row.
     for i in 0..19 {
@@ -372,7 +372,7 @@ async fn old_failures_leave_the_window() {
     let breaker = Breaker::new(BreakerConfig::default().no_consecutive_rule()).unwrap();
     let dep = Dep::new(Answer::Status(502));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     for _ in 0..15 {
         call(&svc).await.unwrap();
@@ -395,7 +395,7 @@ async fn client_errors_are_successes_for_the_breaker() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
     let dep = Dep::new(Answer::Status(400));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     for status in [400, 404, 409, 422, 400, 401, 403, 400] {
         dep.set(Answer::Status(status));
@@ -413,7 +413,7 @@ async fn slow_calls_count_as_failures_when_configured() {
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Slow(Duration::from_millis(400)));
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     for _ in 0..5 {
         call(&svc).await.unwrap();
@@ -432,7 +432,7 @@ async fn isolate_and_reset_by_hand() {
     let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
     let dep = Dep::new(Answer::Ok);
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     breaker.isolate(&carrier());
     let e = call(&svc).await.unwrap_err();
@@ -464,13 +464,13 @@ async fn each_dependency_has_its_own_circuit_and_stacks_share_one_breaker() {
     let down = Dep::new(Answer::Status(503));
     let up = Dep::new(Answer::Ok);
     let carrier_a = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(down.service());
     let carrier_b = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(up.service());
     let billing = backstop::breaker::http_layer(breaker.clone())
-        .dependency("billing-api")
+        .dependency("breaker-billing-api")
         .layer(up.service());
     call(&carrier_a).await.unwrap();
     // Another stack naming the same dependency sees the open circuit.
@@ -527,11 +527,11 @@ async fn many_tasks_hammering_one_dependency_lose_no_count() {
     .unwrap();
     let dep = Dep::new(Answer::Ok);
     let svc = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(dep.service());
     let failing = Dep::new(Answer::Status(503));
     let bad = backstop::breaker::http_layer(breaker.clone())
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .layer(failing.service());
     let mut tasks = Vec::new();
     for t in 0..8 {
@@ -576,11 +576,11 @@ fn story_parts() -> (Breaker, Budget, Dep) {
     )
 }
 
-/// The retry layer of that story: "carrier-api", 100 ms waits, seeded.
+/// The retry layer of that story: "breaker-carrier-api", 100 ms waits, seeded.
 fn story_retry()
 -> RetryLayer<backstop_classify::HttpClassifier, backstop_retry::HttpResend, Dependency> {
     RetryLayer::http()
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .backoff(Backoff::constant(Duration::from_millis(100)))
         .rng(RngSource::seeded(9))
 }
@@ -606,7 +606,7 @@ async fn an_open_circuit_stops_retries_at_once<S>(
     assert!(e.cause().is::<CircuitOpen>());
     assert!(
         e.to_string()
-            .contains("carrier-api is unavailable (circuit open); do not retry now"),
+            .contains("breaker-carrier-api is unavailable (circuit open); do not retry now"),
         "{e}"
     );
 
@@ -624,7 +624,7 @@ async fn an_open_circuit_stops_retries_at_once<S>(
     );
     assert_eq!(start.elapsed(), Duration::ZERO);
     assert_eq!(dep.calls(), 4);
-    // The breaker's circuit and the budget's account are both "carrier-api".
+    // The breaker's circuit and the budget's account are both "breaker-carrier-api".
     assert_eq!(breaker.state(&carrier()), CircuitState::Open);
     assert_eq!(budget.stats(&carrier()).requests, 3);
     assert_eq!(budget.stats(&carrier()).retries, 3);
@@ -678,7 +678,7 @@ fn gated(
     dep: &Dep,
 ) -> impl Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone + use<> {
     RetryLayer::http()
-        .dependency("carrier-api")
+        .dependency("breaker-carrier-api")
         .max_attempts(1)
         .unwrap()
         .gate(Arc::new(breaker.bind(&carrier())))
@@ -701,10 +701,11 @@ async fn a_bound_breaker_sends_a_request_naming_another_dependency_to_that_circu
     let dep = Dep::new(Answer::Status(503));
     let svc = gated(&breaker, &dep);
     let mut req = Request::new(());
-    req.extensions_mut().insert(Dependency::new("label-api"));
+    req.extensions_mut()
+        .insert(Dependency::new("breaker-label-api"));
     assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 503);
     assert_eq!(
-        breaker.state(&Dependency::new("label-api")),
+        breaker.state(&Dependency::new("breaker-label-api")),
         CircuitState::Open
     );
     assert_eq!(breaker.state(&carrier()), CircuitState::Closed);

@@ -26,7 +26,7 @@ async fn a_thousand_requests_to_an_always_503_dependency_stay_within_the_budget(
     });
     let budget = Budget::default();
     let svc = RetryLayer::http()
-        .dependency("carrier-api")
+        .dependency("budget-carrier-api")
         .backoff(Backoff::constant(Duration::from_millis(5)))
         .rng(RngSource::seeded(3))
         .budget(Arc::new(budget.clone()))
@@ -70,7 +70,7 @@ async fn a_thousand_requests_to_an_always_503_dependency_stay_within_the_budget(
         refused >= 800,
         "most calls were told the budget is exhausted: {refused}"
     );
-    let stats = budget.stats(&Dependency::new("carrier-api"));
+    let stats = budget.stats(&Dependency::new("budget-carrier-api"));
     assert_eq!(stats.requests, 1_000);
     assert_eq!(stats.retries, attempts - 1_000);
 }
@@ -83,7 +83,7 @@ async fn many_tasks_hammering_one_dependency_lose_no_update_and_never_overshoot(
             .min_retries_per_sec(0.0),
     )
     .unwrap();
-    let dep = Dependency::new("carrier-api");
+    let dep = Dependency::new("budget-carrier-api");
     let granted = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for _ in 0..8 {
@@ -115,8 +115,8 @@ async fn many_tasks_hammering_one_dependency_lose_no_update_and_never_overshoot(
 #[tokio::test(start_paused = true)]
 async fn a_bound_budget_charges_its_own_account_and_sends_others_to_theirs() {
     let budget = Budget::new(BudgetConfig::default().min_retries_per_sec(0.0)).unwrap();
-    let carrier = Dependency::new("carrier-api");
-    let labels = Dependency::new("label-api");
+    let carrier = Dependency::new("budget-carrier-api");
+    let labels = Dependency::new("budget-label-api");
     let bound = budget.bind(&carrier);
     let now = tokio::time::Instant::now();
     for _ in 0..20 {

@@ -30,7 +30,7 @@ fn failing()
 }
 
 async fn refunds(sink: &RedisStreamSink, n: usize) {
-    let stack = Backstop::http("payments-api")
+    let stack = Backstop::http("dead-letters-redis-payments-api")
         .no_breaker()
         .dead_letters(Arc::new(sink.clone()))
         .build()
@@ -70,7 +70,10 @@ async fn letters_are_written_read_once_acknowledged_and_survive_a_restart() {
         .unwrap();
     let all = ops.list(100).await.unwrap();
     assert_eq!(all.len(), 20);
-    assert_eq!(all[0].letter["dependency"], "payments-api");
+    assert_eq!(
+        all[0].letter["dependency"],
+        "dead-letters-redis-payments-api"
+    );
     assert_eq!(all[0].letter["outcome"], "unknown");
     // Two operators share the group: each letter goes to one of them.
     ops.create_group("ops").await.unwrap();

@@ -114,7 +114,7 @@ fn stack_layer(
     backstop::retry::HttpResend,
     backstop::idempotency::HttpKeys,
 > {
-    Backstop::http("search-api")
+    Backstop::http("hedging-search-api")
         .attempt_timeout_from_latency(latency.clone())
         .deadline(Duration::from_secs(5))
         .budget(budget.clone())
@@ -232,7 +232,7 @@ async fn a_request_that_is_not_replay_safe_is_never_hedged_and_hedging_needs_a_r
     }
     assert_eq!(counts.attempts.load(Ordering::SeqCst), 200);
 
-    let without = Backstop::http("search-api").build().unwrap();
+    let without = Backstop::http("hedging-search-api").build().unwrap();
     let Err(e) = without.hedge(dependency(&counts, 1, 200), Hedging::default()) else {
         panic!("a stack without a latency record cannot hedge");
     };
@@ -266,7 +266,7 @@ async fn a_hedge_the_service_cannot_take_costs_nothing() {
             .await
             .unwrap();
     }
-    let before = budget.stats(&"search-api".into()).retries;
+    let before = budget.stats(&"hedging-search-api".into()).retries;
     counts.attempts.store(0, Ordering::SeqCst);
     let svc = layer.layer(layer.hedge(limited, Hedging::default()).unwrap());
     for _ in 0..300 {
@@ -278,7 +278,7 @@ async fn a_hedge_the_service_cannot_take_costs_nothing() {
         "no copy was sent"
     );
     assert_eq!(
-        budget.stats(&"search-api".into()).retries,
+        budget.stats(&"hedging-search-api".into()).retries,
         before,
         "and none was paid for"
     );

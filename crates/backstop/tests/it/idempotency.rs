@@ -44,7 +44,7 @@ fn retry() -> RetryLayer<
     backstop_core::Dependency,
 > {
     RetryLayer::http()
-        .dependency("payments-api")
+        .dependency("idempotency-payments-api")
         .backoff(Backoff::constant(Duration::from_millis(10)))
         .rng(RngSource::seeded(1))
 }

@@ -44,7 +44,7 @@ fn throttle() -> AdaptiveThrottle {
 async fn a_shedding_dependency_is_shed_by_the_client_with_honest_errors() {
     let seen = Arc::new(AtomicU64::new(0));
     let t = throttle();
-    let stack = Backstop::http("search-api")
+    let stack = Backstop::http("throttle-search-api")
         .max_attempts(1)
         .no_breaker()
         .adaptive_throttle(t.clone())
@@ -62,7 +62,7 @@ async fn a_shedding_dependency_is_shed_by_the_client_with_honest_errors() {
             assert!(e.is_retryable_later());
             let words = e.to_string();
             assert!(
-                words.contains("search-api is shedding load")
+                words.contains("throttle-search-api is shedding load")
                     && words.contains("without sending it"),
                 "{words}"
             );
@@ -87,7 +87,7 @@ async fn a_shedding_dependency_is_shed_by_the_client_with_honest_errors() {
 async fn a_healthy_dependency_is_never_throttled_and_one_throttle_learns_from_two_stacks() {
     let seen = Arc::new(AtomicU64::new(0));
     let t = throttle();
-    let healthy = Backstop::http("search-api")
+    let healthy = Backstop::http("throttle-search-api")
         .adaptive_throttle(t.clone())
         .build()
         .unwrap()
@@ -98,7 +98,7 @@ async fn a_healthy_dependency_is_never_throttled_and_one_throttle_learns_from_tw
     assert_eq!(seen.load(Ordering::SeqCst), 500);
     // A second stack to the same dependency, through the same throttle, meets an outage: the
     // first stack's calls are shed too, before they are sent.
-    let failing = Backstop::http("search-api")
+    let failing = Backstop::http("throttle-search-api")
         .max_attempts(1)
         .no_breaker()
         .adaptive_throttle(t.clone())
@@ -108,7 +108,7 @@ async fn a_healthy_dependency_is_never_throttled_and_one_throttle_learns_from_tw
     for _ in 0..3_000 {
         let _ = failing.clone().oneshot(get()).await;
     }
-    assert!(t.stats(&"search-api".into()).reject_probability > 0.5);
+    assert!(t.stats(&"throttle-search-api".into()).reject_probability > 0.5);
     let mut refused = 0;
     for _ in 0..20 {
         if let Err(e) = healthy.clone().oneshot(get()).await {

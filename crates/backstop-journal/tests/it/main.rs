@@ -1,0 +1,5 @@
+//! The journal's integration tests in one binary, a module per concern.
+
+mod cost;
+mod journal;
+mod worker;

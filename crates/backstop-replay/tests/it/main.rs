@@ -1,0 +1,4 @@
+//! The replay layer's integration tests in one binary, a module per concern.
+
+mod postgres;
+mod replay;

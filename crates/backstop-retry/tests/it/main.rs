@@ -1,0 +1,4 @@
+//! The retry layer's integration tests in one binary, a module per concern.
+
+mod attempts;
+mod retry;
