@@ -588,6 +588,7 @@ async fn work(
                     return Ok(5);
                 }
                 RunEnd::Cancelled => return Ok(6),
+                other => eprintln!("worker: {other:?}"),
             },
             Some(_) => {}
             None if tokio::time::Instant::now() > deadline => return Ok(3),

@@ -6,6 +6,7 @@ mod cancellation;
 mod chaos;
 mod client_guarantees;
 mod common;
+mod conformance;
 mod crash_replay;
 mod examples;
 mod grpc;

@@ -42,7 +42,7 @@ async fn connect(server: &RefundServer) -> RunningService<RoleClient, ()> {
 
 fn payments() -> Backstop<
     backstop::mcp::McpClassifier,
-    backstop::retry::CloneRequest,
+    backstop::retry::CloneResend,
     backstop::idempotency::ToolKeys,
 > {
     Backstop::mcp("payments-mcp")

@@ -29,6 +29,7 @@ fn state_from_u8(v: u8) -> CircuitState {
 
 /// A change of a circuit's state, as reported to the `on_transition` hook.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CircuitTransition {
     /// The dependency.
     pub dependency: Dependency,
@@ -42,6 +43,7 @@ pub struct CircuitTransition {
 
 /// What a circuit has counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CircuitStats {
     /// The state.
     pub state: CircuitState,

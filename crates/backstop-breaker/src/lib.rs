@@ -97,4 +97,9 @@ pub use config::BreakerConfig;
 #[cfg(feature = "fleet")]
 pub use fleet::{Fleet, FleetConfig, FleetStats};
 pub use gate::DependencyBreaker;
-pub use layer::{BreakerFuture, BreakerLayer, CircuitBreaker};
+pub use layer::{BreakerLayer, CircuitBreaker};
+
+/// Future types.
+pub mod future {
+    pub use crate::layer::BreakerFuture;
+}

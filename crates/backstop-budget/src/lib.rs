@@ -190,6 +190,7 @@ impl fmt::Debug for Budget {
 
 /// What a budget has counted for one dependency over its window.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct BudgetStats {
     /// Logical calls (deposits).
     pub requests: u64,

@@ -41,22 +41,20 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod future;
+
 use backstop_core::{BoxError, InvalidConfig};
 use backstop_state::Draws;
-use pin_project::pin_project;
+use future::{ChaosFuture, State};
 use std::{
-    fmt,
-    future::Future,
-    io,
-    pin::Pin,
+    fmt, io,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    task::{Context, Poll, ready},
+    task::{Context, Poll},
     time::Duration,
 };
-use tokio::time::Sleep;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -153,6 +151,7 @@ impl FaultPlan {
 
 /// What a [`ChaosLayer`] injected, counted over every service it built.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChaosStats {
     /// Requests seen.
     pub requests: u64,
@@ -279,7 +278,7 @@ impl ChaosError {
     }
 }
 
-const LOST: &str = "the reply was lost after the service acted";
+pub(crate) const LOST: &str = "the reply was lost after the service acted";
 
 impl fmt::Display for ChaosError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -384,7 +383,7 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         let pick = self.shared.pick();
         let delay = pick.delay.then_some(self.shared.plan.delay_by);
-        let now = |r| ChaosFuture::Now { result: Some(r) };
+        let now = |r| ChaosFuture::new(State::Now { result: Some(r) });
         match pick.fault {
             Some(Fault::Reset) => now(Err(ChaosError::new(
                 io::ErrorKind::ConnectionReset,
@@ -397,86 +396,11 @@ where
             )
             .into())),
             Some(Fault::Status) => now(Ok(S::Response::with_status(self.shared.plan.status_code))),
-            lose => ChaosFuture::Calling {
+            lose => ChaosFuture::new(State::Calling {
                 fut: self.inner.call(req),
                 lose: lose == Some(Fault::LoseReply),
                 delay,
-            },
+            }),
         }
-    }
-}
-
-/// Response future of [`Chaos`].
-#[pin_project(project = ChaosProj)]
-pub enum ChaosFuture<F, T> {
-    /// Answered by the layer itself.
-    Now {
-        /// The answer, until taken.
-        result: Option<Result<T, BoxError>>,
-    },
-    /// The service is answering.
-    Calling {
-        /// Its future.
-        #[pin]
-        fut: F,
-        /// Lose what it answers.
-        lose: bool,
-        /// Hold it this long first.
-        delay: Option<Duration>,
-    },
-    /// Holding the answer.
-    Holding {
-        /// The timer.
-        #[pin]
-        sleep: Sleep,
-        /// The answer.
-        result: Option<Result<T, BoxError>>,
-    },
-}
-
-impl<F, T, E> Future for ChaosFuture<F, T>
-where
-    F: Future<Output = Result<T, E>>,
-    E: Into<BoxError>,
-{
-    type Output = Result<T, BoxError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        loop {
-            match self.as_mut().project() {
-                ChaosProj::Now { result } => {
-                    return Poll::Ready(result.take().expect("polled after completion"));
-                }
-                ChaosProj::Calling { fut, lose, delay } => {
-                    let answer = ready!(fut.poll(cx)).map_err(Into::into);
-                    let result = if *lose && answer.is_ok() {
-                        Err(ChaosError::new(io::ErrorKind::ConnectionReset, LOST).into())
-                    } else {
-                        answer
-                    };
-                    match *delay {
-                        Some(by) => self.set(ChaosFuture::Holding {
-                            sleep: tokio::time::sleep(by),
-                            result: Some(result),
-                        }),
-                        None => return Poll::Ready(result),
-                    }
-                }
-                ChaosProj::Holding { sleep, result } => {
-                    ready!(sleep.poll(cx));
-                    return Poll::Ready(result.take().expect("polled after completion"));
-                }
-            }
-        }
-    }
-}
-
-impl<F, T> fmt::Debug for ChaosFuture<F, T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ChaosFuture::Now { .. } => "ChaosFuture::Now",
-            ChaosFuture::Calling { .. } => "ChaosFuture::Calling",
-            ChaosFuture::Holding { .. } => "ChaosFuture::Holding",
-        })
     }
 }

@@ -8,6 +8,7 @@ use std::{
 
 /// How the [`HttpClassifier`] treats one response status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StatusClass {
     /// Return the response as it is (2xx, 3xx and every other status not listed).
     Success,

@@ -38,7 +38,7 @@
 #![deny(missing_docs)]
 
 use backstop_journal::{
-    Journal, JournalError, Resolution, Run, RunEvent, RunState, RunSummary, Step, StepId,
+    Journal, JournalError, Resolution, RunEvent, RunRecord, RunState, RunSummary, Step, StepId,
     StepTransition,
 };
 use clap::{Args, Parser, Subcommand};
@@ -562,7 +562,7 @@ fn run_json(r: &RunSummary) -> Value {
     })
 }
 
-fn run_record_json(r: &Run) -> Value {
+fn run_record_json(r: &RunRecord) -> Value {
     json!({
         "run": r.id, "workflow": r.workflow, "input": r.input, "state": r.state.as_str(),
         "output": r.output, "error": r.error, "claimed_by": r.claimed_by,

@@ -46,7 +46,7 @@ impl ScopeOwner {
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
-/// CallContext::claim(&mut req, ScopeOwner::of::<MyRetries>(), Dependency::new("search-api"), Some(deadline));
+/// CallContext::claim(&mut req, ScopeOwner::of::<MyRetries>(), Dependency::new("search-api"), Some(deadline), Some(1), None);
 /// assert!(RetryScope::is_marked(&req));
 /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<MyRetries>()));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
@@ -56,8 +56,12 @@ impl ScopeOwner {
 pub struct CallContext {
     pub(crate) deadline: Option<Deadline>,
     pub(crate) dependency: Option<Dependency>,
-    /// The retry layer that owns the call, if one does.
+    /// The retrying layer that owns the call (the first to claim it), if one does.
     pub(crate) owner: Option<ScopeOwner>,
+    /// A retrying layer of another kind that claimed the call inside the owner's (Backstop's
+    /// retry layer under a retrying layer of the caller's own), so that its own nested layers
+    /// still see it.
+    pub(crate) inner_owner: Option<ScopeOwner>,
     /// The outermost retry layer's attempt number (1 for the first), 0 before any.
     pub(crate) attempt: u32,
     /// When the retry layer that made this attempt cuts it (its attempt timeout or the
@@ -82,33 +86,61 @@ impl CallContext {
         ext.get_mut::<CallContext>().expect("just inserted")
     }
 
-    /// Records that the retrying layer `owner` owns the call to `dependency`, within
-    /// `deadline`: what a retry layer does to a request before it sends it. Returns the
-    /// context, for the attempt's facts ([`for_attempt`](Self::for_attempt)).
+    /// Records that the retrying layer `owner` retries the call to `dependency` within
+    /// `deadline`, and which attempt this request is: its number (`None` leaves the outer
+    /// layer's in place, for a nested layer) and when the retry layer cuts it, if it does (a
+    /// layer further in that keeps the same limit, the composed stack's gRPC metadata, reads
+    /// that end instead of planning again). What a retry layer does to each attempt's request
+    /// before it sends it.
+    ///
+    /// A claim never takes the call from an owner already recorded: the first retrying layer
+    /// to claim it owns it, and a layer of another kind further in is recorded beside it
+    /// ([`RetryScope::is_owned_by`](crate::RetryScope::is_owned_by) answers for both), so no
+    /// layer inside can unmark the call for the layers outside. Returns whether `owner` is
+    /// recorded; `false` only when two other kinds already are.
+    ///
+    /// ```
+    /// use backstop_core::{CallContext, Dependency, RetryScope, ScopeOwner};
+    ///
+    /// struct Outer;
+    /// struct Inner;
+    /// let mut req = http::Request::new(());
+    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Outer>(), Dependency::new("search-api"), None, Some(1), None));
+    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Inner>(), Dependency::new("search-api"), None, None, None));
+    /// // The outer layer still owns the call; the inner one is recorded beside it.
+    /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
+    /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Inner>()));
+    /// assert_eq!(CallContext::attempt_of(&req), Some(1));
+    /// ```
     #[inline]
     pub fn claim<R: HasExtensions + ?Sized>(
         req: &mut R,
         owner: ScopeOwner,
         dependency: Dependency,
         deadline: Option<Deadline>,
-    ) -> &mut CallContext {
+        attempt: Option<u32>,
+        attempt_end: Option<Instant>,
+    ) -> bool {
         let ctx = CallContext::of_mut(req);
-        ctx.owner = Some(owner);
+        let recorded = match (ctx.owner, ctx.inner_owner) {
+            (None, _) => {
+                ctx.owner = Some(owner);
+                true
+            }
+            (Some(o), _) if o == owner => true,
+            (Some(_), None) => {
+                ctx.inner_owner = Some(owner);
+                true
+            }
+            (Some(_), Some(i)) => i == owner,
+        };
         ctx.dependency = Some(dependency);
         ctx.deadline = deadline;
-        ctx
-    }
-
-    /// Records the attempt this request is: its number (`None` leaves the outer layer's in
-    /// place, for a nested layer) and when the retry layer cuts it, if it does. A layer
-    /// further in that keeps the same limit (the composed stack's gRPC metadata) reads that
-    /// end instead of planning again.
-    #[inline]
-    pub fn for_attempt(&mut self, attempt: Option<u32>, attempt_end: Option<Instant>) {
-        self.attempt_end = attempt_end;
+        ctx.attempt_end = attempt_end;
         if let Some(attempt) = attempt {
-            self.attempt = attempt;
+            ctx.attempt = attempt;
         }
+        recorded
     }
 
     /// When the retry layer that made this attempt cuts it, if it does.
@@ -140,9 +172,9 @@ impl CallContext {
         self.owner.is_some()
     }
 
-    /// Whether the retrying layer `owner` owns this call.
+    /// Whether the retrying layer `owner` owns this call, or claimed it inside the owner's.
     pub fn owned_by(&self, owner: ScopeOwner) -> bool {
-        self.owner == Some(owner)
+        self.owner == Some(owner) || self.inner_owner == Some(owner)
     }
 }
 
@@ -160,8 +192,9 @@ mod tests {
             ScopeOwner::of::<Outer>(),
             Dependency::new("outer"),
             None,
-        )
-        .for_attempt(Some(1), None);
+            Some(1),
+            None,
+        );
         assert!(RetryScope::is_marked(&req));
         assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
         assert!(!RetryScope::is_owned_by(&req, ScopeOwner::of::<()>()));
@@ -171,5 +204,35 @@ mod tests {
         let other = http::Request::new(());
         assert!(!RetryScope::is_marked(&other));
         assert!(Dependency::of(&other).is_none());
+    }
+
+    #[test]
+    fn a_claim_never_takes_the_call_from_its_owner() {
+        struct Outer;
+        struct Inner;
+        struct Third;
+        let mut req = http::Request::new(());
+        let claim = |req: &mut http::Request<()>, owner| {
+            CallContext::claim(req, owner, Dependency::new("d"), None, None, None)
+        };
+        assert!(claim(&mut req, ScopeOwner::of::<Outer>()));
+        assert!(claim(&mut req, ScopeOwner::of::<Inner>()));
+        assert!(
+            claim(&mut req, ScopeOwner::of::<Outer>()),
+            "the owner again"
+        );
+        assert!(
+            claim(&mut req, ScopeOwner::of::<Inner>()),
+            "the inner one again"
+        );
+        assert!(
+            !claim(&mut req, ScopeOwner::of::<Third>()),
+            "no room for a third"
+        );
+        let ctx = CallContext::of(&req).unwrap();
+        assert_eq!(ctx.owner, Some(ScopeOwner::of::<Outer>()));
+        assert!(ctx.owned_by(ScopeOwner::of::<Outer>()));
+        assert!(ctx.owned_by(ScopeOwner::of::<Inner>()));
+        assert!(!ctx.owned_by(ScopeOwner::of::<Third>()));
     }
 }

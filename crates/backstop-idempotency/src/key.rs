@@ -50,6 +50,7 @@ impl Error for InvalidKey {}
 
 /// How the key is written in a header.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyFormat {
     /// The bare key, `Idempotency-Key: 62c3...` (what most payment APIs accept).
     #[default]

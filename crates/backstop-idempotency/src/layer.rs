@@ -291,8 +291,8 @@ where
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         match attach_key(&self.keys, &mut req) {
-            Ok(()) => KeyFuture::Inner(self.inner.call(req)),
-            Err(refused) => KeyFuture::Refused(Some(refused)),
+            Ok(()) => KeyFuture::inner(self.inner.call(req)),
+            Err(refused) => KeyFuture::refused(refused),
         }
     }
 }
@@ -371,19 +371,39 @@ impl<I, G> IdempotencyLayer<I, G> {
 }
 
 /// Response future of [`SetIdempotencyKey`]: the inner future, or the refusal to send.
-#[pin_project(project = KeyFutureProj)]
-pub enum KeyFuture<F> {
+#[pin_project]
+pub struct KeyFuture<F> {
+    #[pin]
+    state: KeyState<F>,
+}
+
+#[pin_project(project = KeyStateProj)]
+enum KeyState<F> {
     /// The inner service's future.
     Inner(#[pin] F),
     /// The call was not sent: the layer is misplaced, or a required key is missing.
     Refused(Option<InvalidConfig>),
 }
 
+impl<F> KeyFuture<F> {
+    fn inner(fut: F) -> Self {
+        KeyFuture {
+            state: KeyState::Inner(fut),
+        }
+    }
+
+    fn refused(why: InvalidConfig) -> Self {
+        KeyFuture {
+            state: KeyState::Refused(Some(why)),
+        }
+    }
+}
+
 impl<F> fmt::Debug for KeyFuture<F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeyFuture::Inner(_) => f.write_str("KeyFuture::Inner"),
-            KeyFuture::Refused(e) => f.debug_tuple("KeyFuture::Refused").field(e).finish(),
+        match &self.state {
+            KeyState::Inner(_) => f.write_str("KeyFuture(sending)"),
+            KeyState::Refused(e) => f.debug_tuple("KeyFuture").field(e).finish(),
         }
     }
 }
@@ -395,9 +415,9 @@ where
 {
     type Output = Result<T, BoxError>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project() {
-            KeyFutureProj::Inner(f) => f.poll(cx).map_err(Into::into),
-            KeyFutureProj::Refused(e) => Poll::Ready(Err(e
+        match self.project().state.project() {
+            KeyStateProj::Inner(f) => f.poll(cx).map_err(Into::into),
+            KeyStateProj::Refused(e) => Poll::Ready(Err(e
                 .take()
                 .expect("KeyFuture polled after completion")
                 .into())),

@@ -56,9 +56,14 @@ mod layer;
 
 pub use key::{ActionContext, IdempotencyKey, InvalidKey, KeyFormat, MAX_KEY_LEN};
 pub use layer::{
-    HttpKeys, IdempotencyLayer, Inject, KeyFuture, KeyedRequest, MakeKey, NoKey, RandomKey,
-    SetIdempotencyKey, ToolKeys,
+    HttpKeys, IdempotencyLayer, Inject, KeyedRequest, MakeKey, NoKey, RandomKey, SetIdempotencyKey,
+    ToolKeys,
 };
+
+/// Future types.
+pub mod future {
+    pub use crate::layer::KeyFuture;
+}
 
 /// Not part of the public API: what the Backstop crates use to reach each other. Anything here
 /// may change in any release.

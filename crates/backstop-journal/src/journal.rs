@@ -20,6 +20,7 @@ pub struct CallIdentity {
 
 /// Why a journal operation failed. Nothing is half-written: each operation is one transaction.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum JournalError {
     /// The database could not be reached or refused the statement.
     Store(String),

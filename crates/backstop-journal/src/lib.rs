@@ -69,6 +69,6 @@ pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
     UnknownState, digest,
 };
-pub use run::{Run, RunEvent, RunOutcome, RunState};
+pub use run::{RunEvent, RunOutcome, RunRecord, RunState};
 pub use runner::{CallResult, Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
 pub use worker::{RunContext, RunEnd, RunError, RunReport, Worker, WorkflowResult};

@@ -50,6 +50,7 @@ impl fmt::Display for StepId {
 /// succeeded | reconciled_succeeded -> compensated
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum StepState {
     /// Recorded, not sent yet.
     Pending,
@@ -197,6 +198,7 @@ impl std::error::Error for UnknownState {}
 
 /// What a step is for: an action, or the compensation of one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum StepKind {
     /// A tool call that does something.
     Action,
@@ -272,6 +274,7 @@ pub fn digest(args: &[u8]) -> String {
 
 /// A step as the journal has it.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Step {
     /// Its id.
     pub id: StepId,
@@ -307,6 +310,7 @@ pub struct Step {
 
 /// One recorded change of a step's state.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StepTransition {
     /// The step.
     pub id: StepId,
@@ -328,6 +332,7 @@ pub struct StepTransition {
 
 /// A run, summarised: its record and counts of its steps.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RunSummary {
     /// The run.
     pub run: String,

@@ -13,6 +13,7 @@ use std::{fmt, str::FromStr, time::Duration};
 
 /// Where a run is. Only `pending` runs are claimed and run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RunState {
     /// Not finished: a worker runs it (or will, once its lease or its wake-up time has come).
     Pending,
@@ -76,7 +77,8 @@ impl FromStr for RunState {
 
 /// A run as the journal records it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Run {
+#[non_exhaustive]
+pub struct RunRecord {
     /// The run's id.
     pub id: String,
     /// The workflow that runs it (`None`: a run whose steps were journaled without a workflow,
@@ -121,6 +123,7 @@ pub enum RunOutcome {
 /// One thing that happened to a run (started, finished, cancelled, reopened), with who and
 /// why; a step's own changes are in its history ([`Journal::history`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RunEvent {
     /// When (milliseconds since the Unix epoch).
     pub at_ms: i64,
@@ -144,7 +147,7 @@ macro_rules! run_from_row {
         use sqlx::Row;
         let row = $row;
         let state: String = row.try_get("state")?;
-        Run {
+        RunRecord {
             id: row.try_get("run_id")?,
             workflow: row.try_get("workflow")?,
             input: row.try_get("input")?,
@@ -196,7 +199,7 @@ impl Journal {
         run: &str,
         workflow: &str,
         input: Option<&str>,
-    ) -> Result<Run, JournalError> {
+    ) -> Result<RunRecord, JournalError> {
         let now = self.now_ms();
         with_pool!(self, |pool, sql| {
             let mut tx = pool.begin().await?;
@@ -232,7 +235,7 @@ impl Journal {
     }
 
     /// The record of run `run`.
-    pub async fn run_record(&self, run: &str) -> Result<Option<Run>, JournalError> {
+    pub async fn run_record(&self, run: &str) -> Result<Option<RunRecord>, JournalError> {
         with_pool!(self, |pool, sql| {
             let row = sqlx::query(&sql(&format!(
                 "SELECT {RUN_COLUMNS} FROM backstop_journal_runs WHERE run_id = $1"
@@ -248,7 +251,7 @@ impl Journal {
     }
 
     /// The record of run `run`, or `NotFound`.
-    pub(crate) async fn existing_run(&self, run: &str) -> Result<Run, JournalError> {
+    pub(crate) async fn existing_run(&self, run: &str) -> Result<RunRecord, JournalError> {
         self.run_record(run)
             .await?
             .ok_or_else(|| JournalError::NotFound(format!("run {run}")))
@@ -505,7 +508,7 @@ impl Journal {
         run: &str,
         worker: &str,
         outcome: RunOutcome,
-    ) -> Result<Run, JournalError> {
+    ) -> Result<RunRecord, JournalError> {
         let (to, output, error) = match outcome {
             RunOutcome::Succeeded { output } => (RunState::Succeeded, output, None),
             RunOutcome::Failed { error } => (RunState::Failed, None, Some(error)),
@@ -532,7 +535,7 @@ impl Journal {
         run: &str,
         worker: &str,
         why: &str,
-    ) -> Result<Run, JournalError> {
+    ) -> Result<RunRecord, JournalError> {
         self.end_claim(
             run,
             worker,
@@ -554,7 +557,7 @@ impl Journal {
         worker: &str,
         wake_ms: i64,
         why: &str,
-    ) -> Result<Run, JournalError> {
+    ) -> Result<RunRecord, JournalError> {
         self.end_claim(
             run,
             worker,
@@ -573,7 +576,7 @@ impl Journal {
         run: &str,
         worker: &str,
         change: RunMove<'_>,
-    ) -> Result<Run, JournalError> {
+    ) -> Result<RunRecord, JournalError> {
         let moved = self.move_run(run, change).await?;
         let found = self.existing_run(run).await?;
         if moved {
@@ -593,7 +596,12 @@ impl Journal {
     /// An operator cancels `run` (pending or waiting for a person), recorded with `who` and
     /// `why`: no worker runs it again, and the worker running it stops at its next lease
     /// renewal. A run that is over is refused.
-    pub async fn cancel_run(&self, run: &str, who: &str, why: &str) -> Result<Run, JournalError> {
+    pub async fn cancel_run(
+        &self,
+        run: &str,
+        who: &str,
+        why: &str,
+    ) -> Result<RunRecord, JournalError> {
         let moved = self
             .move_run(
                 run,

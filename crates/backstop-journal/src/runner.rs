@@ -187,6 +187,7 @@ impl Reconcilers {
 
 /// What [`Journal::reconcile_run`] did to a run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ResumeReport {
     /// Steps over.
     pub done: Vec<StepId>,

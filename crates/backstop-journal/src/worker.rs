@@ -7,7 +7,7 @@
 use crate::{
     journal::{Journal, JournalError},
     model::{NewStep, Step, StepId, StepState},
-    run::{Run, RunOutcome, RunState},
+    run::{RunOutcome, RunRecord, RunState},
     runner::{CallResult, Reconcilers, ResumeReport},
 };
 use std::{collections::HashMap, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
@@ -22,6 +22,7 @@ type WorkflowFn =
 /// Why a workflow stopped before finishing. Most come from [`RunContext::step`] through `?`,
 /// and the worker does what each says with the run.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum RunError {
     /// A step waits on its durable timer (its dependency said when to come back): the run is
     /// deferred until then, and claimed again when it is due.
@@ -201,6 +202,7 @@ impl RunContext {
 
 /// How a worker's turn with a run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RunEnd {
     /// The workflow finished it, with this output.
     Succeeded {
@@ -237,6 +239,7 @@ pub enum RunEnd {
 
 /// What a worker did with one run.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RunReport {
     /// The run.
     pub run: String,
@@ -500,7 +503,7 @@ impl Worker {
 
     async fn run_workflow(
         &self,
-        record: Run,
+        record: RunRecord,
         workflow: WorkflowFn,
         stop: &mut watch::Receiver<bool>,
     ) -> RunEnd {
@@ -671,7 +674,7 @@ impl Drop for Task {
 }
 
 enum Prepared {
-    Run(Run, WorkflowFn),
+    Run(RunRecord, WorkflowFn),
     Ended(RunEnd),
 }
 

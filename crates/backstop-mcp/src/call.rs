@@ -313,6 +313,7 @@ impl KeyedRequest for ToolCall {
 /// the text goes back to the model; the stack does not retry it. So is a task: the tool runs
 /// on, and the caller polls `tasks/get` with its id.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct ToolResult {
     /// The task the tool started, when it answered with one (`taskId`, `status`, `createdAt`,
     /// ... as sent, without `_meta`, which is [`meta`](Self::meta)); `content` is then empty.
@@ -463,6 +464,7 @@ impl HasExtensions for ToolResult {
 
 /// A JSON-RPC error object, as an MCP server sends it.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct RpcError {
     /// The code (see [`codes`]).
     pub code: i64,

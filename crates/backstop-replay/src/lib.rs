@@ -113,7 +113,12 @@ pub use pg_store::{PgStore, PgTransaction};
 pub use problem::{BodyError, ReplayRequestBody, ReplayResponseBody};
 #[cfg(feature = "redis")]
 pub use redis_store::{OnVolatile, Persistence, RedisStore};
-pub use service::{Replay, ReplayFuture};
+pub use service::Replay;
+
+/// Future types.
+pub mod future {
+    pub use crate::service::ReplayFuture;
+}
 pub use store::{
     Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
     scope_of,

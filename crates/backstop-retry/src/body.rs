@@ -16,10 +16,10 @@ use tower_service::Service;
 /// A request body that the retry layer can replay when it fit the buffer.
 ///
 /// Built by [`BufferBodyLayer`]: a body that ended within the limit is held in memory
-/// ([`ResendBody::is_replayable`]) and each attempt gets a cheap copy (`Bytes` is
+/// ([`BufferedBody::is_replayable`]) and each attempt gets a cheap copy (`Bytes` is
 /// reference-counted); a larger body is streamed once, the part already read first, and the
 /// retry layer records why it was not retried.
-pub struct ResendBody<B> {
+pub struct BufferedBody<B> {
     kind: Kind<B>,
 }
 
@@ -35,26 +35,26 @@ enum Kind<B> {
     },
 }
 
-impl<B> fmt::Debug for ResendBody<B> {
+impl<B> fmt::Debug for BufferedBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
             Kind::Buffered { data, .. } => f
-                .debug_struct("ResendBody::Buffered")
+                .debug_struct("BufferedBody::Buffered")
                 .field("len", &data.as_ref().map_or(0, Bytes::len))
                 .finish(),
             Kind::Streaming { limit, .. } => f
-                .debug_struct("ResendBody::Streaming")
+                .debug_struct("BufferedBody::Streaming")
                 .field("limit", limit)
                 .finish(),
         }
     }
 }
 
-impl<B> ResendBody<B> {
+impl<B> BufferedBody<B> {
     /// A replayable body holding `data`.
     pub fn full(data: impl Into<Bytes>) -> Self {
         let data = data.into();
-        ResendBody {
+        BufferedBody {
             kind: Kind::Buffered {
                 data: (!data.is_empty()).then_some(data),
                 trailers: None,
@@ -69,7 +69,7 @@ impl<B> ResendBody<B> {
 
     pub(crate) fn try_clone(&self) -> Result<Self, NotCopyable> {
         match &self.kind {
-            Kind::Buffered { data, trailers } => Ok(ResendBody {
+            Kind::Buffered { data, trailers } => Ok(BufferedBody {
                 kind: Kind::Buffered {
                     data: data.clone(),
                     trailers: trailers.clone(),
@@ -82,7 +82,7 @@ impl<B> ResendBody<B> {
     }
 }
 
-impl<B> Body for ResendBody<B>
+impl<B> Body for BufferedBody<B>
 where
     B: Body + Unpin,
     B::Error: Into<BoxError>,
@@ -145,7 +145,7 @@ where
 /// Buffers request bodies up to `limit` bytes so the retry layer can replay them.
 ///
 /// Place it outside the retry layer. A body that ends within the limit becomes a replayable
-/// [`ResendBody`]; a longer one is passed on as a stream (what was read so far, then the rest),
+/// [`BufferedBody`]; a longer one is passed on as a stream (what was read so far, then the rest),
 /// sent once, and never retried; the retry layer records the reason. Reading stops at the limit,
 /// so memory per request is bounded by it.
 #[derive(Clone, Copy, Debug)]
@@ -179,7 +179,7 @@ pub struct BufferBody<S> {
 
 impl<S, B> Service<Request<B>> for BufferBody<S>
 where
-    S: Service<Request<ResendBody<B>>> + Clone,
+    S: Service<Request<BufferedBody<B>>> + Clone,
     S::Error: Into<BoxError>,
     B: Body + Unpin,
     B::Error: Into<BoxError>,
@@ -213,7 +213,7 @@ where
 #[pin_project]
 pub struct BufferBodyFuture<S, B>
 where
-    S: Service<Request<ResendBody<B>>>,
+    S: Service<Request<BufferedBody<B>>>,
 {
     #[pin]
     state: BufState<S, B>,
@@ -221,7 +221,7 @@ where
 
 impl<S, B> fmt::Debug for BufferBodyFuture<S, B>
 where
-    S: Service<Request<ResendBody<B>>>,
+    S: Service<Request<BufferedBody<B>>>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BufferBodyFuture").finish_non_exhaustive()
@@ -233,7 +233,7 @@ where
 #[pin_project(project = BufProj)]
 enum BufState<S, B>
 where
-    S: Service<Request<ResendBody<B>>>,
+    S: Service<Request<BufferedBody<B>>>,
 {
     Reading {
         svc: Option<S>,
@@ -251,7 +251,7 @@ where
 
 impl<S, B> Future for BufferBodyFuture<S, B>
 where
-    S: Service<Request<ResendBody<B>>>,
+    S: Service<Request<BufferedBody<B>>>,
     S::Error: Into<BoxError>,
     B: Body + Unpin,
     B::Error: Into<BoxError>,
@@ -309,7 +309,7 @@ where
                     };
                     let req = Request::from_parts(
                         parts.take().expect("parts present while reading"),
-                        ResendBody { kind },
+                        BufferedBody { kind },
                     );
                     let mut svc = svc.take().expect("service present while reading");
                     BufState::Calling { fut: svc.call(req) }

@@ -2,9 +2,9 @@
 //! Every attempt, the first included, is begun by [`Call::begin`]; after each, one decision
 //! ([`Call::decide`], the rules in `policy.rs`); every end passes [`Call::finish`].
 
+use crate::error_kind::Diagnosis;
 use crate::{
-    AttemptRecord, Diagnosis, ErrorKind, NotCopyable, Resend, RetryError, RetryHistory, StopReason,
-    Ticket,
+    AttemptRecord, ErrorKind, NotCopyable, Resend, RetryError, RetryHistory, StopReason, Ticket,
     future::{EndOf, Err, Fut, NOT_SENT, PolicyOf, Res, Retryable, State},
     policy::Schedule,
 };
@@ -174,8 +174,9 @@ impl<T: Retryable> Call<T> {
                 crate::owner(),
                 self.dependency.clone(),
                 self.deadline,
-            )
-            .for_attempt(attempt, self.cutoff.map(|c| c.at));
+                attempt,
+                self.cutoff.map(|c| c.at),
+            );
         }
         if self.attempt > 1 {
             crate::obs::retry(&self.dependency);

@@ -78,6 +78,7 @@ impl fmt::Display for StopReason {
 
 /// One attempt, as the retry layer saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AttemptRecord {
     /// 1 for the first attempt.
     pub attempt: u32,
@@ -98,6 +99,7 @@ pub struct AttemptRecord {
 /// Put in a response's extensions whenever more than one attempt was made or a retryable
 /// response is returned because the layer stopped; carried by every [`RetryError`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryHistory {
     /// The dependency.
     pub dependency: Dependency,
@@ -227,6 +229,7 @@ impl RetryError {
     }
 
     /// The text's parts: what `Display` says, and what `backstop::Error` says the same way.
+    #[doc(hidden)]
     pub fn told(&self) -> Told<'_> {
         let kind = self.kind();
         let diagnosis = Diagnosis::of(&*self.cause);
@@ -253,7 +256,7 @@ impl RetryError {
     }
 }
 
-/// In the same words as `backstop::Error` (see [`Told`]).
+/// In the same words as `backstop::Error`.
 impl fmt::Display for RetryError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.told().fmt(f)

@@ -1,6 +1,11 @@
-//! The retry layer's future, in tower's shape: an attempt in flight, a wait before the next, the
-//! service getting ready for it. Every attempt, the first included, is begun by
-//! [`Call::begin`]; every end of a call passes [`Call::finish`] (`call.rs`).
+//! Future types: the retry layer's [`ResponseFuture`], the hedge's and the body buffer's.
+//!
+//! The retry layer's future is in tower's shape: an attempt in flight, a wait before the next,
+//! the service getting ready for it. Every attempt, the first included, is begun by
+//! `Call::begin`; every end of a call passes `Call::finish` (`call.rs`).
+
+pub use crate::body::BufferBodyFuture;
+pub use crate::hedge::HedgeFuture;
 
 use crate::{
     Resend, StopReason,

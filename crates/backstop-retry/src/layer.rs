@@ -1,5 +1,5 @@
 use crate::{
-    AttemptGate, CloneRequest, HttpResend, NoBudget, Resend, RetryBudget, call::Call,
+    AttemptGate, CloneResend, HttpResend, NoBudget, Resend, RetryBudget, call::Call,
     future::ResponseFuture,
 };
 use backstop_backoff::{Backoff, RngSource};
@@ -79,7 +79,7 @@ pub(crate) struct Settings {
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct RetryLayer<C, P = CloneRequest, K = Dependency> {
+pub struct RetryLayer<C, P = CloneResend, K = Dependency> {
     classifier: C,
     resend: P,
     key: K,
@@ -112,7 +112,7 @@ impl<C> RetryLayer<C> {
     pub fn new(classifier: C) -> Self {
         RetryLayer {
             classifier,
-            resend: CloneRequest,
+            resend: CloneResend,
             key: Dependency::unnamed(),
             settings: Settings {
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
@@ -327,7 +327,7 @@ impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
 /// readiness again before it is sent, within the deadline.
 ///
 /// `Clone`: clones share the policy, the RNG source and the budget.
-pub struct Retry<S, C, P = CloneRequest, K = Dependency> {
+pub struct Retry<S, C, P = CloneResend, K = Dependency> {
     inner: S,
     /// How each request's dependency is found.
     key: K,

@@ -85,7 +85,7 @@ mod body;
 mod call;
 mod error;
 mod error_kind;
-mod future;
+pub mod future;
 mod hedge;
 mod layer;
 mod obs;
@@ -96,13 +96,20 @@ mod stream_body;
 pub use backstop_core::RetryScope;
 pub use backstop_core::{AttemptGate, NoBudget, RetryBudget, Ticket};
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
-pub use body::{BufferBody, BufferBodyLayer, ResendBody};
+pub use body::{BufferBody, BufferBodyLayer, BufferedBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
-pub use error_kind::{Diagnosis, ErrorKind, Told};
-pub use hedge::{Hedge, HedgeFuture, HedgeLayer, Hedging};
+pub use error_kind::ErrorKind;
+
+/// Not part of the public API: what the Backstop crates use to reach each other (the facade's
+/// `Error` tells a failure in [`RetryError`]'s words). Anything here may change in any release.
+#[doc(hidden)]
+pub mod plumbing {
+    pub use crate::error_kind::{Diagnosis, Told};
+}
+pub use hedge::{Hedge, HedgeLayer, Hedging};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
-pub use resend::{CloneRequest, CopyableBody, HttpResend, NotCopyable, Resend};
-pub use stream_body::{BodyTee, StreamedBody, StreamingResend, TeeReader};
+pub use resend::{CloneResend, HttpResend, NotCopyable, Resend, ResendableBody};
+pub use stream_body::{BodyTee, StreamingResend, TeeReader, TeeableBody};
 
 /// The owner under which this crate's retry layers claim calls: a type no other crate can
 /// name, so no caller can set the mark that makes them stand aside.
@@ -119,10 +126,4 @@ fn owner() -> backstop_core::ScopeOwner {
 /// error's words) to the stack outside.
 pub fn retried_outside<R: backstop_core::HasExtensions + ?Sized>(req: &R) -> bool {
     RetryScope::is_owned_by(req, owner())
-}
-
-/// Future types.
-pub mod futures {
-    pub use crate::body::BufferBodyFuture;
-    pub use crate::future::{AttemptEnd, ResponseFuture, Retryable};
 }

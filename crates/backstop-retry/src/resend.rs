@@ -1,4 +1,4 @@
-use crate::body::ResendBody;
+use crate::body::BufferedBody;
 use std::{borrow::Cow, error::Error, fmt};
 
 /// Why a request could not be copied for another attempt (a streamed body, say): the call
@@ -59,20 +59,20 @@ pub trait Resend<Req> {
 
 /// Copies any `Clone` request by cloning it (the default, for non-HTTP tool calls).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct CloneRequest;
+pub struct CloneResend;
 
-impl<Req: Clone> Resend<Req> for CloneRequest {
+impl<Req: Clone> Resend<Req> for CloneResend {
     fn copy(&self, req: &Req) -> Result<Req, NotCopyable> {
         Ok(req.clone())
     }
 }
 
-/// Copies an `http::Request<B>` whose body can be copied ([`CopyableBody`]): method, URI,
+/// Copies an `http::Request<B>` whose body can be copied ([`ResendableBody`]): method, URI,
 /// version, headers, extensions and body.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HttpResend;
 
-impl<B: CopyableBody> Resend<http::Request<B>> for HttpResend {
+impl<B: ResendableBody> Resend<http::Request<B>> for HttpResend {
     fn copy(&self, req: &http::Request<B>) -> Result<http::Request<B>, NotCopyable> {
         Ok(with_parts_of(req, req.body().copy_body()?))
     }
@@ -92,19 +92,19 @@ pub(crate) fn with_parts_of<B, B2>(req: &http::Request<B>, body: B2) -> http::Re
 /// A request body that can be sent again.
 ///
 /// Every `Clone` body is (`Full<Bytes>`, `Empty<Bytes>`, `String`, `()`); a streaming body is
-/// not, unless [`BufferBodyLayer`](crate::BufferBodyLayer) buffered it into a [`ResendBody`].
-pub trait CopyableBody: Sized {
+/// not, unless [`BufferBodyLayer`](crate::BufferBodyLayer) buffered it into a [`BufferedBody`].
+pub trait ResendableBody: Sized {
     /// A copy of the body for another attempt.
     fn copy_body(&self) -> Result<Self, NotCopyable>;
 }
 
-impl<B: Clone> CopyableBody for B {
+impl<B: Clone> ResendableBody for B {
     fn copy_body(&self) -> Result<Self, NotCopyable> {
         Ok(self.clone())
     }
 }
 
-impl<B> CopyableBody for ResendBody<B> {
+impl<B> ResendableBody for BufferedBody<B> {
     fn copy_body(&self) -> Result<Self, NotCopyable> {
         self.try_clone()
     }

@@ -252,14 +252,14 @@ where
 /// A request body type that a [`TeeReader`] can become: what the client under the stack takes
 /// (tonic's body with the `tonic` feature, a boxed body), so the stack takes and gives the same
 /// request type.
-pub trait StreamedBody: Sized + Send + 'static {
+pub trait TeeableBody: Sized + Send + 'static {
     /// `reader` as this body type.
     fn from_reader(reader: TeeReader<Self>) -> Self;
     /// An empty body (what the kept request holds; the bytes live in its [`BodyTee`]).
     fn placeholder() -> Self;
 }
 
-impl<E> StreamedBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E>
+impl<E> TeeableBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E>
 where
     E: From<BoxError> + Into<BoxError> + 'static,
 {
@@ -276,7 +276,7 @@ where
 }
 
 #[cfg(feature = "tonic")]
-impl StreamedBody for tonic::body::Body {
+impl TeeableBody for tonic::body::Body {
     fn from_reader(reader: TeeReader<Self>) -> Self {
         tonic::body::Body::new(reader)
     }
@@ -285,7 +285,7 @@ impl StreamedBody for tonic::body::Body {
     }
 }
 
-/// Copies requests whose bodies stream ([`StreamedBody`]), without reading the body first: the
+/// Copies requests whose bodies stream ([`TeeableBody`]), without reading the body first: the
 /// first attempt sends it as it arrives while up to `limit` bytes are kept; a retry sends what
 /// was kept, then the rest. Past the limit the request is committed: it is not retried, and
 /// the retry layer says why.
@@ -313,7 +313,7 @@ impl Default for StreamingResend {
     }
 }
 
-impl<B: StreamedBody> Resend<Request<B>> for StreamingResend {
+impl<B: TeeableBody> Resend<Request<B>> for StreamingResend {
     fn prepare(&self, req: Request<B>) -> Request<B> {
         if req.extensions().get::<BodyTee<B>>().is_some() {
             return req;

@@ -69,6 +69,7 @@ pub use timed::{AttemptCutoff, DeadlinePassed, Expiry};
 /// Future types.
 pub mod future {
     pub use crate::attempt::AttemptFuture;
+    pub use crate::body::BodyTimeoutFuture;
     pub use crate::deadline::DeadlineFuture;
     pub use crate::timed::TimedFuture;
 }

@@ -103,7 +103,7 @@ impl AttemptCutoff {
     }
 
     /// The end a retry layer outside planned for this attempt and put in its call context
-    /// ([`CallContext::for_attempt`]), for a layer
+    /// ([`CallContext::claim`]), for a layer
     /// further in whose own `limit` is that retry layer's attempt timeout: read, not planned
     /// again. `None` when no retry layer planned one.
     #[inline]

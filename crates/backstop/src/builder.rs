@@ -11,7 +11,7 @@ use backstop_core::{Dependency, HumanDuration, InvalidConfig, RetryBudget};
 use backstop_idempotency::{
     HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
 };
-use backstop_retry::{CloneRequest, HttpResend, RetryLayer};
+use backstop_retry::{CloneResend, HttpResend, RetryLayer};
 use backstop_timeout::LatencyTimeouts;
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -182,7 +182,7 @@ impl<P> Backstop<HttpClassifier, P, HttpKeys> {
     }
 }
 
-impl<C> Backstop<C, CloneRequest, ToolKeys> {
+impl<C> Backstop<C, CloneResend, ToolKeys> {
     /// The stack for non-HTTP tool calls to `dependency`: requests are copied by `Clone`,
     /// carry their key through `KeyedRequest`, and `classifier` judges their results. In the
     /// composed stack errors reach the classifier boxed (`BoxError`), so implement
@@ -191,7 +191,7 @@ impl<C> Backstop<C, CloneRequest, ToolKeys> {
         Self::with(
             dependency.into(),
             classifier,
-            CloneRequest,
+            CloneResend,
             IdempotencyLayer::tool_calls(),
         )
     }

@@ -11,6 +11,7 @@ use std::{
 /// A call that finally failed after it may have changed something (a mutating request), handed
 /// to a [`DeadLetterSink`] so that a person or a reconciliation job can settle it.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetter {
     /// When it failed (wall clock).
     pub at: SystemTime,

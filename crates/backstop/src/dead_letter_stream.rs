@@ -38,6 +38,7 @@ impl Default for StreamConfig {
 
 /// What a [`RedisStreamSink`] did, counted since it started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StreamStats {
     /// Letters written to the stream.
     pub written: u64,
@@ -160,6 +161,7 @@ async fn connect(url: &str) -> Result<ConnectionManager, BoxError> {
 
 /// One dead letter read from the stream.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct StreamLetter {
     /// The entry's id in the stream (what [`DeadLetterStream::ack`] takes).
     pub id: String,

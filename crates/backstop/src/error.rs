@@ -1,6 +1,9 @@
 use backstop_core::{BoxError, CircuitState, Dependency, Outcome};
 pub use backstop_retry::ErrorKind;
-use backstop_retry::{Diagnosis, RetryError, RetryHistory, Told};
+use backstop_retry::{
+    RetryError, RetryHistory,
+    plumbing::{Diagnosis, Told},
+};
 use std::{error::Error as StdError, fmt, time::Duration};
 
 /// The one error a Backstop stack returns.
@@ -265,7 +268,7 @@ impl Error {
     }
 }
 
-/// In the same words as [`RetryError`] (the one voice: [`Told`]): an error that came from the
+/// In the same words as [`RetryError`] (one voice for both): an error that came from the
 /// retry layer is told by it; a bare one from what its cause chain says.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -55,7 +55,7 @@ impl Backstop<GrpcClassifier, StreamingResend, HttpKeys> {
 impl<Res> Deliver<Res> for StreamingResend {
     type Response = Res;
     #[inline]
-    fn deliver(res: Res, _end: Option<backstop_retry::futures::AttemptEnd>) -> Res {
+    fn deliver(res: Res, _end: Option<backstop_retry::future::AttemptEnd>) -> Res {
         res
     }
 }

@@ -130,7 +130,12 @@ pub use builder::{Backstop, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset};
 pub use dead_letter::JsonLinesSink;
 pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
 pub use error::{Error, ErrorKind};
-pub use service::{BackstopFuture, BackstopLayer, BackstopService};
+pub use service::{BackstopLayer, BackstopService};
+
+/// The stack's future type.
+pub mod future {
+    pub use crate::service::BackstopFuture;
+}
 
 #[doc(inline)]
 pub use backstop_core::{
@@ -270,10 +275,10 @@ pub mod retry {
     pub use backstop_core::{CallContext, RetryScope, ScopeOwner};
     #[doc(inline)]
     pub use backstop_retry::{
-        AttemptRecord, BufferBody, BufferBodyLayer, CloneRequest, CopyableBody,
-        DEFAULT_MAX_ATTEMPTS, Diagnosis, Hedge, HedgeFuture, HedgeLayer, Hedging, HttpResend,
-        Limits, NotCopyable, Resend, ResendBody, Retry, RetryError, RetryHistory, RetryLayer,
-        StopReason, Told, futures, retried_outside,
+        AttemptRecord, BufferBody, BufferBodyLayer, BufferedBody, CloneResend,
+        DEFAULT_MAX_ATTEMPTS, Hedge, HedgeLayer, Hedging, HttpResend, Limits, NotCopyable, Resend,
+        ResendableBody, Retry, RetryError, RetryHistory, RetryLayer, StopReason, future,
+        retried_outside,
     };
 }
 
@@ -341,8 +346,8 @@ pub mod budget {
 pub mod breaker {
     #[doc(inline)]
     pub use backstop_breaker::{
-        Breaker, BreakerConfig, BreakerFuture, BreakerLayer, CircuitBreaker, CircuitStats,
-        CircuitTransition, DependencyBreaker,
+        Breaker, BreakerConfig, BreakerLayer, CircuitBreaker, CircuitStats, CircuitTransition,
+        DependencyBreaker, future,
     };
     #[cfg(feature = "fleet-breaker")]
     #[doc(inline)]
@@ -419,8 +424,7 @@ pub mod idempotency {
     #[doc(inline)]
     pub use backstop_idempotency::{
         ActionContext, HttpKeys, IdempotencyKey, IdempotencyLayer, Inject, InvalidKey, KeyFormat,
-        KeyFuture, KeyedRequest, MAX_KEY_LEN, MakeKey, NoKey, RandomKey, SetIdempotencyKey,
-        ToolKeys,
+        KeyedRequest, MAX_KEY_LEN, MakeKey, NoKey, RandomKey, SetIdempotencyKey, ToolKeys, future,
     };
 }
 
@@ -445,9 +449,9 @@ pub mod idempotency {
 pub mod replay {
     #[doc(inline)]
     pub use backstop_replay::{
-        BodyError, Claim, Fingerprint, Lease, MemoryStore, Principal, Replay, ReplayFuture,
-        ReplayLayer, ReplayRequestBody, ReplayResponseBody, ReplayStore, StoreError, StoreFuture,
-        StoredResponse, decode, encode, scope_of,
+        BodyError, Claim, Fingerprint, Lease, MemoryStore, Principal, Replay, ReplayLayer,
+        ReplayRequestBody, ReplayResponseBody, ReplayStore, StoreError, StoreFuture,
+        StoredResponse, decode, encode, future, scope_of,
     };
     #[cfg(feature = "redis")]
     #[doc(inline)]
@@ -468,8 +472,8 @@ pub mod journal {
     pub use backstop_journal::{
         ByOutcome, CallArgs, CallIdentity, CallResult, Change, Clock, Journal, JournalError,
         JournalLayer, Journaled, JournaledError, Judge, NewStep, Next, Reconcile, Reconciled,
-        Reconcilers, RequestLine, Resolution, ResumeReport, Run, RunContext, RunEnd, RunError,
-        RunEvent, RunOutcome, RunReport, RunState, RunSummary, StatedArgs, Step, StepArgs, StepId,
+        Reconcilers, RequestLine, Resolution, ResumeReport, RunContext, RunEnd, RunError, RunEvent,
+        RunOutcome, RunRecord, RunReport, RunState, RunSummary, StatedArgs, Step, StepArgs, StepId,
         StepKind, StepState, StepTransition, UnknownState, Worker, WorkflowResult, digest,
     };
 }
@@ -500,7 +504,7 @@ pub mod dead_letters_redis {
 pub mod chaos {
     #[doc(inline)]
     pub use backstop_chaos::{
-        Chaos, ChaosError, ChaosFuture, ChaosLayer, ChaosStats, FaultPlan, StatusReply,
+        Chaos, ChaosError, ChaosLayer, ChaosStats, FaultPlan, StatusReply, future,
     };
 }
 
@@ -567,5 +571,5 @@ pub mod grpc {
     #[doc(inline)]
     pub use backstop_classify::{GrpcClassifier, GrpcCode, RETRY_PUSHBACK, grpc_timeout};
     #[doc(inline)]
-    pub use backstop_retry::{BodyTee, StreamedBody, StreamingResend, TeeReader};
+    pub use backstop_retry::{BodyTee, StreamingResend, TeeReader, TeeableBody};
 }

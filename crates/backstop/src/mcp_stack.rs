@@ -3,9 +3,9 @@
 use crate::{Backstop, Error};
 use backstop_idempotency::ToolKeys;
 use backstop_mcp::{McpClassifier, ToolResult};
-use backstop_retry::CloneRequest;
+use backstop_retry::CloneResend;
 
-impl Backstop<McpClassifier, CloneRequest, ToolKeys> {
+impl Backstop<McpClassifier, CloneResend, ToolKeys> {
     /// The stack for the tool calls ([`ToolCall`](crate::mcp::ToolCall)s) of one MCP server,
     /// named `dependency`: [`McpClassifier`] judges results, each call carries a key per
     /// intended action in its `_meta` on every attempt, and each call's
@@ -47,13 +47,13 @@ impl Backstop<McpClassifier, CloneRequest, ToolKeys> {
 }
 
 #[cfg(feature = "rmcp")]
-impl crate::BackstopLayer<McpClassifier, CloneRequest, ToolKeys> {
+impl crate::BackstopLayer<McpClassifier, CloneResend, ToolKeys> {
     /// The stack over an rmcp client's `call_tool`: every error a typed [`Error`], keys in
     /// `_meta`, the deadline and the retries as for any other client.
     pub fn rmcp(
         &self,
         peer: rmcp::service::Peer<rmcp::RoleClient>,
-    ) -> crate::BackstopService<backstop_mcp::rmcp::RmcpClient, McpClassifier, CloneRequest, ToolKeys>
+    ) -> crate::BackstopService<backstop_mcp::rmcp::RmcpClient, McpClassifier, CloneResend, ToolKeys>
     {
         tower_layer::Layer::layer(self, backstop_mcp::rmcp::RmcpClient::new(peer))
     }

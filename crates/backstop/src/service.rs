@@ -12,7 +12,7 @@ use backstop_core::{BoxError, Dependency, HasExtensions, InvalidConfig, RetryBud
 use backstop_idempotency::Inject;
 use backstop_retry::{
     Hedging, Resend, Retry, RetryLayer,
-    futures::{ResponseFuture, Retryable},
+    future::{ResponseFuture, Retryable},
 };
 use backstop_timeout::BoundLatency;
 use pin_project::pin_project;

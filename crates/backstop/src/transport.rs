@@ -3,12 +3,12 @@
 //! types, implemented here for HTTP, tool calls and gRPC only.
 
 use crate::{attempt_header::AttemptCount, box_errors::BoxErrors};
-use backstop_retry::{CloneRequest, HttpResend, futures::AttemptEnd};
+use backstop_retry::{CloneResend, HttpResend, future::AttemptEnd};
 use backstop_timeout::TimedBody;
 use std::time::Duration;
 
 /// How the composed stack wraps the client for its kind of request: for HTTP ([`HttpResend`])
-/// the attempt number under the configured header; tool calls ([`CloneRequest`]) are passed
+/// the attempt number under the configured header; tool calls ([`CloneResend`]) are passed
 /// as they are. Either way [`BoxErrors`] gives the classifier every error of the client as a
 /// `BoxError`.
 #[allow(unreachable_pub)] // Sealed: public in name only, so that public types can use it.
@@ -62,14 +62,14 @@ impl<B> Deliver<http::Response<B>> for HttpResend {
     }
 }
 
-impl<S> Transport<S> for CloneRequest {
+impl<S> Transport<S> for CloneResend {
     type Client = BoxErrors<S>;
     fn wrap(&self, client: S, _settings: &TransportSettings) -> Self::Client {
         BoxErrors(client)
     }
 }
 
-impl<Res> Deliver<Res> for CloneRequest {
+impl<Res> Deliver<Res> for CloneResend {
     type Response = Res;
     #[inline]
     fn deliver(res: Res, _end: Option<AttemptEnd>) -> Res {

@@ -355,6 +355,8 @@ async fn no_caller_can_make_the_retry_layer_stand_aside() {
         ScopeOwner::of::<NotBackstop>(),
         Dependency::new("carrier-api"),
         None,
+        Some(1),
+        None,
     );
     assert!(RetryScope::is_marked(&req));
     let res = layer()
@@ -362,6 +364,53 @@ async fn no_caller_can_make_the_retry_layer_stand_aside() {
         .oneshot(req)
         .await
         .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(attempts.load(Ordering::SeqCst), 3);
+}
+
+/// A retrying layer of the caller's own: it claims each request under its own owner, then
+/// calls the stack inside it.
+fn claiming<S>(
+    inner: S,
+) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static
+where
+    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+{
+    struct TheirRetries;
+    service_fn(move |mut req: Req| {
+        CallContext::claim(
+            &mut req,
+            ScopeOwner::of::<TheirRetries>(),
+            Dependency::new("carrier-api"),
+            None,
+            None,
+            None,
+        );
+        let inner = inner.clone();
+        async move { inner.oneshot(req).await }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_further_in_leaves_the_outer_retry_layer_owning_the_call() {
+    // Backstop's layer, a retrying layer of the caller's that claims the call, and a second
+    // Backstop layer further in: the inner claim does not take the call from the outer layer,
+    // so the inner Backstop layer stands aside (3 attempts, not 9).
+    let attempts = Arc::new(AtomicU32::new(0));
+    let inner = layer().layer(always_503(Arc::clone(&attempts)));
+    let res = layer().layer(claiming(inner)).oneshot(get()).await.unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(attempts.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn nested_retry_layers_under_a_callers_claim_make_one_set_of_attempts() {
+    // The caller's claim comes first: Backstop's outer layer is recorded beside it, so the one
+    // nested inside still sees it and stands aside (3 attempts, not 9).
+    let attempts = Arc::new(AtomicU32::new(0));
+    let inner = layer().layer(always_503(Arc::clone(&attempts)));
+    let outer = layer().layer(lazily(inner));
+    let res = claiming(outer).oneshot(get()).await.unwrap();
     assert_eq!(res.status(), 503);
     assert_eq!(attempts.load(Ordering::SeqCst), 3);
 }

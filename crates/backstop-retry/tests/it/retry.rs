@@ -438,7 +438,7 @@ async fn readiness_is_polled_again_before_every_attempt() {
 async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
     let bodies = Arc::new(Mutex::new(Vec::new()));
     let seen = bodies.clone();
-    let inner = service_fn(move |req: Request<backstop_retry::ResendBody<_>>| {
+    let inner = service_fn(move |req: Request<backstop_retry::BufferedBody<_>>| {
         let seen = seen.clone();
         async move {
             let body = req.into_body().collect().await?.to_bytes();

@@ -1,0 +1,454 @@
+//! tower's idioms as a conformance suite: each way tower users drive a service, run against the
+//! composed stack (over a leaf and with the call context), the retry layer alone, and each layer
+//! crate's service. The inner service is `tower-test`'s mock, which panics when `call` comes
+//! without a `poll_ready` that answered `Ready` on the very handle called: so every case also
+//! checks that `poll_ready` is called before every call and every retry, and that the call uses
+//! the handle whose readiness was reserved (tower's clone-and-swap). Each case names the idiom
+//! and the promise it checks. The paused clock keeps time; nothing depends on the machine's.
+
+use backstop::{
+    Backstop, BoxError,
+    backoff::{Backoff, RngSource},
+    breaker::{Breaker, BreakerConfig, BreakerLayer},
+    budget::Budget,
+    chaos::{ChaosLayer, FaultPlan},
+    classify::HttpClassifier,
+    idempotency::IdempotencyLayer,
+    retry::RetryLayer,
+    timeout::{AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer},
+};
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+use tokio::time::Instant;
+use tower::{
+    Layer, Service, ServiceExt,
+    buffer::Buffer,
+    limit::{ConcurrencyLimit, RateLimit},
+    load::{CompleteOnResponse, PendingRequests},
+    load_shed::LoadShed,
+    util::BoxCloneService,
+};
+use tower_test::mock::{self, Handle, Mock};
+
+type Req = Request<Full<Bytes>>;
+type Res = Response<Full<Bytes>>;
+/// What a subject wraps: the mock, or the mock under a limit, boxed so each subject is one type.
+type Inner = BoxCloneService<Req, Res, BoxError>;
+/// A subject as the idioms drive it: its answer is the status.
+type Subject = BoxCloneService<Req, StatusCode, BoxError>;
+
+/// Builds a subject over the inner service it is given.
+type Wrap = fn(Inner) -> Subject;
+
+/// The services under test, by name.
+fn subjects() -> Vec<(&'static str, Wrap)> {
+    vec![
+        ("the composed stack", |inner| {
+            let layer = stack_builder("conformance-stack").build().unwrap();
+            status_of(layer.layer(inner))
+        }),
+        ("the composed stack over a leaf", |inner| {
+            let layer = stack_builder("conformance-leaf").build().unwrap();
+            status_of(layer.leaf(inner))
+        }),
+        ("the retry layer", |inner| {
+            let layer = RetryLayer::http()
+                .dependency("conformance-retry")
+                .rng(RngSource::seeded(7))
+                .backoff(Backoff::constant(Duration::from_millis(20)));
+            status_of(layer.layer(inner))
+        }),
+        ("the attempt timeout", |inner| {
+            status_of(AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(inner))
+        }),
+        ("the deadline", |inner| {
+            status_of(DeadlineLayer::new(Duration::from_secs(2)).layer(inner))
+        }),
+        ("the body timeout", |inner| {
+            status_of(BodyTimeoutLayer::new(Some(Duration::from_secs(1))).layer(inner))
+        }),
+        ("the breaker", |inner| {
+            let breaker = Breaker::new(BreakerConfig::default()).unwrap();
+            status_of(BreakerLayer::new(breaker, HttpClassifier::default()).layer(inner))
+        }),
+        ("the idempotency key", |inner| {
+            status_of(IdempotencyLayer::http().layer(inner))
+        }),
+        ("the fault layer, with no faults", |inner| {
+            status_of(
+                ChaosLayer::new(FaultPlan::default(), 1)
+                    .unwrap()
+                    .layer(inner),
+            )
+        }),
+    ]
+}
+
+/// Subjects that retry a 503 themselves.
+fn retries(name: &str) -> bool {
+    name.starts_with("the composed stack") || name == "the retry layer"
+}
+
+fn stack_builder(
+    dependency: &'static str,
+) -> Backstop<HttpClassifier, backstop::retry::HttpResend, backstop::idempotency::HttpKeys> {
+    Backstop::http(dependency)
+        .budget(Budget::default())
+        .breaker(Breaker::new(BreakerConfig::default()).unwrap())
+        .backoff(Backoff::constant(Duration::from_millis(20)))
+        .rng(RngSource::seeded(7))
+        .attempt_timeout(Duration::from_secs(1))
+        .deadline(Duration::from_secs(2))
+}
+
+fn status_of<S, B>(svc: S) -> Subject
+where
+    S: Service<Req, Response = Response<B>> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    BoxCloneService::new(svc.map_response(|r| r.status()).map_err(Into::into))
+}
+
+fn boxed<S>(svc: S) -> Inner
+where
+    S: Service<Req, Response = Res> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    BoxCloneService::new(svc.map_err(Into::into))
+}
+
+fn get() -> Req {
+    Request::get("http://conformance.local/item")
+        .body(Full::default())
+        .unwrap()
+}
+
+fn answer(status: u16) -> Res {
+    Response::builder()
+        .status(status)
+        .body(Full::default())
+        .unwrap()
+}
+
+/// A mock and a task answering every request it receives with `status`, counting them.
+fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
+    let (mock, handle) = mock::pair::<Req, Res>();
+    let seen = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(respond(handle, Arc::clone(&seen), move |_| status));
+    (mock, seen)
+}
+
+/// Answers each request with what `status` says for its number (0 for the first).
+async fn respond(
+    mut handle: Handle<Req, Res>,
+    seen: Arc<AtomicUsize>,
+    status: impl Fn(usize) -> u16 + Send + 'static,
+) {
+    while let Some((_req, reply)) = handle.next_request().await {
+        let n = seen.fetch_add(1, Ordering::SeqCst);
+        reply.send_response(answer(status(n)));
+    }
+}
+
+/// `oneshot` on a clone: readiness, then the call, on the clone; the answer comes back.
+#[tokio::test(start_paused = true)]
+async fn oneshot_on_a_clone_is_answered() {
+    for (name, subject) in subjects() {
+        let (mock, seen) = answered(200);
+        let svc = subject(boxed(mock));
+        let status = svc.clone().oneshot(get()).await.unwrap();
+        assert_eq!(status, 200, "{name}");
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "{name}: one request");
+    }
+}
+
+/// One long-lived handle, `ready().await` then `call`, many times: each call goes out on the
+/// handle polled ready (the mock panics otherwise) and is answered.
+#[tokio::test(start_paused = true)]
+async fn a_kept_handle_serves_call_after_call() {
+    for (name, subject) in subjects() {
+        let (mock, seen) = answered(200);
+        let mut svc = subject(boxed(mock));
+        for i in 0..5 {
+            let status = svc.ready().await.unwrap().call(get()).await.unwrap();
+            assert_eq!(status, 200, "{name}: call {i}");
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 5, "{name}");
+    }
+}
+
+/// A retry polls readiness before it goes out: the mock panics on a call that was not polled
+/// ready, so a retried 503 that ends 200 proves it. Subjects that do not retry hand the 503 back.
+#[tokio::test(start_paused = true)]
+async fn every_retry_is_polled_ready_before_it_is_sent() {
+    for (name, subject) in subjects() {
+        let (mock, handle) = mock::pair::<Req, Res>();
+        let seen = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(respond(handle, Arc::clone(&seen), |n| {
+            if n == 0 { 503 } else { 200 }
+        }));
+        let status = subject(boxed(mock)).oneshot(get()).await.unwrap();
+        if retries(name) {
+            assert_eq!(status, 200, "{name}: retried");
+            assert_eq!(seen.load(Ordering::SeqCst), 2, "{name}");
+        } else {
+            assert_eq!(status, 503, "{name}: handed back");
+            assert_eq!(seen.load(Ordering::SeqCst), 1, "{name}");
+        }
+    }
+}
+
+/// The readiness a handle reserved is used by the call that follows it: with one call allowed,
+/// the kept handle's `ready()` reserves it, its `call` spends it, and the next `poll_ready` waits
+/// until more are allowed.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_is_spent_by_the_call_that_follows_it() {
+    for (name, subject) in subjects() {
+        let (mock, mut handle) = mock::pair::<Req, Res>();
+        handle.allow(1);
+        let mut svc = subject(boxed(mock));
+        let fut = tokio::spawn(svc.ready().await.unwrap().call(get()));
+        let (_req, reply) = handle
+            .next_request()
+            .await
+            .expect("the reserved call went out");
+        reply.send_response(answer(200));
+        assert_eq!(fut.await.unwrap().unwrap(), 200, "{name}");
+        let mut next = tokio_test::task::spawn(svc.ready());
+        assert!(next.poll().is_pending(), "{name}: nothing left to reserve");
+        handle.allow(1);
+        assert!(
+            next.is_woken(),
+            "{name}: woken when the mock allows another"
+        );
+        assert!(next.poll().is_ready(), "{name}");
+    }
+}
+
+/// `Buffer` in front, a limit of one inside, three callers at once: each is served in turn (the
+/// buffer's worker drives one handle; its reservation is the one its call uses).
+#[tokio::test(start_paused = true)]
+async fn a_buffer_in_front_of_a_limit_serves_every_caller() {
+    for (name, subject) in subjects() {
+        let (mock, handle) = mock::pair::<Req, Res>();
+        let seen = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(respond_slowly(handle, Arc::clone(&seen)));
+        let svc = Buffer::new(subject(boxed(ConcurrencyLimit::new(mock, 1))), 8);
+        let started = Instant::now();
+        let calls: Vec<_> = (0..3)
+            .map(|_| tokio::spawn(svc.clone().oneshot(get())))
+            .collect();
+        for call in calls {
+            assert_eq!(call.await.unwrap().unwrap(), 200, "{name}");
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 3, "{name}");
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(300),
+            "{name}: one after another"
+        );
+    }
+}
+
+/// Answers each request after 100 ms (each in a task of its own, so a limit decides the order).
+async fn respond_slowly(mut handle: Handle<Req, Res>, seen: Arc<AtomicUsize>) {
+    while let Some((_req, reply)) = handle.next_request().await {
+        seen.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            reply.send_response(answer(200));
+        });
+    }
+}
+
+/// `ConcurrencyLimit` outside: the subject's readiness is asked only with a permit held, and two
+/// callers through a limit of one are served in turn.
+#[tokio::test(start_paused = true)]
+async fn a_concurrency_limit_outside_serves_callers_in_turn() {
+    for (name, subject) in subjects() {
+        let (mock, handle) = mock::pair::<Req, Res>();
+        let seen = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(respond_slowly(handle, Arc::clone(&seen)));
+        let svc = ConcurrencyLimit::new(subject(boxed(mock)), 1);
+        let started = Instant::now();
+        let (a, b) = tokio::join!(svc.clone().oneshot(get()), svc.clone().oneshot(get()));
+        assert_eq!(
+            (a.unwrap().as_u16(), b.unwrap().as_u16()),
+            (200, 200),
+            "{name}"
+        );
+        assert_eq!(started.elapsed(), Duration::from_millis(200), "{name}");
+    }
+}
+
+/// `RateLimit` inside (behind a `Buffer`, which makes it shareable) and outside: two calls per
+/// 400 ms, so four calls take 400 ms (well within the attempt timeout: a call waiting in the
+/// buffer is an attempt in flight).
+#[tokio::test(start_paused = true)]
+async fn a_rate_limit_inside_or_outside_paces_the_calls() {
+    for (name, subject) in subjects() {
+        let (mock, _seen) = answered(200);
+        let limited = Buffer::new(
+            RateLimit::new(
+                mock,
+                tower::limit::rate::Rate::new(2, Duration::from_millis(400)),
+            ),
+            8,
+        );
+        let mut inside = subject(boxed(limited));
+        let started = Instant::now();
+        for _ in 0..4 {
+            assert_eq!(
+                inside.ready().await.unwrap().call(get()).await.unwrap(),
+                200,
+                "{name}"
+            );
+        }
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(400),
+            "{name}: paced inside"
+        );
+
+        let (mock, _seen) = answered(200);
+        let mut outside = RateLimit::new(
+            subject(boxed(mock)),
+            tower::limit::rate::Rate::new(2, Duration::from_millis(400)),
+        );
+        let started = Instant::now();
+        for _ in 0..4 {
+            assert_eq!(
+                outside.ready().await.unwrap().call(get()).await.unwrap(),
+                200,
+                "{name}"
+            );
+        }
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(400),
+            "{name}: paced outside"
+        );
+    }
+}
+
+/// `load_shed` outside, the service inside not ready: the call is shed at once, and nothing
+/// reaches the service.
+#[tokio::test(start_paused = true)]
+async fn load_shed_outside_sheds_when_the_service_inside_is_not_ready() {
+    for (name, subject) in subjects() {
+        let (mock, mut handle) = mock::pair::<Req, Res>();
+        handle.allow(0);
+        let started = Instant::now();
+        let err = LoadShed::new(subject(boxed(mock)))
+            .oneshot(get())
+            .await
+            .unwrap_err();
+        assert!(
+            err.is::<tower::load_shed::error::Overloaded>(),
+            "{name}: {err}"
+        );
+        assert_eq!(started.elapsed(), Duration::ZERO, "{name}: at once");
+        assert!(
+            !matches!(
+                tokio_test::task::spawn(handle.next_request()).poll(),
+                std::task::Poll::Ready(Some(_))
+            ),
+            "{name}: nothing sent"
+        );
+    }
+}
+
+/// A balancer (`p2c`) over two instances, one of whose services is never ready: every call goes
+/// to the ready one, since the balancer sees each instance's readiness.
+#[tokio::test(start_paused = true)]
+async fn a_balancer_sends_every_call_to_the_ready_instance() {
+    for (name, subject) in subjects() {
+        let (stuck, mut stuck_handle) = mock::pair::<Req, Res>();
+        stuck_handle.allow(0);
+        let (ready, seen) = answered(200);
+        let load = |svc| PendingRequests::new(svc, CompleteOnResponse::default());
+        let list = tower::discover::ServiceList::new(vec![
+            load(subject(boxed(stuck))),
+            load(subject(boxed(ready))),
+        ]);
+        let mut balance = tower::balance::p2c::Balance::new(list);
+        for _ in 0..6 {
+            let status = balance.ready().await.unwrap().call(get()).await.unwrap();
+            assert_eq!(status, 200, "{name}");
+        }
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            6,
+            "{name}: all to the ready one"
+        );
+    }
+}
+
+/// `ServiceExt::call_all`: a stream of requests through one handle, each answered in order.
+#[tokio::test(start_paused = true)]
+async fn call_all_answers_a_stream_of_requests() {
+    use tokio_stream::StreamExt as _;
+    for (name, subject) in subjects() {
+        let (mock, seen) = answered(200);
+        let requests = tokio_stream::iter((0..5).map(|_| get()));
+        let answers: Vec<_> = subject(boxed(mock)).call_all(requests).collect().await;
+        assert_eq!(answers.len(), 5, "{name}");
+        assert!(
+            answers.iter().all(|a| matches!(a, Ok(s) if *s == 200)),
+            "{name}"
+        );
+        assert_eq!(seen.load(Ordering::SeqCst), 5, "{name}");
+    }
+}
+
+/// A `MakeService` (`tower::make::Shared`, as hyper and axum take one): each made service is a
+/// clone that serves on its own.
+#[tokio::test(start_paused = true)]
+async fn a_make_service_hands_out_clones_that_serve() {
+    use tower::make::MakeService as _;
+    for (name, subject) in subjects() {
+        let (mock, seen) = answered(200);
+        let mut make = tower::make::Shared::new(subject(boxed(mock)));
+        for _ in 0..2 {
+            let svc = make.make_service(()).await.unwrap();
+            assert_eq!(svc.oneshot(get()).await.unwrap(), 200, "{name}");
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 2, "{name}");
+    }
+}
+
+/// Dropping a future releases what it holds: a call dropped while it waits for readiness, and
+/// one dropped while its request is in flight, each leave the limit inside free for the next.
+#[tokio::test(start_paused = true)]
+async fn dropping_a_future_releases_what_it_holds() {
+    for (name, subject) in subjects() {
+        let (mock, mut handle) = mock::pair::<Req, Res>();
+        let svc = subject(boxed(ConcurrencyLimit::new(mock, 1)));
+        // In flight, then dropped.
+        let mut first = tokio_test::task::spawn(svc.clone().oneshot(get()));
+        assert!(first.poll().is_pending(), "{name}");
+        let (_req, _reply) = handle.next_request().await.expect("the first went out");
+        drop(first);
+        // Waiting for readiness behind a second caller, then dropped.
+        handle.allow(0);
+        let mut waiting = tokio_test::task::spawn(svc.clone().oneshot(get()));
+        assert!(waiting.poll().is_pending(), "{name}");
+        drop(waiting);
+        // The permit and the reservation are free: the next call goes out and is answered.
+        handle.allow(1);
+        let next = tokio::spawn(svc.clone().oneshot(get()));
+        let (_req, reply) = handle.next_request().await.expect("the next went out");
+        reply.send_response(answer(200));
+        assert_eq!(next.await.unwrap().unwrap(), 200, "{name}");
+    }
+}
