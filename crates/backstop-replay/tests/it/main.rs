@@ -1,4 +1,5 @@
 //! The replay layer's integration tests in one binary, a module per concern.
 
+mod model;
 mod postgres;
 mod replay;
