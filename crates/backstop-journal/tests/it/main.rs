@@ -2,4 +2,5 @@
 
 mod cost;
 mod journal;
+mod model;
 mod worker;
