@@ -2,7 +2,8 @@
 //! caller writing journal code.
 
 use crate::{
-    journal::{Journal, JournalError},
+    JournalError,
+    journal::Journal,
     model::NewStep,
     runner::{CallResult, ToSend},
 };

@@ -48,6 +48,7 @@ compile_error!(
     "backstop-journal needs a store: enable its `sqlite` feature (the default), `postgres`, or both"
 );
 
+mod error;
 mod journal;
 mod layer;
 mod model;
@@ -58,9 +59,11 @@ mod runner;
 mod send;
 #[cfg(feature = "postgres")]
 mod step_conns;
+mod steps;
 mod worker;
 
-pub use journal::{CallIdentity, Change, Clock, Journal, JournalError};
+pub use error::JournalError;
+pub use journal::{CallIdentity, Clock, Journal};
 pub use layer::{
     ByOutcome, CallArgs, JournalLayer, Journaled, JournaledError, Judge, RequestLine, StatedArgs,
     StepArgs,
@@ -71,4 +74,5 @@ pub use model::{
 };
 pub use run::{RunEvent, RunOutcome, RunRecord, RunState};
 pub use runner::{CallResult, Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
+pub use steps::Change;
 pub use worker::{RunContext, RunEnd, RunError, RunReport, Worker, WorkflowResult};

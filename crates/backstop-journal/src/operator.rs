@@ -4,9 +4,11 @@
 //! back to pending, and a worker takes it from there.
 
 use crate::{
-    journal::{Change, Journal, JournalError},
+    JournalError,
+    journal::Journal,
     model::{Step, StepId, StepState},
     run::{RETRYABLE, RunState},
+    steps::Change,
 };
 
 impl Journal {

@@ -6,7 +6,8 @@
 #[cfg(feature = "sqlite")]
 use crate::journal::to_sqlite;
 use crate::{
-    journal::{Journal, JournalError, with_pool},
+    JournalError,
+    journal::{Journal, with_pool},
     model::{RunSummary, StepState},
 };
 use std::{fmt, str::FromStr, time::Duration};

@@ -3,8 +3,10 @@
 //! wake at their time, and what nobody can tell goes to a person.
 
 use crate::{
-    journal::{Change, Journal, JournalError},
+    JournalError,
+    journal::Journal,
     model::{NewStep, Step, StepId, StepState},
+    steps::Change,
 };
 use backstop_core::Outcome;
 use std::{collections::HashMap, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};

@@ -8,8 +8,10 @@
 #[cfg(feature = "sqlite")]
 use crate::journal::to_sqlite;
 use crate::{
-    journal::{Change, Journal, JournalError, STEP_COLUMNS, step_from_row},
+    JournalError,
+    journal::{Journal, STEP_COLUMNS},
     model::{NewStep, Step, StepId, StepState},
+    steps::{Change, step_from_row},
 };
 
 /// A history row's columns.

@@ -3,7 +3,7 @@
 //! the statement's answer); a step's writes would cost twice their round trips. These are
 //! handed back as they are after a statement that succeeded, and closed after one that failed.
 
-use crate::journal::JournalError;
+use crate::JournalError;
 use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
 use std::{
     sync::{Arc, Mutex},

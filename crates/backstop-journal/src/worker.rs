@@ -5,7 +5,8 @@
 //! defers the run until its durable timer is due, and the run's record says how it ended.
 
 use crate::{
-    journal::{Journal, JournalError},
+    JournalError,
+    journal::Journal,
     model::{NewStep, Step, StepId, StepState},
     run::{RunOutcome, RunRecord, RunState},
     runner::{CallResult, Reconcilers, ResumeReport},

@@ -1,0 +1,127 @@
+//! Why a journal operation failed.
+
+use crate::{
+    journal::CallIdentity,
+    model::{Step, StepId, StepState},
+};
+use std::fmt;
+
+/// Why a journal operation failed. Nothing is half-written: each operation is one transaction.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum JournalError {
+    /// The database could not be reached or refused the statement.
+    Store(String),
+    /// The step is not where the caller expected (another worker moved it, or the move is not
+    /// allowed): nothing was written.
+    Conflict {
+        /// The step.
+        id: StepId,
+        /// Where the caller expected it.
+        expected: Vec<StepState>,
+        /// Where it is (`None`: not recorded).
+        found: Option<StepState>,
+        /// The move asked for.
+        to: StepState,
+    },
+    /// A step with these ids was recorded for another call (another tool, or other
+    /// arguments): the new call is refused, and nothing is sent.
+    ArgsChanged {
+        /// The step.
+        id: StepId,
+        /// The recorded call.
+        recorded: Box<CallIdentity>,
+        /// The refused call.
+        refused: Box<CallIdentity>,
+    },
+    /// The step's outcome is unknown: it must be reconciled before anything sends it again.
+    NeedsReconciliation(Box<Step>),
+    /// No such run or step.
+    NotFound(String),
+    /// The step is over already: it was not sent again (its stored result is in the step).
+    AlreadyDone(Box<Step>),
+    /// The step is parked until its time: it was not sent.
+    Parked(Box<Step>),
+    /// The run cannot do what was asked (it is over, it was started as another workflow, or
+    /// another worker holds it): nothing was written.
+    RunRefused {
+        /// The run.
+        run: String,
+        /// Why, in words.
+        why: String,
+    },
+}
+
+impl fmt::Display for JournalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            JournalError::Store(e) => write!(f, "the journal's database failed: {e}"),
+            JournalError::Conflict {
+                id,
+                expected,
+                found,
+                to,
+            } => {
+                let expected: Vec<_> = expected.iter().map(|s| s.as_str()).collect();
+                match found {
+                    Some(found) => write!(
+                        f,
+                        "step {id} is {found}, not {}: it was not moved to {to}",
+                        expected.join(" or ")
+                    ),
+                    None => write!(
+                        f,
+                        "step {id} is not in the journal: it was not moved to {to}"
+                    ),
+                }
+            }
+            JournalError::ArgsChanged {
+                id,
+                recorded,
+                refused,
+            } => write!(
+                f,
+                "step {id} was recorded for a call to {} with arguments {}, and this call to {} \
+                 has arguments {}: a different call cannot reuse a step's ids (it was not sent)",
+                recorded.tool,
+                short(&recorded.args_digest),
+                refused.tool,
+                short(&refused.args_digest)
+            ),
+            JournalError::NeedsReconciliation(step) => write!(
+                f,
+                "step {} was sent and its outcome is unknown ({}): reconcile it before sending it again",
+                step.id, step.state
+            ),
+            JournalError::NotFound(what) => write!(f, "{what} is not in the journal"),
+            JournalError::AlreadyDone(step) => write!(
+                f,
+                "step {} is already {} (the journal has its result): it was not sent again",
+                step.id, step.state
+            ),
+            JournalError::Parked(step) => write!(
+                f,
+                "step {} is parked until {} ms since the epoch (its dependency asked to wait): it was not sent",
+                step.id,
+                step.park_until.unwrap_or_default()
+            ),
+            JournalError::RunRefused { run, why } => write!(f, "run {run}: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for JournalError {}
+
+/// A digest as shown in words: its first 12 characters.
+fn short(digest: &str) -> String {
+    match digest.get(..12) {
+        Some(head) if digest.len() > 12 => format!("{head}…"),
+        _ => digest.to_owned(),
+    }
+}
+
+impl From<sqlx::Error> for JournalError {
+    fn from(e: sqlx::Error) -> Self {
+        JournalError::Store(e.to_string())
+    }
+}
