@@ -2,6 +2,7 @@
 //! once. `tests/mcp_trace.rs` is a binary of its own, since it installs a global tracing
 //! subscriber.
 
+mod breaker_states;
 mod cancellation;
 mod chaos;
 mod client_guarantees;

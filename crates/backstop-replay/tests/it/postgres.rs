@@ -157,6 +157,17 @@ fn refunds(
     })
 }
 
+/// A PostgreSQL of the test's own with a store and an empty `refunds` table.
+async fn refunds_database() -> (PostgresServer, PgStore) {
+    let pg = PostgresServer::start().await;
+    let store = PgStore::connect(&pg.url()).await.unwrap();
+    sqlx::query("CREATE TABLE refunds (id bigserial PRIMARY KEY, order_id text NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    (pg, store)
+}
+
 async fn count(pool: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM refunds")
         .fetch_one(pool)
@@ -166,12 +177,7 @@ async fn count(pool: &sqlx::PgPool) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_transactional_mode_commits_the_effect_and_the_record_together() {
-    let pg = PostgresServer::start().await;
-    let store = PgStore::connect(&pg.url()).await.unwrap();
-    sqlx::query("CREATE TABLE refunds (id bigserial PRIMARY KEY, order_id text NOT NULL)")
-        .execute(store.pool())
-        .await
-        .unwrap();
+    let (_pg, store) = refunds_database().await;
     let layer = || ReplayLayer::transactional(store.clone()).single_tenant();
 
     // Committed once, replayed after.
@@ -226,6 +232,111 @@ async fn the_transactional_mode_commits_the_effect_and_the_record_together() {
     assert_eq!(count(store.pool()).await, 2);
 }
 
+/// A refund handler that writes its row in the layer's transaction, says so on `written`, and
+/// then stalls its thread until `go`: a paused process, in which nothing of its task runs, the
+/// lease renewal included (the runtime hands its other work to another thread meanwhile).
+/// A handler as the replay layer's tests hold one.
+type Handler =
+    tower::util::BoxCloneService<Request<ReplayRequestBody>, Response<Full<Bytes>>, Infallible>;
+
+fn stalling(
+    who: &'static str,
+) -> (
+    Handler,
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::Sender<()>,
+) {
+    use std::sync::{Arc, Mutex, mpsc};
+    let (written_tx, written) = mpsc::channel::<()>();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let (written_tx, go_rx) = (
+        Arc::new(Mutex::new(written_tx)),
+        Arc::new(Mutex::new(go_rx)),
+    );
+    let svc = service_fn(move |req: Request<ReplayRequestBody>| {
+        let (written_tx, go_rx) = (Arc::clone(&written_tx), Arc::clone(&go_rx));
+        async move {
+            let tx = req.extensions().get::<PgTransaction>().cloned().unwrap();
+            {
+                let mut conn = tx.lock().await;
+                sqlx::query("INSERT INTO refunds (order_id) VALUES ($1)")
+                    .bind(who)
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+            }
+            written_tx.lock().unwrap().send(()).unwrap();
+            tokio::task::block_in_place(|| go_rx.lock().unwrap().recv().unwrap());
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(201)
+                    .body(Full::from(format!("refund by {who}")))
+                    .unwrap(),
+            )
+        }
+    });
+    (Handler::new(svc), written, go)
+}
+
+async fn received(rx: std::sync::mpsc::Receiver<()>) {
+    tokio::task::spawn_blocking(move || rx.recv().unwrap())
+        .await
+        .unwrap();
+}
+
+/// The model checker's "outage past the lease" interleaving, closed by the fencing token: the
+/// first owner's process stalls past its lease; a repeat claims the expired key and its handler
+/// runs; the stale owner wakes first and tries to commit, and its fenced write finds the newer
+/// token: its refund and record are rolled back (409 `lease-lost`). The repeat commits. One
+/// refund, by the owner that holds the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_owner_past_its_lease_commits_nothing() {
+    let (_pg, store) = refunds_database().await;
+    let lease = Duration::from_millis(300);
+    let layer = || {
+        ReplayLayer::transactional(store.clone())
+            .single_tenant()
+            .lease(lease)
+            .ttl(TTL)
+    };
+    let (stale, stale_wrote, stale_go) = stalling("the stale owner");
+    let first = tokio::spawn(layer().layer(stale).oneshot(refund("k-stale", "A-7")));
+    received(stale_wrote).await;
+    // Past the lease (a lower bound: a slower machine only makes it longer).
+    tokio::time::sleep(lease * 2).await;
+    let (owner, owner_wrote, owner_go) = stalling("the new owner");
+    let repeat = tokio::spawn(layer().layer(owner).oneshot(refund("k-stale", "A-7")));
+    received(owner_wrote).await;
+    // The stale owner wakes while the new owner's handler still runs.
+    stale_go.send(()).unwrap();
+    let stale = first.await.unwrap().unwrap();
+    let problem = stale.into_body().collect().await.unwrap().to_bytes();
+    let problem = String::from_utf8_lossy(&problem).into_owned();
+    assert!(problem.contains("lease-lost"), "{problem}");
+    owner_go.send(()).unwrap();
+    let repeat = repeat.await.unwrap().unwrap();
+    assert_eq!(repeat.status(), 201);
+    let rows: Vec<String> = sqlx::query_scalar("SELECT order_id FROM refunds")
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        rows,
+        ["the new owner"],
+        "one refund, by the owner holding the claim"
+    );
+    let again = layer()
+        .layer(refunds("ok"))
+        .oneshot(refund("k-stale", "A-7"))
+        .await
+        .unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        again.into_body().collect().await.unwrap().to_bytes(),
+        "refund by the new owner"
+    );
+}
+
 #[cfg(feature = "axum")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_axum_handler_takes_the_transaction_as_an_extractor() {
@@ -242,12 +353,7 @@ async fn an_axum_handler_takes_the_transaction_as_an_extractor() {
         (StatusCode::CREATED, format!("refund {id}"))
     }
 
-    let pg = PostgresServer::start().await;
-    let store = PgStore::connect(&pg.url()).await.unwrap();
-    sqlx::query("CREATE TABLE refunds (id bigserial PRIMARY KEY, order_id text NOT NULL)")
-        .execute(store.pool())
-        .await
-        .unwrap();
+    let (_pg, store) = refunds_database().await;
     let app = Router::new().route("/refunds", post(book));
     let svc = ReplayLayer::transactional(store.clone())
         .single_tenant()
