@@ -1,6 +1,9 @@
 //! `backstop letters`: dead letters on a Redis stream.
 
-use crate::{Failure, print_json, table};
+use crate::{
+    Failure,
+    render::{print_json, table},
+};
 use backstop::dead_letters_redis::{DeadLetterStream, StreamLetter};
 use clap::{Args, Subcommand};
 use serde_json::Value;

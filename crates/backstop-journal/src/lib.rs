@@ -55,6 +55,7 @@ mod model;
 mod obs;
 mod operator;
 mod run;
+mod run_claim;
 mod runner;
 mod send;
 #[cfg(feature = "postgres")]
