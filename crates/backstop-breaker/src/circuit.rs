@@ -1,10 +1,14 @@
+//! One dependency's circuit and the state machine over it: admission (closed, open, half-open
+//! with its trial slots, isolated), what each finished call records, and the transitions those
+//! records make, told to the fleet when there is one.
+
 use crate::BreakerConfig;
+use crate::breaker::{CircuitStats, CircuitTransition};
+use crate::permit::{Kind, Permit, Signal};
 use crate::slots::TrialSlots;
-use backstop_core::InvalidConfig;
 use backstop_core::{CircuitOpen, CircuitState, Dependency};
 use backstop_state::{Registry, SlidingCount};
 use std::{
-    fmt,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering},
@@ -25,36 +29,6 @@ fn state_from_u8(v: u8) -> CircuitState {
         HALF_OPEN => CircuitState::HalfOpen,
         _ => CircuitState::Isolated,
     }
-}
-
-/// A change of a circuit's state, as reported to the `on_transition` hook.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CircuitTransition {
-    /// The dependency.
-    pub dependency: Dependency,
-    /// The state before.
-    pub from: CircuitState,
-    /// The state after.
-    pub to: CircuitState,
-    /// How long it stays open, for a transition to [`CircuitState::Open`].
-    pub cooldown: Option<Duration>,
-}
-
-/// What a circuit has counted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CircuitStats {
-    /// The state.
-    pub state: CircuitState,
-    /// Calls counted in the failure-ratio window (0 when the ratio rule is off).
-    pub calls: u64,
-    /// Failures counted in the window.
-    pub failures: u64,
-    /// Failures in a row.
-    pub consecutive_failures: u32,
-    /// Time until the next trial call, while open.
-    pub retry_in: Option<Duration>,
 }
 
 /// What a breaker shares its circuits through (the fleet, feature `fleet`): told of this
@@ -80,7 +54,7 @@ pub(crate) enum Source {
 
 /// One dependency's circuit.
 pub(crate) struct Circuit {
-    dependency: Dependency,
+    pub(crate) dependency: Dependency,
     state: AtomicU8,
     /// Bumped on every transition; a permit from an older generation no longer counts.
     generation: AtomicU64,
@@ -98,79 +72,6 @@ pub(crate) struct Circuit {
     transition: Mutex<()>,
 }
 
-/// What a finished call tells the circuit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Signal {
-    Success,
-    Failure,
-    /// Not sent, or cancelled: counts for nothing.
-    Ignore,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Normal,
-    Trial,
-}
-
-/// Admission to make one call; reports its result, or gives a trial slot back when dropped.
-/// Counts a call the breaker refused (`backstop_breaker_rejections_total`, feature `metrics`).
-#[inline]
-pub(crate) fn count_rejection(open: &CircuitOpen) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!(
-        "backstop_breaker_rejections_total",
-        "dependency" => metrics::SharedString::from(open.dependency().metric_label())
-    )
-    .increment(1);
-    let _ = open;
-}
-
-pub(crate) struct Permit {
-    breaker: Arc<Inner>,
-    circuit: Arc<Circuit>,
-    kind: Kind,
-    generation: u64,
-    done: bool,
-}
-
-impl fmt::Debug for Permit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Permit")
-            .field("dependency", &self.circuit.dependency)
-            .field("kind", &self.kind)
-            .finish()
-    }
-}
-
-impl Permit {
-    pub(crate) fn record(mut self, signal: Signal) {
-        self.done = true;
-        self.breaker.record(
-            &self.circuit,
-            self.kind,
-            self.generation,
-            signal,
-            Instant::now(),
-        );
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        if !self.done {
-            // Cancelled: no failure, and a trial gives its slot back.
-            self.breaker.record(
-                &self.circuit,
-                self.kind,
-                self.generation,
-                Signal::Ignore,
-                Instant::now(),
-            );
-        }
-    }
-}
-
 pub(crate) struct Inner {
     pub(crate) config: BreakerConfig,
     pub(crate) circuits: Registry<Circuit>,
@@ -179,73 +80,9 @@ pub(crate) struct Inner {
     pub(crate) shared: std::sync::OnceLock<Arc<dyn Shared>>,
 }
 
-/// Per-dependency circuits. `Clone`: clones share every circuit, so one `Breaker` given to
-/// several stacks governs them together.
-///
-/// ```
-/// use backstop_breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitOpen};
-/// use backstop_classify::HttpClassifier;
-/// use backstop_core::{BoxError, CircuitState, Dependency};
-/// use tower::{Layer, ServiceExt, service_fn};
-///
-/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
-/// # async fn main() -> Result<(), BoxError> {
-/// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2))?;
-/// let down = service_fn(|_req: http::Request<()>| async {
-///     Ok::<_, BoxError>(http::Response::builder().status(503).body(())?)
-/// });
-/// let svc = BreakerLayer::new(breaker.clone(), HttpClassifier::new())
-///     .dependency("carrier-api")
-///     .layer(down);
-/// for _ in 0..2 {
-///     svc.clone().oneshot(http::Request::new(())).await?; // two 503s in a row
-/// }
-/// let carrier = Dependency::new("carrier-api");
-/// assert_eq!(breaker.state(&carrier), CircuitState::Open);
-/// let refused = svc.oneshot(http::Request::new(())).await.unwrap_err();
-/// assert!(refused.downcast_ref::<CircuitOpen>().is_some()); // not sent: it fails fast
-///
-/// // An operator can isolate a dependency, and reset it.
-/// breaker.isolate(&carrier);
-/// assert_eq!(breaker.state(&carrier), CircuitState::Isolated);
-/// breaker.reset(&carrier);
-/// assert_eq!(breaker.state(&carrier), CircuitState::Closed);
-/// # Ok(())
-/// # }
-/// ```
-#[derive(Clone)]
-pub struct Breaker {
-    pub(crate) inner: Arc<Inner>,
-}
-
-impl fmt::Debug for Breaker {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Breaker")
-            .field("config", &self.inner.config)
-            .field("dependencies", &self.inner.circuits.len())
-            .finish()
-    }
-}
-
-impl Default for Breaker {
-    fn default() -> Self {
-        Breaker::new(BreakerConfig::default()).expect("the default configuration is valid")
-    }
-}
-
-impl Breaker {
-    /// The one breaker of the whole process, with the default configuration: what every
-    /// `Backstop` stack asks unless given another, so that a dependency has one circuit
-    /// however many stacks call it. Choose it by name when a hand-composed stack should share
-    /// it too; give a stack `Breaker::new(..)` for circuits of its own.
-    pub fn process_wide() -> Breaker {
-        static PROCESS: std::sync::OnceLock<Breaker> = std::sync::OnceLock::new();
-        PROCESS.get_or_init(Breaker::default).clone()
-    }
-
-    /// A breaker with `config`, or why the configuration is invalid.
-    pub fn new(config: BreakerConfig) -> Result<Self, InvalidConfig> {
-        config.validate()?;
+impl Inner {
+    /// A breaker's state with `config` (validated by the caller).
+    pub(crate) fn new(config: BreakerConfig) -> Inner {
         let ratio = config.failure_ratio.is_some();
         let window = config.window;
         let circuits = Registry::new(config.max_dependencies, move |dep: &Dependency| Circuit {
@@ -266,29 +103,17 @@ impl Breaker {
         .evict_when(|c: &Circuit| {
             c.state.load(Ordering::Acquire) == CLOSED && c.consecutive.load(Ordering::Acquire) == 0
         });
-        Ok(Breaker {
-            inner: Arc::new(Inner {
-                config,
-                circuits,
-                origin: Instant::now(),
-                shared: std::sync::OnceLock::new(),
-            }),
-        })
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &BreakerConfig {
-        &self.inner.config
-    }
-
-    /// The state of `dependency`'s circuit (closed if it was never used).
-    pub fn state(&self, dependency: &Dependency) -> CircuitState {
-        self.stats(dependency).state
+        Inner {
+            config,
+            circuits,
+            origin: Instant::now(),
+            shared: std::sync::OnceLock::new(),
+        }
     }
 
     /// What `dependency`'s circuit has counted.
-    pub fn stats(&self, dependency: &Dependency) -> CircuitStats {
-        let Some(c) = self.inner.circuits.tracked(dependency) else {
+    pub(crate) fn stats(&self, dependency: &Dependency) -> CircuitStats {
+        let Some(c) = self.circuits.tracked(dependency) else {
             return CircuitStats {
                 state: CircuitState::Closed,
                 calls: 0,
@@ -306,36 +131,24 @@ impl Breaker {
             consecutive_failures: c.consecutive.load(Ordering::Acquire),
             retry_in: (state == CircuitState::Open).then(|| {
                 let until = c.open_until.load(Ordering::Acquire);
-                Duration::from_millis(until.saturating_sub(self.inner.now_ms()))
+                Duration::from_millis(until.saturating_sub(self.now_ms()))
             }),
         }
     }
 
-    /// Opens `dependency`'s circuit until [`reset`](Self::reset): every call fails fast.
-    pub fn isolate(&self, dependency: &Dependency) {
-        let c = self.inner.circuits.get(dependency);
-        self.inner.transition(&c, None, ISOLATED, None);
+    /// Opens `dependency`'s circuit until [`reset`](Self::reset).
+    pub(crate) fn isolate(&self, dependency: &Dependency) {
+        let c = self.circuits.get(dependency);
+        self.transition(&c, None, ISOLATED, None);
     }
 
     /// Closes `dependency`'s circuit and forgets its failures.
-    pub fn reset(&self, dependency: &Dependency) {
-        if let Some(c) = self.inner.circuits.tracked(dependency) {
-            self.inner.transition(&c, None, CLOSED, None);
+    pub(crate) fn reset(&self, dependency: &Dependency) {
+        if let Some(c) = self.circuits.tracked(dependency) {
+            self.transition(&c, None, CLOSED, None);
         }
     }
 
-    /// How many dependencies have a circuit of their own.
-    pub fn tracked(&self) -> usize {
-        self.inner.circuits.len()
-    }
-
-    pub(crate) fn acquire(&self, dependency: &Dependency) -> Result<Permit, CircuitOpen> {
-        let circuit = self.inner.circuits.get(dependency);
-        self.inner.acquire(&self.inner, circuit, dependency)
-    }
-}
-
-impl Inner {
     fn now_ms(&self) -> u64 {
         u64::try_from(
             Instant::now()
@@ -345,7 +158,7 @@ impl Inner {
         .unwrap_or(u64::MAX)
     }
 
-    fn acquire(
+    pub(crate) fn acquire(
         &self,
         this: &Arc<Inner>,
         circuit: Arc<Circuit>,
@@ -627,6 +440,7 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Breaker;
 
     /// A caller reads the generation of one half-open period, is paused for longer than a
     /// cooldown, and only then takes its trial slot: by then the trial failed, the circuit

@@ -3,8 +3,9 @@
 
 use crate::{
     Breaker,
-    circuit::{Circuit, Kind, Signal},
+    circuit::Circuit,
     layer::signal,
+    permit::{Kind, Signal},
 };
 use backstop_core::{AttemptGate, Ticket, Verdict};
 use backstop_core::{BoxError, Dependency};
@@ -35,7 +36,7 @@ impl Breaker {
         match self.inner.admit(circuit, dependency) {
             Ok((kind, generation)) => Ok(ticket(kind, generation)),
             Err(open) => {
-                crate::circuit::count_rejection(&open);
+                crate::permit::count_rejection(&open);
                 Err(Box::new(open))
             }
         }

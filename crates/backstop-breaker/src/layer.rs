@@ -1,4 +1,7 @@
-use crate::{Breaker, circuit::Permit, circuit::Signal};
+use crate::{
+    Breaker,
+    permit::{Permit, Signal},
+};
 use backstop_core::{BoxError, CircuitOpen, Dependency, DependencyKey, HasExtensions, Outcome};
 use backstop_core::{Classify, Verdict};
 use pin_project::pin_project;
@@ -141,7 +144,7 @@ where
         match permit {
             // Open: fail at once; the inner service is not touched.
             Err(open) => {
-                crate::circuit::count_rejection(&open);
+                crate::permit::count_rejection(&open);
                 BreakerFuture {
                     state: State::Rejected { error: Some(open) },
                     _req: PhantomData,

@@ -81,18 +81,20 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod breaker;
 mod circuit;
 mod config;
 #[cfg(feature = "fleet")]
 mod fleet;
 mod gate;
 mod layer;
+mod permit;
 mod slots;
 mod sync;
 
 pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
-pub use circuit::{Breaker, CircuitStats, CircuitTransition};
+pub use breaker::{Breaker, CircuitStats, CircuitTransition};
 pub use config::BreakerConfig;
 #[cfg(feature = "fleet")]
 pub use fleet::{Fleet, FleetConfig, FleetStats};

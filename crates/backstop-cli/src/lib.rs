@@ -38,16 +38,13 @@
 #![deny(missing_docs)]
 
 use args::{Cli, Command, JournalArgs, JournalCommand};
-use backstop_journal::{Journal, JournalError, Resolution, Step, StepId, StepTransition};
+use backstop_journal::{Journal, JournalError};
 use clap::Parser;
-use render::{
-    ago, event_json, human, print_json, run_json, run_record_json, short_key, step_json, table,
-    time_in_states, transition_json, when,
-};
-use serde_json::{Value, json};
 
+mod actions;
 mod args;
 mod letters;
+mod reads;
 mod render;
 
 /// What went wrong, and the exit code it gets.
@@ -122,271 +119,25 @@ async fn open(db: &str) -> Result<Journal, Failure> {
 async fn journal(args: JournalArgs) -> Result<u8, Failure> {
     let j = open(&args.db).await?;
     let now = j.now_ms();
+    let json = args.json;
     match args.command {
-        JournalCommand::Runs { limit, state } => {
-            let runs = match state {
-                Some(state) => j.runs_in(state, limit).await?,
-                None => j.runs(limit).await?,
-            };
-            if args.json {
-                print_json(&Value::Array(runs.iter().map(run_json).collect()));
-            } else if runs.is_empty() {
-                println!("no runs in the journal");
-            } else {
-                let mut t = table(&[
-                    "run",
-                    "workflow",
-                    "state",
-                    "steps",
-                    "done",
-                    "need a person",
-                    "parked",
-                    "in doubt",
-                    "updated",
-                    "claimed by",
-                ]);
-                for r in &runs {
-                    t.add_row(vec![
-                        r.run.clone(),
-                        r.workflow.clone().unwrap_or_default(),
-                        r.state.to_string(),
-                        r.steps.to_string(),
-                        r.done.to_string(),
-                        r.needs_human.to_string(),
-                        r.parked.to_string(),
-                        r.unknown.to_string(),
-                        ago(now, r.updated_ms),
-                        r.claimed_by.clone().unwrap_or_default(),
-                    ]);
-                }
-                println!("{t}");
-            }
-            Ok(0)
-        }
-        JournalCommand::Show { run } => {
-            // A fixed number of queries, however many steps: the record, the steps, every
-            // transition of the run, the run's events.
-            let Some(record) = j.run_record(&run).await? else {
-                return Err(Failure {
-                    code: 3,
-                    message: format!(
-                        "run {run} is not in the journal (see `backstop journal runs`)"
-                    ),
-                });
-            };
-            let steps = j.run(&run).await?;
-            let mut history = j.run_history(&run).await?;
-            let events = j.run_events(&run).await?;
-            let rows: Vec<(&Step, Vec<StepTransition>)> = steps
-                .iter()
-                .map(|s| {
-                    let (mine, rest) = std::mem::take(&mut history)
-                        .into_iter()
-                        .partition(|t| t.id == s.id);
-                    history = rest;
-                    (s, mine)
-                })
-                .collect();
-            if args.json {
-                let v = json!({
-                    "run": run_record_json(&record),
-                    "events": events.iter().map(event_json).collect::<Vec<_>>(),
-                    "steps": rows
-                    .iter()
-                    .map(|(s, h)| {
-                        let mut v = step_json(s);
-                        v["history"] = Value::Array(h.iter().map(transition_json).collect());
-                        v["time_in_state_ms"] = json!(
-                            time_in_states(h, now)
-                                .into_iter()
-                                .map(|(st, ms)| (st.to_owned(), json!(ms)))
-                                .collect::<serde_json::Map<_, _>>()
-                        );
-                        v
-                    })
-                    .collect::<Vec<_>>(),
-                });
-                print_json(&v);
-            } else {
-                let mut t = table(&[
-                    "step",
-                    "call",
-                    "tool",
-                    "state",
-                    "attempts",
-                    "key",
-                    "last error",
-                    "time in each state",
-                ]);
-                for (s, h) in &rows {
-                    let times = time_in_states(h, now)
-                        .into_iter()
-                        .map(|(st, ms)| match ms {
-                            Some(ms) => format!("{st} {}", human(ms)),
-                            None => st.to_owned(),
-                        })
-                        .collect::<Vec<_>>()
-                        .join(", ");
-                    let state = match (&s.attention, s.park_until) {
-                        (Some(_), _) => format!("{} (needs a person)", s.state),
-                        (None, Some(at)) if s.state == backstop_journal::StepState::Parked => {
-                            format!("parked (wakes {})", when(now, at))
-                        }
-                        _ => s.state.to_string(),
-                    };
-                    t.add_row(vec![
-                        s.id.step.to_string(),
-                        s.id.call.to_string(),
-                        s.tool.clone(),
-                        state,
-                        s.attempts.to_string(),
-                        short_key(&s.key),
-                        s.last_error
-                            .clone()
-                            .or_else(|| s.attention.clone())
-                            .unwrap_or_default(),
-                        times,
-                    ]);
-                }
-                let mut head = format!("run {run}: {}", record.state);
-                if let Some(w) = &record.workflow {
-                    head.push_str(&format!(" (workflow {w})"));
-                }
-                if let Some(e) = &record.error {
-                    head.push_str(&format!(": {e}"));
-                }
-                println!("{head}");
-                if steps.is_empty() {
-                    println!("no steps yet");
-                } else {
-                    println!("{t}");
-                }
-                for e in &events {
-                    println!(
-                        "{} {} by {}{}",
-                        ago(now, e.at_ms),
-                        e.action,
-                        e.actor,
-                        e.reason
-                            .as_deref()
-                            .map(|r| format!(": {r}"))
-                            .unwrap_or_default()
-                    );
-                }
-            }
-            Ok(0)
-        }
-        JournalCommand::Stuck { fail_if_any } => {
-            let stuck = j.stuck().await?;
-            if args.json {
-                print_json(&Value::Array(stuck.iter().map(step_json).collect()));
-            } else if stuck.is_empty() {
-                println!("nothing is stuck: no step waits for a person, none is parked");
-            } else {
-                let mut t = table(&[
-                    "run",
-                    "step",
-                    "call",
-                    "tool",
-                    "state",
-                    "waiting for",
-                    "since",
-                ]);
-                for s in &stuck {
-                    let waiting = match (&s.attention, s.park_until) {
-                        (Some(why), _) => format!("a person: {why}"),
-                        (None, Some(at)) => format!("its time: wakes {}", when(now, at)),
-                        (None, None) => String::new(),
-                    };
-                    t.add_row(vec![
-                        s.id.run.to_string(),
-                        s.id.step.to_string(),
-                        s.id.call.to_string(),
-                        s.tool.clone(),
-                        s.state.to_string(),
-                        waiting,
-                        ago(now, s.updated_ms),
-                    ]);
-                }
-                println!("{t}");
-            }
-            Ok(if fail_if_any && !stuck.is_empty() {
-                5
-            } else {
-                0
-            })
-        }
-        JournalCommand::Resolve(r) => {
-            let resolution = if r.succeeded {
-                Resolution::Succeeded { result: r.result }
-            } else if r.failed {
-                Resolution::Failed
-            } else {
-                Resolution::Retry
-            };
-            let id = StepId::new(&r.run, &r.step, &r.call);
-            if j.step(&id).await?.is_none() {
-                return Err(Failure {
-                    code: 3,
-                    message: format!(
-                        "step {id} is not in the journal (see `backstop journal show {}`)",
-                        r.run
-                    ),
-                });
-            }
-            let step = j.resolve(&id, resolution, &r.by, &r.why).await?;
-            if args.json {
-                print_json(&step_json(&step));
-            } else {
-                println!("step {id} is now {} (by {}: {})", step.state, r.by, r.why);
-            }
-            Ok(0)
-        }
-        JournalCommand::Cancel { run, who } => {
-            let record = j.cancel_run(&run, &who.by, &who.why).await?;
-            if args.json {
-                print_json(&run_record_json(&record));
-            } else {
-                println!("run {run} is cancelled (by {}: {})", who.by, who.why);
-            }
-            Ok(0)
-        }
+        JournalCommand::Runs { limit, state } => reads::runs(&j, json, now, limit, state).await,
+        JournalCommand::Show { run } => reads::show(&j, json, now, &run).await,
+        JournalCommand::Stuck { fail_if_any } => reads::stuck(&j, json, now, fail_if_any).await,
+        JournalCommand::Resolve(r) => actions::resolve(&j, json, r).await,
+        JournalCommand::Cancel { run, who } => actions::cancel(&j, json, &run, who).await,
         JournalCommand::Retry {
             run,
             step,
             call,
             who,
-        } => {
-            let id = StepId::new(&run, &step, &call);
-            let step = j.retry_step(&id, &who.by, &who.why).await?;
-            if args.json {
-                print_json(&step_json(&step));
-            } else {
-                println!(
-                    "step {id} is {} and will be sent again with key {} (by {}: {})",
-                    step.state, step.key, who.by, who.why
-                );
-            }
-            Ok(0)
-        }
+        } => actions::retry(&j, json, (&run, &step, &call), who).await,
         JournalCommand::Stub {
             run,
             step,
             call,
             result,
             who,
-        } => {
-            let id = StepId::new(&run, &step, &call);
-            let step = j.stub_step(&id, &result, &who.by, &who.why).await?;
-            if args.json {
-                print_json(&step_json(&step));
-            } else {
-                println!(
-                    "step {id} is {} with the result you gave (by {}: {})",
-                    step.state, who.by, who.why
-                );
-            }
-            Ok(0)
-        }
+        } => actions::stub(&j, json, (&run, &step, &call), &result, who).await,
     }
 }

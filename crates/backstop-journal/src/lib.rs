@@ -54,6 +54,7 @@ mod layer;
 mod model;
 mod obs;
 mod operator;
+mod reconcile;
 mod run;
 mod run_claim;
 mod runner;
@@ -62,6 +63,7 @@ mod send;
 mod step_conns;
 mod steps;
 mod worker;
+mod workflow;
 
 pub use error::JournalError;
 pub use journal::{CallIdentity, Clock, Journal};
@@ -73,7 +75,9 @@ pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
     UnknownState, digest,
 };
+pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
 pub use run::{RunEvent, RunOutcome, RunRecord, RunState};
-pub use runner::{CallResult, Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
+pub use runner::CallResult;
 pub use steps::Change;
-pub use worker::{RunContext, RunEnd, RunError, RunReport, Worker, WorkflowResult};
+pub use worker::Worker;
+pub use workflow::{RunContext, RunEnd, RunError, RunReport, WorkflowResult};

@@ -1,5 +1,7 @@
 use crate::{
-    call::{RpcError, ToolCall, ToolError, ToolResult, codes},
+    ToolResult,
+    call::ToolCall,
+    error::{RpcError, ToolError, codes},
     policy::ToolPolicy,
 };
 use backstop_classify::{AsError, classify_error};

@@ -37,20 +37,21 @@
 
 mod call;
 mod classify;
+mod error;
 mod policy;
 #[cfg(feature = "server")]
 mod replay;
+mod result;
 #[cfg(feature = "rmcp")]
 pub mod rmcp;
 #[cfg(feature = "tower-mcp")]
 pub mod tower_mcp;
 pub mod trace;
 
-pub use call::{
-    META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, RpcError, ToolCall, ToolError, ToolResult,
-    codes,
-};
+pub use call::{META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, ToolCall};
 pub use classify::{McpClassifier, verdict_of, verdict_of_rpc};
+pub use error::{RpcError, ToolError, codes};
 pub use policy::{ToolCatalog, ToolHints, ToolPolicy};
 #[cfg(feature = "server")]
 pub use replay::{ToolReplay, ToolReplayLayer};
+pub use result::ToolResult;

@@ -1,4 +1,8 @@
-use crate::call::{META_REPLAYED, RpcError, ToolCall, ToolError, ToolResult, codes};
+use crate::{
+    ToolResult,
+    call::{META_REPLAYED, ToolCall},
+    error::{RpcError, ToolError, codes},
+};
 use backstop_core::HasExtensions;
 use backstop_idempotency::KeyFormat;
 use backstop_replay::{Lease, Principal, Replay, ReplayLayer, ReplayRequestBody, ReplayStore};

@@ -57,6 +57,7 @@ mod adaptive;
 mod attempt;
 mod body;
 mod deadline;
+mod latency_record;
 mod timed;
 
 pub use adaptive::{BoundLatency, LatencyConfig, LatencyTimeouts};

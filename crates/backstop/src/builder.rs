@@ -1,17 +1,11 @@
-use crate::{
-    BackstopLayer, DeadLetterSink,
-    call::{CallWork, Reconcile},
-    service::HedgeParts,
-};
+use crate::{DeadLetterSink, call::Reconcile};
 use backstop_backoff::{Backoff, RngSource};
 use backstop_breaker::Breaker;
 use backstop_budget::{AdaptiveThrottle, Budget};
 use backstop_classify::HttpClassifier;
-use backstop_core::{Dependency, HumanDuration, InvalidConfig, RetryBudget};
-use backstop_idempotency::{
-    HttpKeys, IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey, ToolKeys,
-};
-use backstop_retry::{CloneResend, HttpResend, RetryLayer};
+use backstop_core::Dependency;
+use backstop_idempotency::{HttpKeys, IdempotencyLayer, RandomKey, ToolKeys};
+use backstop_retry::{CloneResend, HttpResend};
 use backstop_timeout::LatencyTimeouts;
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -38,24 +32,6 @@ pub enum Preset {
     Payment,
     /// Destructive action: never retried automatically (one attempt).
     Destructive,
-}
-
-/// How the composed stack makes a key when the caller gave none, as the preset chooses.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum KeyGenerator {
-    /// A random key per logical call.
-    Random,
-    /// No key unless the caller or the runtime gave one.
-    CallerOnly,
-}
-
-impl<Req> MakeKey<Req> for KeyGenerator {
-    fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
-        match self {
-            KeyGenerator::Random => RandomKey.make_key(req),
-            KeyGenerator::CallerOnly => None,
-        }
-    }
 }
 
 /// Builds the whole Backstop stack for one dependency, in the one right order:
@@ -98,26 +74,26 @@ impl<Req> MakeKey<Req> for KeyGenerator {
 /// assert!(err.to_string().contains("shorten attempt_timeout"));
 /// ```
 pub struct Backstop<C, P, I> {
-    dependency: Dependency,
-    classifier: C,
+    pub(crate) dependency: Dependency,
+    pub(crate) classifier: C,
     pub(crate) resend: P,
-    keys: IdempotencyLayer<I, RandomKey>,
-    preset: Preset,
-    max_attempts: Option<u32>,
-    backoff: Backoff,
-    rng: Option<RngSource>,
-    deadline: Option<Duration>,
-    attempt_timeout: Option<Duration>,
-    latency: Option<LatencyTimeouts>,
-    p99: Option<Duration>,
-    budget: Option<Option<Budget>>,
-    throttle: Option<AdaptiveThrottle>,
-    breaker: Option<Option<Breaker>>,
-    idempotency: bool,
-    honours_keys: bool,
-    attempt_header: Option<http::HeaderName>,
-    sink: Option<Arc<dyn DeadLetterSink>>,
-    reconcile: Option<Reconcile>,
+    pub(crate) keys: IdempotencyLayer<I, RandomKey>,
+    pub(crate) preset: Preset,
+    pub(crate) max_attempts: Option<u32>,
+    pub(crate) backoff: Backoff,
+    pub(crate) rng: Option<RngSource>,
+    pub(crate) deadline: Option<Duration>,
+    pub(crate) attempt_timeout: Option<Duration>,
+    pub(crate) latency: Option<LatencyTimeouts>,
+    pub(crate) p99: Option<Duration>,
+    pub(crate) budget: Option<Option<Budget>>,
+    pub(crate) throttle: Option<AdaptiveThrottle>,
+    pub(crate) breaker: Option<Option<Breaker>>,
+    pub(crate) idempotency: bool,
+    pub(crate) honours_keys: bool,
+    pub(crate) attempt_header: Option<http::HeaderName>,
+    pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
+    pub(crate) reconcile: Option<Reconcile>,
 }
 
 impl<C: fmt::Debug, P, I> fmt::Debug for Backstop<C, P, I> {
@@ -405,160 +381,5 @@ impl<C, P, I> Backstop<C, P, I> {
             sink: self.sink,
             reconcile: self.reconcile,
         }
-    }
-
-    fn effective_attempt_timeout(&self) -> Result<Duration, InvalidConfig> {
-        if let Some(t) = self.attempt_timeout {
-            return Ok(t);
-        }
-        match self.p99 {
-            None => Ok(DEFAULT_ATTEMPT_TIMEOUT),
-            Some(p) if p.is_zero() => Err(InvalidConfig::new("p99 must be greater than zero")),
-            Some(p) => {
-                let ms = (p.as_millis() * 5).div_ceil(2);
-                let rounded = ms.div_ceil(100) * 100;
-                Ok(Duration::from_millis(
-                    u64::try_from(rounded).unwrap_or(u64::MAX),
-                ))
-            }
-        }
-    }
-
-    /// Validates the configuration and builds the layer.
-    pub fn build(self) -> Result<BackstopLayer<C, P, I>, InvalidConfig>
-    where
-        C: Clone,
-        P: Clone,
-        I: Clone,
-    {
-        let timeout = self.effective_attempt_timeout()?;
-        if timeout.is_zero() {
-            return Err(InvalidConfig::new(
-                "attempt_timeout must be greater than zero",
-            ));
-        }
-        if let Some(d) = self.deadline {
-            if d.is_zero() {
-                return Err(InvalidConfig::new("deadline must be greater than zero"));
-            }
-            // A learned timeout is cut to the deadline when it is longer; a fixed one says so now.
-            if timeout > d && self.latency.is_none() {
-                return Err(InvalidConfig::new(format!(
-                    "the attempt timeout ({}) is longer than the deadline ({}): shorten attempt_timeout \
-                     (or give a lower p99), or lengthen the deadline",
-                    HumanDuration(timeout),
-                    HumanDuration(d)
-                )));
-            }
-        }
-        let breaker = match self.breaker {
-            Some(b) => b,
-            None => Some(Breaker::process_wide()),
-        };
-        if let Some(b) = &breaker {
-            let window = b.config().window();
-            if b.config().has_ratio_rule() && window < timeout.saturating_mul(2) {
-                return Err(InvalidConfig::new(format!(
-                    "the breaker's failure window ({}) is shorter than two attempt timeouts (2 x {}): \
-                     lengthen the window (BreakerConfig::failure_ratio) or shorten attempt_timeout",
-                    HumanDuration(window),
-                    HumanDuration(timeout)
-                )));
-            }
-        }
-        let max_attempts = match (self.preset, self.max_attempts) {
-            (Preset::Destructive, Some(n)) if n > 1 => {
-                return Err(InvalidConfig::new(
-                    "the destructive preset is never retried automatically: remove max_attempts, or choose another preset",
-                ));
-            }
-            (Preset::Destructive, _) => 1,
-            (_, Some(n)) => n,
-            (_, None) => backstop_retry::DEFAULT_MAX_ATTEMPTS,
-        };
-        if self.preset == Preset::Payment && self.reconcile.is_none() {
-            return Err(InvalidConfig::new(
-                "the payment preset needs a reconciliation hook for unknown outcomes: call reconcile(...)",
-            ));
-        }
-        if !self.idempotency && matches!(self.preset, Preset::Create | Preset::Payment) {
-            return Err(InvalidConfig::new(
-                "the create and payment presets require idempotency keys: remove no_idempotency(), or choose another preset",
-            ));
-        }
-        let transport = self.resend.clone();
-        let hedge_classifier = self.classifier.clone();
-        let mut retry = RetryLayer::new(self.classifier)
-            .resend(self.resend)
-            .dependency(self.dependency.clone())
-            .backoff(self.backoff)
-            .max_attempts(max_attempts)?
-            // The attempt timeout and the breaker work inside the retry loop (one future, one
-            // classification per attempt); the deadline is kept by the retry layer too.
-            .attempt_timeout(timeout);
-        let latency = self.latency.as_ref().map(|l| l.bind(&self.dependency));
-        if let Some(latency) = &latency {
-            retry = retry.attempt_timeout_from_latency(latency.clone());
-        }
-        if let Some(d) = self.deadline {
-            retry = retry.deadline(d);
-        }
-        if let Some(b) = &breaker {
-            retry = retry.gate(Arc::new(b.bind(&self.dependency)));
-        }
-        if let Some(rng) = self.rng {
-            retry = retry.rng(rng);
-        }
-        let budget = match self.budget {
-            Some(b) => b,
-            None => Some(Budget::process_wide()),
-        };
-        let budget: Option<Arc<dyn RetryBudget>> = match (self.throttle, budget) {
-            (Some(t), Some(b)) => Some(Arc::new(t.with_budget(b))),
-            (Some(t), None) => Some(Arc::new(t)),
-            (None, Some(b)) => Some(Arc::new(b.bind(&self.dependency))),
-            (None, None) => None,
-        };
-        if let Some(b) = &budget {
-            retry = retry.budget(b.clone());
-        }
-        let hedging = latency.map(|latency| HedgeParts {
-            classifier: hedge_classifier,
-            latency,
-            budget: budget.unwrap_or_else(|| Arc::new(backstop_core::NoBudget)),
-        });
-        let inject = self.keys.injector().clone();
-        let keys =
-            (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
-                // Requiring keys is declaring that the dependency honours them.
-                Preset::Create | Preset::Payment => self
-                    .keys
-                    .generator(KeyGenerator::CallerOnly)
-                    .require_key()
-                    .vouched(true),
-                _ => self
-                    .keys
-                    .generator(KeyGenerator::Random)
-                    .vouched(self.honours_keys),
-            });
-        // The call's work (key, span, errors, dead letters), once per logical call, outside the
-        // retry layer.
-        let call = Arc::new(CallWork {
-            dependency: self.dependency.clone(),
-            inject,
-            keys,
-            read_only: self.preset == Preset::ReadOnly,
-            sink: self.sink,
-            reconcile: self.reconcile,
-        });
-        Ok(BackstopLayer {
-            dependency: self.dependency,
-            call,
-            retry,
-            hedging,
-            transport,
-            attempt_header: self.attempt_header,
-            breaker,
-        })
     }
 }

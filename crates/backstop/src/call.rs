@@ -2,7 +2,7 @@
 //! before the retry layer copies the request, so every attempt carries it), the call's span,
 //! one [`Error`] for every end, dead letters and reconciliation.
 
-use crate::builder::KeyGenerator;
+use crate::build::KeyGenerator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};

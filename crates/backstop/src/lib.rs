@@ -108,6 +108,7 @@
 
 mod attempt_header;
 mod box_errors;
+mod build;
 mod builder;
 mod call;
 mod dead_letter;

@@ -17,7 +17,7 @@
 
 use crate::{
     META_KEY, ToolCall, ToolCatalog, ToolError, ToolHints, ToolResult,
-    call::{RpcError, codes},
+    error::{RpcError, codes},
 };
 use backstop_classify::classify_error;
 use backstop_core::{Outcome, ReplyLost, Verdict};

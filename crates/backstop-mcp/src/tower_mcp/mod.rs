@@ -40,7 +40,7 @@
 
 use crate::{
     ToolCall, ToolCatalog, ToolError, ToolHints, ToolResult,
-    call::{RpcError, codes},
+    error::{RpcError, codes},
 };
 #[cfg(feature = "server")]
 use backstop_core::HasExtensions;

@@ -3,7 +3,7 @@
 use super::{from_result, to_result};
 use crate::{
     META_ERROR, ToolCall, ToolError, ToolReplay, ToolReplayLayer, ToolResult,
-    call::{RpcError, codes},
+    error::{RpcError, codes},
 };
 use backstop_core::HasExtensions;
 use backstop_idempotency::IdempotencyKey;

@@ -1,0 +1,146 @@
+//! The breaker's handle: per-dependency circuits shared by every clone, read and steered by an
+//! operator, and what a circuit reports (its transitions and its counts). The state machine
+//! behind it is in `circuit.rs`.
+
+use crate::BreakerConfig;
+use crate::{circuit::Inner, permit::Permit};
+use backstop_core::{CircuitOpen, CircuitState, Dependency, InvalidConfig};
+use std::{fmt, sync::Arc, time::Duration};
+
+/// A change of a circuit's state, as reported to the `on_transition` hook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CircuitTransition {
+    /// The dependency.
+    pub dependency: Dependency,
+    /// The state before.
+    pub from: CircuitState,
+    /// The state after.
+    pub to: CircuitState,
+    /// How long it stays open, for a transition to [`CircuitState::Open`].
+    pub cooldown: Option<Duration>,
+}
+
+/// What a circuit has counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CircuitStats {
+    /// The state.
+    pub state: CircuitState,
+    /// Calls counted in the failure-ratio window (0 when the ratio rule is off).
+    pub calls: u64,
+    /// Failures counted in the window.
+    pub failures: u64,
+    /// Failures in a row.
+    pub consecutive_failures: u32,
+    /// Time until the next trial call, while open.
+    pub retry_in: Option<Duration>,
+}
+
+/// Per-dependency circuits. `Clone`: clones share every circuit, so one `Breaker` given to
+/// several stacks governs them together.
+///
+/// ```
+/// use backstop_breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitOpen};
+/// use backstop_classify::HttpClassifier;
+/// use backstop_core::{BoxError, CircuitState, Dependency};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), BoxError> {
+/// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2))?;
+/// let down = service_fn(|_req: http::Request<()>| async {
+///     Ok::<_, BoxError>(http::Response::builder().status(503).body(())?)
+/// });
+/// let svc = BreakerLayer::new(breaker.clone(), HttpClassifier::new())
+///     .dependency("carrier-api")
+///     .layer(down);
+/// for _ in 0..2 {
+///     svc.clone().oneshot(http::Request::new(())).await?; // two 503s in a row
+/// }
+/// let carrier = Dependency::new("carrier-api");
+/// assert_eq!(breaker.state(&carrier), CircuitState::Open);
+/// let refused = svc.oneshot(http::Request::new(())).await.unwrap_err();
+/// assert!(refused.downcast_ref::<CircuitOpen>().is_some()); // not sent: it fails fast
+///
+/// // An operator can isolate a dependency, and reset it.
+/// breaker.isolate(&carrier);
+/// assert_eq!(breaker.state(&carrier), CircuitState::Isolated);
+/// breaker.reset(&carrier);
+/// assert_eq!(breaker.state(&carrier), CircuitState::Closed);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Breaker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Breaker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Breaker")
+            .field("config", &self.inner.config)
+            .field("dependencies", &self.inner.circuits.len())
+            .finish()
+    }
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Breaker::new(BreakerConfig::default()).expect("the default configuration is valid")
+    }
+}
+
+impl Breaker {
+    /// The one breaker of the whole process, with the default configuration: what every
+    /// `Backstop` stack asks unless given another, so that a dependency has one circuit
+    /// however many stacks call it. Choose it by name when a hand-composed stack should share
+    /// it too; give a stack `Breaker::new(..)` for circuits of its own.
+    pub fn process_wide() -> Breaker {
+        static PROCESS: std::sync::OnceLock<Breaker> = std::sync::OnceLock::new();
+        PROCESS.get_or_init(Breaker::default).clone()
+    }
+
+    /// A breaker with `config`, or why the configuration is invalid.
+    pub fn new(config: BreakerConfig) -> Result<Self, InvalidConfig> {
+        config.validate()?;
+        Ok(Breaker {
+            inner: Arc::new(Inner::new(config)),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BreakerConfig {
+        &self.inner.config
+    }
+
+    /// The state of `dependency`'s circuit (closed if it was never used).
+    pub fn state(&self, dependency: &Dependency) -> CircuitState {
+        self.stats(dependency).state
+    }
+
+    /// What `dependency`'s circuit has counted.
+    pub fn stats(&self, dependency: &Dependency) -> CircuitStats {
+        self.inner.stats(dependency)
+    }
+
+    /// Opens `dependency`'s circuit until [`reset`](Self::reset): every call fails fast.
+    pub fn isolate(&self, dependency: &Dependency) {
+        self.inner.isolate(dependency);
+    }
+
+    /// Closes `dependency`'s circuit and forgets its failures.
+    pub fn reset(&self, dependency: &Dependency) {
+        self.inner.reset(dependency);
+    }
+
+    /// How many dependencies have a circuit of their own.
+    pub fn tracked(&self) -> usize {
+        self.inner.circuits.len()
+    }
+
+    pub(crate) fn acquire(&self, dependency: &Dependency) -> Result<Permit, CircuitOpen> {
+        let circuit = self.inner.circuits.get(dependency);
+        self.inner.acquire(&self.inner, circuit, dependency)
+    }
+}

@@ -1,0 +1,87 @@
+//! The operator's actions on the journal, each recorded with who and why: resolve a step,
+//! cancel a run, send a failed step again, stub a step's result.
+
+use crate::Failure;
+use crate::args::{ResolveArgs, Who};
+use crate::render::{print_json, run_record_json, step_json};
+use backstop_journal::{Journal, Resolution, StepId};
+
+/// `resolve`: repairs a step that is not over.
+pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u8, Failure> {
+    let resolution = if r.succeeded {
+        Resolution::Succeeded { result: r.result }
+    } else if r.failed {
+        Resolution::Failed
+    } else {
+        Resolution::Retry
+    };
+    let id = StepId::new(&r.run, &r.step, &r.call);
+    if j.step(&id).await?.is_none() {
+        return Err(Failure {
+            code: 3,
+            message: format!(
+                "step {id} is not in the journal (see `backstop journal show {}`)",
+                r.run
+            ),
+        });
+    }
+    let step = j.resolve(&id, resolution, &r.by, &r.why).await?;
+    if json {
+        print_json(&step_json(&step));
+    } else {
+        println!("step {id} is now {} (by {}: {})", step.state, r.by, r.why);
+    }
+    Ok(0)
+}
+
+/// `cancel`: no worker runs the run again.
+pub(crate) async fn cancel(j: &Journal, json: bool, run: &str, who: Who) -> Result<u8, Failure> {
+    let record = j.cancel_run(run, &who.by, &who.why).await?;
+    if json {
+        print_json(&run_record_json(&record));
+    } else {
+        println!("run {run} is cancelled (by {}: {})", who.by, who.why);
+    }
+    Ok(0)
+}
+
+/// `retry`: sends a failed step again with its key.
+pub(crate) async fn retry(
+    j: &Journal,
+    json: bool,
+    (run, step, call): (&str, &str, &str),
+    who: Who,
+) -> Result<u8, Failure> {
+    let id = StepId::new(run, step, call);
+    let step = j.retry_step(&id, &who.by, &who.why).await?;
+    if json {
+        print_json(&step_json(&step));
+    } else {
+        println!(
+            "step {id} is {} and will be sent again with key {} (by {}: {})",
+            step.state, step.key, who.by, who.why
+        );
+    }
+    Ok(0)
+}
+
+/// `stub`: writes the result the workflow will see for a step.
+pub(crate) async fn stub(
+    j: &Journal,
+    json: bool,
+    (run, step, call): (&str, &str, &str),
+    result: &str,
+    who: Who,
+) -> Result<u8, Failure> {
+    let id = StepId::new(run, step, call);
+    let step = j.stub_step(&id, result, &who.by, &who.why).await?;
+    if json {
+        print_json(&step_json(&step));
+    } else {
+        println!(
+            "step {id} is {} with the result you gave (by {}: {})",
+            step.state, who.by, who.why
+        );
+    }
+    Ok(0)
+}

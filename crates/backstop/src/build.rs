@@ -1,0 +1,222 @@
+//! What [`Backstop::build`] does: validates the settings together (each error names the
+//! setting to change), then composes the layers in their one order: the call's work outside,
+//! the retry layer (deadline, budget, breaker gate, attempt timeout) inside it, and hedging
+//! when latency is learned.
+
+use crate::{
+    Backstop, BackstopLayer, DEFAULT_ATTEMPT_TIMEOUT, Preset, call::CallWork, service::HedgeParts,
+};
+use backstop_breaker::Breaker;
+use backstop_budget::Budget;
+use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
+use backstop_idempotency::{IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey};
+use backstop_retry::RetryLayer;
+use std::{sync::Arc, time::Duration};
+
+/// How the composed stack makes a key when the caller gave none, as the preset chooses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum KeyGenerator {
+    /// A random key per logical call.
+    Random,
+    /// No key unless the caller or the runtime gave one.
+    CallerOnly,
+}
+
+impl<Req> MakeKey<Req> for KeyGenerator {
+    fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
+        match self {
+            KeyGenerator::Random => RandomKey.make_key(req),
+            KeyGenerator::CallerOnly => None,
+        }
+    }
+}
+
+/// The settings that [`Backstop::validate`] derives and checked.
+struct Checked {
+    attempt_timeout: Duration,
+    max_attempts: u32,
+    breaker: Option<Breaker>,
+}
+
+impl<C, P, I> Backstop<C, P, I> {
+    fn effective_attempt_timeout(&self) -> Result<Duration, InvalidConfig> {
+        if let Some(t) = self.attempt_timeout {
+            return Ok(t);
+        }
+        match self.p99 {
+            None => Ok(DEFAULT_ATTEMPT_TIMEOUT),
+            Some(p) if p.is_zero() => Err(InvalidConfig::new("p99 must be greater than zero")),
+            Some(p) => {
+                let ms = (p.as_millis() * 5).div_ceil(2);
+                let rounded = ms.div_ceil(100) * 100;
+                Ok(Duration::from_millis(
+                    u64::try_from(rounded).unwrap_or(u64::MAX),
+                ))
+            }
+        }
+    }
+
+    /// The settings checked against each other.
+    fn validate(&self) -> Result<Checked, InvalidConfig> {
+        let timeout = self.effective_attempt_timeout()?;
+        if timeout.is_zero() {
+            return Err(InvalidConfig::new(
+                "attempt_timeout must be greater than zero",
+            ));
+        }
+        if let Some(d) = self.deadline {
+            if d.is_zero() {
+                return Err(InvalidConfig::new("deadline must be greater than zero"));
+            }
+            // A learned timeout is cut to the deadline when it is longer; a fixed one says so now.
+            if timeout > d && self.latency.is_none() {
+                return Err(InvalidConfig::new(format!(
+                    "the attempt timeout ({}) is longer than the deadline ({}): shorten attempt_timeout \
+                     (or give a lower p99), or lengthen the deadline",
+                    HumanDuration(timeout),
+                    HumanDuration(d)
+                )));
+            }
+        }
+        let breaker = match &self.breaker {
+            Some(b) => b.clone(),
+            None => Some(Breaker::process_wide()),
+        };
+        if let Some(b) = &breaker {
+            let window = b.config().window();
+            if b.config().has_ratio_rule() && window < timeout.saturating_mul(2) {
+                return Err(InvalidConfig::new(format!(
+                    "the breaker's failure window ({}) is shorter than two attempt timeouts (2 x {}): \
+                     lengthen the window (BreakerConfig::failure_ratio) or shorten attempt_timeout",
+                    HumanDuration(window),
+                    HumanDuration(timeout)
+                )));
+            }
+        }
+        let max_attempts = match (self.preset, self.max_attempts) {
+            (Preset::Destructive, Some(n)) if n > 1 => {
+                return Err(InvalidConfig::new(
+                    "the destructive preset is never retried automatically: remove max_attempts, or choose another preset",
+                ));
+            }
+            (Preset::Destructive, _) => 1,
+            (_, Some(n)) => n,
+            (_, None) => backstop_retry::DEFAULT_MAX_ATTEMPTS,
+        };
+        if self.preset == Preset::Payment && self.reconcile.is_none() {
+            return Err(InvalidConfig::new(
+                "the payment preset needs a reconciliation hook for unknown outcomes: call reconcile(...)",
+            ));
+        }
+        if !self.idempotency && matches!(self.preset, Preset::Create | Preset::Payment) {
+            return Err(InvalidConfig::new(
+                "the create and payment presets require idempotency keys: remove no_idempotency(), or choose another preset",
+            ));
+        }
+        Ok(Checked {
+            attempt_timeout: timeout,
+            max_attempts,
+            breaker,
+        })
+    }
+
+    /// The retry budget the stack spends: the one given or the process's, behind the adaptive
+    /// throttle when there is one.
+    fn retry_budget(&mut self) -> Option<Arc<dyn RetryBudget>> {
+        let budget = match self.budget.take() {
+            Some(b) => b,
+            None => Some(Budget::process_wide()),
+        };
+        match (self.throttle.take(), budget) {
+            (Some(t), Some(b)) => Some(Arc::new(t.with_budget(b))),
+            (Some(t), None) => Some(Arc::new(t)),
+            (None, Some(b)) => Some(Arc::new(b.bind(&self.dependency))),
+            (None, None) => None,
+        }
+    }
+
+    /// How the call's work makes keys: none for reads (or with keys off); required and vouched
+    /// for by the create and payment presets; random otherwise.
+    fn key_layer(&self) -> Option<IdempotencyLayer<I, KeyGenerator>>
+    where
+        I: Clone,
+    {
+        (self.idempotency && self.preset != Preset::ReadOnly).then(|| match self.preset {
+            // Requiring keys is declaring that the dependency honours them.
+            Preset::Create | Preset::Payment => self
+                .keys
+                .clone()
+                .generator(KeyGenerator::CallerOnly)
+                .require_key()
+                .vouched(true),
+            _ => self
+                .keys
+                .clone()
+                .generator(KeyGenerator::Random)
+                .vouched(self.honours_keys),
+        })
+    }
+
+    /// Validates the configuration and builds the layer.
+    pub fn build(mut self) -> Result<BackstopLayer<C, P, I>, InvalidConfig>
+    where
+        C: Clone,
+        P: Clone,
+        I: Clone,
+    {
+        let checked = self.validate()?;
+        let budget = self.retry_budget();
+        let keys = self.key_layer();
+        let inject = self.keys.injector().clone();
+        let transport = self.resend.clone();
+        let hedge_classifier = self.classifier.clone();
+        let mut retry = RetryLayer::new(self.classifier)
+            .resend(self.resend)
+            .dependency(self.dependency.clone())
+            .backoff(self.backoff)
+            .max_attempts(checked.max_attempts)?
+            // The attempt timeout and the breaker work inside the retry loop (one future, one
+            // classification per attempt); the deadline is kept by the retry layer too.
+            .attempt_timeout(checked.attempt_timeout);
+        let latency = self.latency.as_ref().map(|l| l.bind(&self.dependency));
+        if let Some(latency) = &latency {
+            retry = retry.attempt_timeout_from_latency(latency.clone());
+        }
+        if let Some(d) = self.deadline {
+            retry = retry.deadline(d);
+        }
+        if let Some(b) = &checked.breaker {
+            retry = retry.gate(Arc::new(b.bind(&self.dependency)));
+        }
+        if let Some(rng) = self.rng {
+            retry = retry.rng(rng);
+        }
+        if let Some(b) = &budget {
+            retry = retry.budget(b.clone());
+        }
+        let hedging = latency.map(|latency| HedgeParts {
+            classifier: hedge_classifier,
+            latency,
+            budget: budget.unwrap_or_else(|| Arc::new(backstop_core::NoBudget)),
+        });
+        // The call's work (key, span, errors, dead letters), once per logical call, outside the
+        // retry layer.
+        let call = Arc::new(CallWork {
+            dependency: self.dependency.clone(),
+            inject,
+            keys,
+            read_only: self.preset == Preset::ReadOnly,
+            sink: self.sink,
+            reconcile: self.reconcile,
+        });
+        Ok(BackstopLayer {
+            dependency: self.dependency,
+            call,
+            retry,
+            hedging,
+            transport,
+            attempt_header: self.attempt_header,
+            breaker: checked.breaker,
+        })
+    }
+}
