@@ -169,7 +169,7 @@ async fn an_open_circuit_comes_back_as_an_honest_error() {
     assert!(retry_after > Duration::from_secs(25) && retry_after <= Duration::from_secs(30));
     assert_eq!(
         err.to_string(),
-        "stack-carrier-api is unavailable (circuit open); do not retry now; it can be tried again in 30 s; tell the user"
+        "stack-carrier-api is unavailable (circuit open); do not retry now; it can be tried again in 30 s; the request did not take effect, so it is safe to try again later; tell the user"
     );
     assert_eq!(server.requests(), 3);
 }

@@ -213,7 +213,9 @@ impl fmt::Display for Told<'_> {
                         HumanDuration::rounded_up(t)
                     )?;
                 }
-                f.write_str("; tell the user")
+                // The side effect in the outcome's words: a circuit that opened during the
+                // call may follow an attempt whose effect is unknown.
+                write!(f, "; {guidance}; tell the user")
             }
             ErrorKind::BudgetExhausted if self.run_budget.is_some() => write!(
                 f,
@@ -226,7 +228,9 @@ impl fmt::Display for Told<'_> {
                 "{dep} is failing ({cause}) and its retry budget is exhausted after {tries}; \
                  do not retry now; {guidance}"
             ),
-            ErrorKind::Throttled => write!(f, "{cause}; do not retry now; tell the user"),
+            ErrorKind::Throttled => {
+                write!(f, "{cause}; do not retry now; {guidance}; tell the user")
+            }
             ErrorKind::TimedOut => write!(
                 f,
                 "{dep} did not reply in time ({tries}: {cause}); {guidance}"

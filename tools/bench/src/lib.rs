@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod netsim;
 pub mod sim;
 pub mod stacks;
 

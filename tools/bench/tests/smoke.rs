@@ -23,3 +23,82 @@ async fn an_outage_is_not_multiplied() {
         rows[4].amplification()
     );
 }
+
+/// The whole path under turmoil: every guarantee checked after each seed's run.
+mod netsim {
+    use backstop_bench::netsim::{Config, Report, Violation, run};
+    use std::time::Duration;
+
+    /// The seeds a test run tries; `NETSIM_SEED=n` runs one seed alone (to replay a failure).
+    fn seeds(n: u64) -> Vec<u64> {
+        match std::env::var("NETSIM_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+        {
+            Some(seed) => vec![seed],
+            None => (0..n).collect(),
+        }
+    }
+
+    fn broken(reports: &[Report]) -> String {
+        reports
+            .iter()
+            .filter(|r| !r.violations.is_empty())
+            .map(|r| {
+                format!(
+                    "seed {} (replay: NETSIM_SEED={} cargo test -p backstop-bench --test smoke netsim): faults {:?}: {:?}",
+                    r.seed, r.seed, r.faults, r.violations
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn every_guarantee_holds_under_partitions_kills_and_a_failing_store() {
+        let reports: Vec<Report> = seeds(200)
+            .into_iter()
+            .map(|seed| run(seed, &Config::default()))
+            .collect();
+        let failures = broken(&reports);
+        assert!(failures.is_empty(), "{failures}");
+        if reports.len() > 1 {
+            // The faults bite: calls end answered, unknown and not sent, and retries happen.
+            let sum = |f: fn(&Report) -> usize| reports.iter().map(f).sum::<usize>();
+            assert!(sum(Report::writes_answered) > 1_000);
+            assert!(sum(Report::unknown) > 10, "{}", sum(Report::unknown));
+            assert!(sum(Report::not_sent) > 10, "{}", sum(Report::not_sent));
+            assert!(reports.iter().map(Report::extra_attempts).sum::<u64>() > 100);
+            let killed = reports
+                .iter()
+                .filter(|r| r.faults.iter().any(|(_, f)| f.starts_with("Kill")))
+                .count();
+            assert!(killed > 50, "{killed}");
+        }
+    }
+
+    #[test]
+    fn a_seed_replays_exactly() {
+        let config = Config::default();
+        for seed in [3, 11] {
+            assert_eq!(run(seed, &config), run(seed, &config));
+        }
+    }
+
+    /// The checker is not blind: with a claim lease shorter than the caller's deadline (the
+    /// documented limit), a claim left by a killed server or an unrenewed lease expires while
+    /// the call still retries, and some seed runs a refund twice.
+    #[test]
+    fn a_lease_shorter_than_the_deadline_is_caught_running_a_refund_twice() {
+        let config = Config {
+            lease: Duration::from_millis(30),
+            ..Config::default()
+        };
+        let found = (0..200).map(|seed| run(seed, &config)).find(|r| {
+            r.violations
+                .iter()
+                .any(|v| matches!(v, Violation::DuplicateEffect { .. }))
+        });
+        assert!(found.is_some(), "no seed of 200 found the second execution");
+    }
+}
