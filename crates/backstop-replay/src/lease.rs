@@ -46,8 +46,11 @@ impl Lease {
         (Lease { token, held }, tx)
     }
 
-    /// The claim's fencing token: a newer claim of the same key always has another one, and
-    /// the store refuses to complete a claim whose token is not the current one.
+    /// The claim's fencing token. The store refuses to complete a claim whose token is not the
+    /// current one, and a newer claim of the same key always has a larger token on the stores
+    /// Backstop ships (a sequence in memory and on PostgreSQL, the server's clock on Redis), so
+    /// a handler's own database can refuse a write whose token is lower than the highest it
+    /// has seen for the key: a stale owner past its lease then changes nothing there either.
     pub fn token(&self) -> u64 {
         self.token
     }

@@ -1,7 +1,6 @@
 use crate::store::{
     Claim, Fingerprint, ReplayStore, StoreError, StoreFuture, StoredResponse, decode, encode,
 };
-use rand::{TryRng, rngs::SysRng};
 use redis::{
     AsyncConnectionConfig, Client, FromRedisValue, RedisResult, Script, ScriptInvocation, Value,
     aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection},
@@ -12,12 +11,17 @@ use redis::{
 use std::{fmt, sync::Arc, time::Duration};
 use tokio::sync::Mutex;
 
+// The token is the server's clock in microseconds: a key is claimed again only once its last
+// claim is gone (released, or its lease ran out on this same clock), so a newer claim of a key
+// has a larger token while the server's clock does not go back.
 const CLAIM: &str = r"
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then
-  redis.call('HSET', KEYS[1], 'state', 'inflight', 'fp', ARGV[1], 'token', ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {1}
+  local now = redis.call('TIME')
+  local token = now[1] .. string.format('%06d', tonumber(now[2]))
+  redis.call('HSET', KEYS[1], 'state', 'inflight', 'fp', ARGV[1], 'token', token)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, token}
 end
 if state == 'inflight' then
   return {2, redis.call('HGET', KEYS[1], 'fp')}
@@ -38,8 +42,12 @@ fn owned_script(body: &str) -> Script {
 /// token and, once done, the encoded response; its expiry is the lease while in flight and the
 /// TTL once done. Claim, renew, complete and release are Lua scripts, so each is atomic, and
 /// every script touches one key: on a cluster ([`cluster`](Self::cluster)) the key's hash slot
-/// picks the node that runs it, and a key's whole life stays on that node. Tokens are random
-/// 64-bit values from the operating system.
+/// picks the node that runs it, and a key's whole life stays on that node. A claim's token is
+/// the server's clock in microseconds when it claimed (`TIME`, inside the claim's script): a
+/// newer claim of a key always has a larger token while that clock does not go back, so a
+/// handler's own database can refuse a write whose [`Lease::token`](crate::Lease::token) is
+/// lower than one it has seen (a node's clock stepped back, or a failover to a replica whose
+/// clock is behind, breaks that order: it is the store's clock the leases are measured by too).
 ///
 /// On one Redis the connection is a `ConnectionManager`, on a cluster redis-rs's cluster
 /// connection (which follows the cluster's slot map, `MOVED` and `ASK`); either reconnects by
@@ -390,16 +398,17 @@ impl ReplayStore for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, Claim> {
         Box::pin(async move {
-            let token = SysRng
-                .try_next_u64()
-                .map_err(|e| StoreError::new(format!("no random token: {e}")))?;
             let mut inv = self.claim.key(self.key(key));
-            inv.arg(&fingerprint[..])
-                .arg(token.to_string())
-                .arg(ms(lease));
+            inv.arg(&fingerprint[..]).arg(ms(lease));
             let reply: Vec<Value> = self.conn.invoke(&inv).await.map_err(err)?;
             match reply.first() {
-                Some(Value::Int(1)) => Ok(Claim::Claimed { token }),
+                Some(Value::Int(1)) => Ok(Claim::Claimed {
+                    token: reply
+                        .get(1)
+                        .and_then(bytes)
+                        .and_then(|b| std::str::from_utf8(b).ok()?.parse().ok())
+                        .ok_or_else(|| StoreError::new("redis: a claim without its token"))?,
+                }),
                 Some(Value::Int(2)) => Ok(Claim::InFlight {
                     fingerprint: parse_fp(reply.get(1))?,
                 }),

@@ -683,6 +683,141 @@ mod redis {
         assert_eq!(h.runs(), 1);
     }
 
+    /// The handler's own database, on Redis: a refund is written only with a fencing token at
+    /// least as large as the largest this order has seen (the check and the write one script).
+    const FENCED_REFUND: &str = r"
+local seen = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) < seen then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[2])
+return 1
+";
+
+    /// A refund handler that books into its own database with its claim's fencing token; with
+    /// `stall`, its thread stops after the claim and before the booking (a GC pause, a suspended
+    /// VM: no renewal runs either) until told to go on.
+    fn fenced_refunds(
+        url: String,
+        who: &'static str,
+        stall: Option<(std::sync::mpsc::Sender<u64>, std::sync::mpsc::Receiver<()>)>,
+    ) -> impl Service<
+        Request<ReplayRequestBody>,
+        Response = Response<Full<Bytes>>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + use<> {
+        let stall = Arc::new(std::sync::Mutex::new(stall));
+        service_fn(move |req: Request<ReplayRequestBody>| {
+            let (url, stall) = (url.clone(), stall.clone());
+            async move {
+                let token = req.extensions().get::<Lease>().unwrap().token();
+                if let Some((claimed, go)) = stall.lock().unwrap().take() {
+                    claimed.send(token).unwrap();
+                    tokio::task::block_in_place(|| go.recv().unwrap());
+                }
+                let mut conn = ::redis::Client::open(url)
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                let booked: i64 = ::redis::Script::new(FENCED_REFUND)
+                    .key("refunds:fence:A-7")
+                    .key("refunds:booked")
+                    .arg(token.to_string())
+                    .arg(who)
+                    .invoke_async(&mut conn)
+                    .await
+                    .unwrap();
+                let (status, body) = if booked == 1 {
+                    (201, format!("refund by {who}"))
+                } else {
+                    (409, format!("{who} was fenced out"))
+                };
+                Ok(Response::builder()
+                    .status(status)
+                    .body(Full::from(body))
+                    .unwrap())
+            }
+        })
+    }
+
+    /// The outage past the lease, on Redis: the first owner's thread stalls after its claim,
+    /// past its lease; a repeat claims the expired key with a larger token and books the
+    /// refund; the stale owner wakes and its booking is refused by its own database's fence,
+    /// its result by the store. One refund, by the owner holding the claim, and the repeat's
+    /// result is the one replayed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_owner_past_its_lease_is_fenced_out_of_its_own_database() {
+        let redis = RedisServer::start().await;
+        let lease = Duration::from_millis(300);
+        let layer = || {
+            ReplayLayer::new(RedisStore::open(&redis.url()).unwrap())
+                .single_tenant()
+                .lease(lease)
+        };
+        let (claimed_tx, claimed) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel();
+        let stale = layer().layer(fenced_refunds(
+            redis.url(),
+            "the stale owner",
+            Some((claimed_tx, go_rx)),
+        ));
+        let first = tokio::spawn(stale.oneshot(refund(Some("k-fence"), "A-7")));
+        let stale_token = tokio::task::spawn_blocking(move || claimed.recv().unwrap())
+            .await
+            .unwrap();
+        // Past the lease (a lower bound: a slower machine only makes it longer).
+        tokio::time::sleep(lease * 2).await;
+        let (owner_tx, owner_claimed) = std::sync::mpsc::channel();
+        let (owner_go, owner_go_rx) = std::sync::mpsc::channel();
+        let owner = layer().layer(fenced_refunds(
+            redis.url(),
+            "the new owner",
+            Some((owner_tx, owner_go_rx)),
+        ));
+        let repeat = tokio::spawn(owner.oneshot(refund(Some("k-fence"), "A-7")));
+        let owner_token = tokio::task::spawn_blocking(move || owner_claimed.recv().unwrap())
+            .await
+            .unwrap();
+        assert!(
+            owner_token > stale_token,
+            "{owner_token} after {stale_token}"
+        );
+        owner_go.send(()).unwrap();
+        let repeat = repeat.await.unwrap().unwrap();
+        assert_eq!(repeat.status(), 201);
+        // The stale owner wakes after the new owner booked.
+        go.send(()).unwrap();
+        let stale = first.await.unwrap().unwrap();
+        assert_eq!(stale.status(), 409, "{}", text(stale).await);
+        let mut conn = ::redis::Client::open(redis.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let booked: Vec<String> = ::redis::cmd("LRANGE")
+            .arg("refunds:booked")
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            booked,
+            ["the new owner"],
+            "one refund, by the claim's holder"
+        );
+        let again = layer()
+            .layer(Handler::new(Mode::Ok).service())
+            .oneshot(refund(Some("k-fence"), "A-7"))
+            .await
+            .unwrap();
+        assert_eq!(again.headers()["idempotent-replayed"], "true");
+        assert_eq!(text(again).await, "refund by the new owner");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn two_server_instances_sharing_one_redis_run_the_handler_once() {
         let redis = RedisServer::start().await;
