@@ -757,30 +757,26 @@ return 1
                 .single_tenant()
                 .lease(lease)
         };
-        let (claimed_tx, claimed) = std::sync::mpsc::channel();
-        let (go, go_rx) = std::sync::mpsc::channel();
-        let stale = layer().layer(fenced_refunds(
-            redis.url(),
-            "the stale owner",
-            Some((claimed_tx, go_rx)),
-        ));
-        let first = tokio::spawn(stale.oneshot(refund(Some("k-fence"), "A-7")));
-        let stale_token = tokio::task::spawn_blocking(move || claimed.recv().unwrap())
-            .await
-            .unwrap();
+        // Sends a refund through a handler that stalls after its claim; returns the call, the
+        // claim's token once the handler holds it, and the handle that lets the handler go on.
+        let (layer, url) = (&layer, redis.url());
+        let start = |who: &'static str| {
+            let url = url.clone();
+            async move {
+                let (claimed_tx, claimed) = std::sync::mpsc::channel();
+                let (go, go_rx) = std::sync::mpsc::channel();
+                let svc = layer().layer(fenced_refunds(url, who, Some((claimed_tx, go_rx))));
+                let call = tokio::spawn(svc.oneshot(refund(Some("k-fence"), "A-7")));
+                let token = tokio::task::spawn_blocking(move || claimed.recv().unwrap())
+                    .await
+                    .unwrap();
+                (call, token, go)
+            }
+        };
+        let (first, stale_token, go) = start("the stale owner").await;
         // Past the lease (a lower bound: a slower machine only makes it longer).
         tokio::time::sleep(lease * 2).await;
-        let (owner_tx, owner_claimed) = std::sync::mpsc::channel();
-        let (owner_go, owner_go_rx) = std::sync::mpsc::channel();
-        let owner = layer().layer(fenced_refunds(
-            redis.url(),
-            "the new owner",
-            Some((owner_tx, owner_go_rx)),
-        ));
-        let repeat = tokio::spawn(owner.oneshot(refund(Some("k-fence"), "A-7")));
-        let owner_token = tokio::task::spawn_blocking(move || owner_claimed.recv().unwrap())
-            .await
-            .unwrap();
+        let (repeat, owner_token, owner_go) = start("the new owner").await;
         assert!(
             owner_token > stale_token,
             "{owner_token} after {stale_token}"
