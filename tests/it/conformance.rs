@@ -14,8 +14,10 @@ use backstop::{
     chaos::{ChaosLayer, FaultPlan},
     classify::HttpClassifier,
     idempotency::IdempotencyLayer,
-    retry::RetryLayer,
-    timeout::{AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer},
+    retry::{Hedging, RetryLayer},
+    timeout::{
+        AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer, LatencyConfig, LatencyTimeouts,
+    },
 };
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -59,6 +61,22 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
             let layer = stack_builder("conformance-leaf").build().unwrap();
             status_of(layer.leaf(inner))
         }),
+        (
+            "the composed stack, reads hedged on learned latency",
+            |inner| {
+                // Learned from the first answer on, never under the other subjects' 1 s: a call
+                // queued inside (a rate limit behind a buffer) is an attempt in flight.
+                let learned = LatencyConfig::default()
+                    .min_samples(1)
+                    .floor(Duration::from_secs(1));
+                let timeouts = LatencyTimeouts::new(learned).unwrap();
+                let layer = stack_builder("conformance-hedged")
+                    .attempt_timeout_from_latency(timeouts)
+                    .build()
+                    .unwrap();
+                status_of(layer.layer(layer.hedge(inner, Hedging::default()).unwrap()))
+            },
+        ),
         ("the retry layer", |inner| {
             let layer = RetryLayer::http()
                 .dependency("conformance-retry")
@@ -314,11 +332,21 @@ async fn a_rate_limit_inside_or_outside_paces_the_calls() {
                 "{name}"
             );
         }
-        assert_eq!(
-            started.elapsed(),
-            Duration::from_millis(400),
-            "{name}: paced inside"
-        );
+        if name.contains("hedged") {
+            // A call queued behind the limit is unanswered past the hedge's delay: its copy
+            // queues too, and is paced like the rest (never faster than the rate).
+            assert_eq!(
+                started.elapsed(),
+                Duration::from_millis(800),
+                "{name}: paced inside, copies included"
+            );
+        } else {
+            assert_eq!(
+                started.elapsed(),
+                Duration::from_millis(400),
+                "{name}: paced inside"
+            );
+        }
 
         let (mock, _seen) = answered(200);
         let mut outside = RateLimit::new(
@@ -451,4 +479,39 @@ async fn dropping_a_future_releases_what_it_holds() {
         reply.send_response(answer(200));
         assert_eq!(next.await.unwrap().unwrap(), 200, "{name}");
     }
+}
+
+/// A hedged read's copy goes out on a clone polled ready for it (the mock panics on a call
+/// without a `poll_ready` that answered `Ready` on the handle called), while the first copy
+/// still waits; the first answer wins.
+#[tokio::test(start_paused = true)]
+async fn a_hedged_copy_is_polled_ready_on_a_handle_of_its_own() {
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let learned = LatencyConfig::default()
+        .min_samples(1)
+        .floor(Duration::from_secs(1));
+    let layer = stack_builder("conformance-hedge-copy")
+        .attempt_timeout_from_latency(LatencyTimeouts::new(learned).unwrap())
+        .build()
+        .unwrap();
+    let svc = status_of(layer.layer(layer.hedge(boxed(mock), Hedging::default()).unwrap()));
+    // The latency record learns 10 ms answers.
+    for _ in 0..5 {
+        let call = tokio::spawn(svc.clone().oneshot(get()));
+        let (_req, reply) = handle.next_request().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        reply.send_response(answer(200));
+        assert_eq!(call.await.unwrap().unwrap(), 200);
+    }
+    let call = tokio::spawn(svc.clone().oneshot(get()));
+    let sent = Instant::now();
+    let (_first, _unanswered) = handle.next_request().await.unwrap();
+    let (_copy, reply) = handle.next_request().await.unwrap();
+    let after = sent.elapsed();
+    assert!(
+        after >= Duration::from_millis(10) && after < Duration::from_millis(100),
+        "the copy went out {after:?} after the first, past the learned latency"
+    );
+    reply.send_response(answer(200));
+    assert_eq!(call.await.unwrap().unwrap(), 200);
 }

@@ -10,6 +10,7 @@ use backstop::{
     breaker::{Breaker, BreakerConfig},
     budget::{Budget, BudgetConfig},
     idempotency::ActionContext,
+    retry::Hedging,
     timeout::{LatencyConfig, LatencyTimeouts},
 };
 use bytes::Bytes;
@@ -94,7 +95,7 @@ fn stacks(world: &Arc<World>, config: &Config, seed: u64) -> Result<Stacks, BoxE
     Ok(Stacks {
         writes: collect(write(seed)?.layer(leaf.clone())),
         nested: collect(write(seed ^ 1)?.layer(write(seed ^ 2)?.layer(leaf.clone()))),
-        reads: collect(reads.layer(leaf)),
+        reads: collect(reads.layer(reads.hedge(leaf, Hedging::default())?)),
         budget,
     })
 }
