@@ -1,41 +1,13 @@
 //! The breaker's handle: per-dependency circuits shared by every clone, read and steered by an
-//! operator, and what a circuit reports (its transitions and its counts). The state machine
-//! behind it is in `circuit.rs`.
+//! operator. The state machine behind it, and what a circuit reports, are in `circuit.rs`.
 
 use crate::BreakerConfig;
-use crate::{circuit::Inner, permit::Permit};
+use crate::{
+    circuit::{CircuitStats, Inner},
+    permit::Permit,
+};
 use backstop_core::{CircuitOpen, CircuitState, Dependency, InvalidConfig};
-use std::{fmt, sync::Arc, time::Duration};
-
-/// A change of a circuit's state, as reported to the `on_transition` hook.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CircuitTransition {
-    /// The dependency.
-    pub dependency: Dependency,
-    /// The state before.
-    pub from: CircuitState,
-    /// The state after.
-    pub to: CircuitState,
-    /// How long it stays open, for a transition to [`CircuitState::Open`].
-    pub cooldown: Option<Duration>,
-}
-
-/// What a circuit has counted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CircuitStats {
-    /// The state.
-    pub state: CircuitState,
-    /// Calls counted in the failure-ratio window (0 when the ratio rule is off).
-    pub calls: u64,
-    /// Failures counted in the window.
-    pub failures: u64,
-    /// Failures in a row.
-    pub consecutive_failures: u32,
-    /// Time until the next trial call, while open.
-    pub retry_in: Option<Duration>,
-}
+use std::{fmt, sync::Arc};
 
 /// Per-dependency circuits. `Clone`: clones share every circuit, so one `Breaker` given to
 /// several stacks governs them together.
@@ -141,6 +113,6 @@ impl Breaker {
 
     pub(crate) fn acquire(&self, dependency: &Dependency) -> Result<Permit, CircuitOpen> {
         let circuit = self.inner.circuits.get(dependency);
-        self.inner.acquire(&self.inner, circuit, dependency)
+        Permit::acquire(&self.inner, circuit, dependency)
     }
 }

@@ -3,8 +3,6 @@
 //! records make, told to the fleet when there is one.
 
 use crate::BreakerConfig;
-use crate::breaker::{CircuitStats, CircuitTransition};
-use crate::permit::{Kind, Permit, Signal};
 use crate::slots::TrialSlots;
 use backstop_core::{CircuitOpen, CircuitState, Dependency};
 use backstop_state::{Registry, SlidingCount};
@@ -29,6 +27,51 @@ fn state_from_u8(v: u8) -> CircuitState {
         HALF_OPEN => CircuitState::HalfOpen,
         _ => CircuitState::Isolated,
     }
+}
+
+/// A change of a circuit's state, as reported to the `on_transition` hook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CircuitTransition {
+    /// The dependency.
+    pub dependency: Dependency,
+    /// The state before.
+    pub from: CircuitState,
+    /// The state after.
+    pub to: CircuitState,
+    /// How long it stays open, for a transition to [`CircuitState::Open`].
+    pub cooldown: Option<Duration>,
+}
+
+/// What a circuit has counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CircuitStats {
+    /// The state.
+    pub state: CircuitState,
+    /// Calls counted in the failure-ratio window (0 when the ratio rule is off).
+    pub calls: u64,
+    /// Failures counted in the window.
+    pub failures: u64,
+    /// Failures in a row.
+    pub consecutive_failures: u32,
+    /// Time until the next trial call, while open.
+    pub retry_in: Option<Duration>,
+}
+
+/// What a finished call tells the circuit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Signal {
+    Success,
+    Failure,
+    /// Not sent, or cancelled: counts for nothing.
+    Ignore,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Normal,
+    Trial,
 }
 
 /// What a breaker shares its circuits through (the fleet, feature `fleet`): told of this
@@ -156,22 +199,6 @@ impl Inner {
                 .as_millis(),
         )
         .unwrap_or(u64::MAX)
-    }
-
-    pub(crate) fn acquire(
-        &self,
-        this: &Arc<Inner>,
-        circuit: Arc<Circuit>,
-        dependency: &Dependency,
-    ) -> Result<Permit, CircuitOpen> {
-        let (kind, generation) = self.admit(&circuit, dependency)?;
-        Ok(Permit {
-            breaker: this.clone(),
-            circuit,
-            kind,
-            generation,
-            done: false,
-        })
     }
 
     /// Admits one call through `circuit`, or says why not.

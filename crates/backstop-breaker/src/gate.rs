@@ -3,9 +3,8 @@
 
 use crate::{
     Breaker,
-    circuit::Circuit,
+    circuit::{Circuit, Kind, Signal},
     layer::signal,
-    permit::{Kind, Signal},
 };
 use backstop_core::{AttemptGate, Ticket, Verdict};
 use backstop_core::{BoxError, Dependency};

@@ -1,7 +1,4 @@
-use crate::{
-    Breaker,
-    permit::{Permit, Signal},
-};
+use crate::{Breaker, circuit::Signal, permit::Permit};
 use backstop_core::{BoxError, CircuitOpen, Dependency, DependencyKey, HasExtensions, Outcome};
 use backstop_core::{Classify, Verdict};
 use pin_project::pin_project;

@@ -94,7 +94,8 @@ mod sync;
 
 pub use backstop_core::InvalidConfig;
 pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
-pub use breaker::{Breaker, CircuitStats, CircuitTransition};
+pub use breaker::Breaker;
+pub use circuit::{CircuitStats, CircuitTransition};
 pub use config::BreakerConfig;
 #[cfg(feature = "fleet")]
 pub use fleet::{Fleet, FleetConfig, FleetStats};

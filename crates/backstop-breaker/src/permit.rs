@@ -1,25 +1,10 @@
 //! What a call gets from its circuit: a permit that records the call's result, or gives a
 //! trial slot back when it is dropped, and the count of calls refused.
 
-use crate::circuit::{Circuit, Inner};
-use backstop_core::CircuitOpen;
+use crate::circuit::{Circuit, Inner, Kind, Signal};
+use backstop_core::{CircuitOpen, Dependency};
 use std::{fmt, sync::Arc};
 use tokio::time::Instant;
-
-/// What a finished call tells the circuit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Signal {
-    Success,
-    Failure,
-    /// Not sent, or cancelled: counts for nothing.
-    Ignore,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Normal,
-    Trial,
-}
 
 /// Admission to make one call; reports its result, or gives a trial slot back when dropped.
 /// Counts a call the breaker refused (`backstop_breaker_rejections_total`, feature `metrics`).
@@ -52,6 +37,22 @@ impl fmt::Debug for Permit {
 }
 
 impl Permit {
+    /// Admission through `circuit` for one call of `dependency`, or why not.
+    pub(crate) fn acquire(
+        breaker: &Arc<Inner>,
+        circuit: Arc<Circuit>,
+        dependency: &Dependency,
+    ) -> Result<Permit, CircuitOpen> {
+        let (kind, generation) = breaker.admit(&circuit, dependency)?;
+        Ok(Permit {
+            breaker: breaker.clone(),
+            circuit,
+            kind,
+            generation,
+            done: false,
+        })
+    }
+
     pub(crate) fn record(mut self, signal: Signal) {
         self.done = true;
         self.breaker.record(

@@ -5,8 +5,8 @@ use crate::{
     policy::ToolPolicy,
 };
 use backstop_classify::{AsError, classify_error};
-use backstop_core::{Classify, Outcome, Verdict};
-use std::error::Error;
+use backstop_core::{Classify, Outcome, ReportsOutcome, Verdict};
+use std::{error::Error, time::Duration};
 
 /// Classifies MCP tool calls.
 ///
@@ -29,7 +29,7 @@ use std::error::Error;
 /// [`ToolPolicy`]).
 ///
 /// ```
-/// use backstop_core::{Classify, Outcome, Verdict};
+/// use backstop_core::{Classify, Outcome, ReportsOutcome, Verdict};
 /// use backstop_mcp::{McpClassifier, RpcError, ToolCall, ToolError, ToolResult, codes};
 ///
 /// let c = McpClassifier;
@@ -146,6 +146,17 @@ impl<E: AsError> Classify<ToolCall, ToolResult, E> for McpClassifier {
 impl AsError for ToolError {
     fn as_error(&self) -> &(dyn Error + 'static) {
         self
+    }
+}
+
+/// What a tool call's failure says of its side effect, as the classifier reads it.
+impl ReportsOutcome for ToolError {
+    fn outcome(&self) -> Outcome {
+        verdict_of(self).outcome()
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        self.rpc().and_then(RpcError::retry_after)
     }
 }
 

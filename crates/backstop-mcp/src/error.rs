@@ -1,7 +1,7 @@
 //! Why a tool call got no result: the JSON-RPC error a server sent (with its codes), or the
 //! transport's failure, with what each says about the call's effect.
 
-use backstop_core::{BoxError, Outcome, ReportsOutcome};
+use backstop_core::BoxError;
 use serde_json::Value;
 use std::{error::Error, fmt, time::Duration};
 
@@ -152,15 +152,5 @@ impl Error for ToolError {
             ToolError::NotSent(e) | ToolError::Lost(e) => Some(&**e),
             ToolError::Rpc(e) => Some(e),
         }
-    }
-}
-
-impl ReportsOutcome for ToolError {
-    fn outcome(&self) -> Outcome {
-        crate::classify::verdict_of(self).outcome()
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        self.rpc().and_then(RpcError::retry_after)
     }
 }

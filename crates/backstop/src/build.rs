@@ -4,32 +4,16 @@
 //! when latency is learned.
 
 use crate::{
-    Backstop, BackstopLayer, DEFAULT_ATTEMPT_TIMEOUT, Preset, call::CallWork, service::HedgeParts,
+    Backstop, BackstopLayer, DEFAULT_ATTEMPT_TIMEOUT, Preset,
+    call::{CallWork, KeyGenerator},
+    service::HedgeParts,
 };
 use backstop_breaker::Breaker;
 use backstop_budget::Budget;
 use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
-use backstop_idempotency::{IdempotencyKey, IdempotencyLayer, MakeKey, RandomKey};
+use backstop_idempotency::IdempotencyLayer;
 use backstop_retry::RetryLayer;
 use std::{sync::Arc, time::Duration};
-
-/// How the composed stack makes a key when the caller gave none, as the preset chooses.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum KeyGenerator {
-    /// A random key per logical call.
-    Random,
-    /// No key unless the caller or the runtime gave one.
-    CallerOnly,
-}
-
-impl<Req> MakeKey<Req> for KeyGenerator {
-    fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
-        match self {
-            KeyGenerator::Random => RandomKey.make_key(req),
-            KeyGenerator::CallerOnly => None,
-        }
-    }
-}
 
 /// The settings that [`Backstop::validate`] derives and checked.
 struct Checked {

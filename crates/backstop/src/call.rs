@@ -2,14 +2,33 @@
 //! before the retry layer copies the request, so every attempt carries it), the call's span,
 //! one [`Error`] for every end, dead letters and reconciliation.
 
-use crate::build::KeyGenerator;
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
-use backstop_idempotency::{ActionContext, IdempotencyKey, IdempotencyLayer, Inject};
+use backstop_idempotency::{
+    ActionContext, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey,
+};
 use backstop_retry::RetryHistory;
 use std::{fmt, sync::Arc};
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
+
+/// How the composed stack makes a key when the caller gave none, as the preset chooses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum KeyGenerator {
+    /// A random key per logical call.
+    Random,
+    /// No key unless the caller or the runtime gave one.
+    CallerOnly,
+}
+
+impl<Req> MakeKey<Req> for KeyGenerator {
+    fn make_key(&self, req: &Req) -> Option<IdempotencyKey> {
+        match self {
+            KeyGenerator::Random => RandomKey.make_key(req),
+            KeyGenerator::CallerOnly => None,
+        }
+    }
+}
 
 /// What the call's work needs, shared by every service of one stack.
 pub(crate) struct CallWork<I> {
