@@ -63,7 +63,8 @@ async fn a_shedding_dependency_is_shed_by_the_client_with_honest_errors() {
             let words = e.to_string();
             assert!(
                 words.contains("throttle-search-api is shedding load")
-                    && words.contains("without sending it"),
+                    && words.contains("without sending it")
+                    && words.contains(Outcome::NotSent.guidance()),
                 "{words}"
             );
             assert!(

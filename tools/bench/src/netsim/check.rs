@@ -34,6 +34,13 @@ pub enum Violation {
         /// Logical calls.
         calls: u64,
     },
+    /// More attempts beyond the first than retries and hedges the budget granted.
+    Unpaid {
+        /// Attempts beyond the first, all calls together.
+        extra: u64,
+        /// Retries and hedges the budget granted.
+        granted: u64,
+    },
     /// A call made more attempts than one retry layer makes (nested stacks multiplied).
     Multiplied {
         /// The call.
@@ -162,6 +169,13 @@ pub(crate) fn report(
         report
             .violations
             .push(Violation::OverBudget { extra, calls: n });
+    }
+    // Every attempt beyond a call's first was paid from the budget: none made around it.
+    if extra > report.budget.1 {
+        report.violations.push(Violation::Unpaid {
+            extra,
+            granted: report.budget.1,
+        });
     }
     report
 }

@@ -7,8 +7,8 @@
 //! nested in another, and hedged reads, every stack spending one retry budget), `api` serves
 //! Backstop's replay layer over a handler that commits refunds to a ledger kept outside the
 //! simulation (the bank's books survive the server), and `store` keeps the replay entries. The
-//! faults come from a schedule drawn from the seed, so a seed names one run exactly:
-//! [`run`] twice with one seed gives the same [`Report`], trace included.
+//! faults come from a schedule drawn from the seed, so a seed names one run:
+//! [`run`] twice with one seed in one process gives the same [`Report`], trace included.
 
 mod check;
 mod store;
@@ -218,6 +218,52 @@ enum Fault {
     Kill(Duration),
 }
 
+impl Fault {
+    /// Applies the fault; returns how long it lasts.
+    fn start(self, sim: &mut turmoil::Sim<'_>) -> Duration {
+        match self {
+            Fault::PartitionClient(d) => {
+                sim.partition("agent", wire::API.0);
+                d
+            }
+            Fault::PartitionStore(d) => {
+                sim.partition(wire::API.0, store::STORE.0);
+                d
+            }
+            Fault::Hold(d) => {
+                sim.hold("agent", wire::API.0);
+                d
+            }
+            Fault::Kill(d) => {
+                sim.crash(wire::API.0);
+                d
+            }
+        }
+    }
+
+    /// Ends the fault; says how.
+    fn end(self, sim: &mut turmoil::Sim<'_>) -> &'static str {
+        match self {
+            Fault::PartitionClient(_) => {
+                sim.repair("agent", wire::API.0);
+                "repair agent-api"
+            }
+            Fault::PartitionStore(_) => {
+                sim.repair(wire::API.0, store::STORE.0);
+                "repair api-store"
+            }
+            Fault::Hold(_) => {
+                sim.release("agent", wire::API.0);
+                "release agent-api"
+            }
+            Fault::Kill(_) => {
+                sim.bounce(wire::API.0);
+                "start api"
+            }
+        }
+    }
+}
+
 /// The seed's faults: two to four, in the first two seconds.
 fn schedule(rng: &mut SmallRng) -> Vec<(Duration, Fault)> {
     let n = rng.random_range(2..=4);
@@ -263,43 +309,19 @@ pub fn run(seed: u64, config: &Config) -> Report {
     } else {
         Vec::new()
     };
-    let mut ends: Vec<(Duration, &'static str)> = Vec::new();
+    let mut ends: Vec<(Duration, Fault)> = Vec::new();
     let mut applied = Vec::new();
     loop {
         let now = sim.elapsed();
         while pending.first().is_some_and(|(at, _)| *at <= now) {
             let (_, fault) = pending.remove(0);
             applied.push((now, format!("{fault:?}")));
-            let (span, undo) = match fault {
-                Fault::PartitionClient(d) => {
-                    sim.partition("agent", wire::API.0);
-                    (d, "repair agent-api")
-                }
-                Fault::PartitionStore(d) => {
-                    sim.partition(wire::API.0, store::STORE.0);
-                    (d, "repair api-store")
-                }
-                Fault::Hold(d) => {
-                    sim.hold("agent", wire::API.0);
-                    (d, "release agent-api")
-                }
-                Fault::Kill(d) => {
-                    sim.crash(wire::API.0);
-                    (d, "start api")
-                }
-            };
-            ends.push((now + span, undo));
+            ends.push((now + fault.start(&mut sim), fault));
         }
         ends.sort_by_key(|(at, _)| *at);
         while ends.first().is_some_and(|(at, _)| *at <= now) {
-            let (_, undo) = ends.remove(0);
-            applied.push((now, undo.to_owned()));
-            match undo {
-                "repair agent-api" => sim.repair("agent", wire::API.0),
-                "repair api-store" => sim.repair(wire::API.0, store::STORE.0),
-                "release agent-api" => sim.release("agent", wire::API.0),
-                _ => sim.bounce(wire::API.0),
-            }
+            let (_, fault) = ends.remove(0);
+            applied.push((now, fault.end(&mut sim).to_owned()));
         }
         match sim.step() {
             Ok(true) => break,
