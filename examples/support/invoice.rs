@@ -94,6 +94,8 @@ struct Ledger {
     mailer_lookup_down: bool,
     /// The mailer answers this many more sends with `503` and `Retry-After: 1`, doing nothing.
     mailer_busy: u32,
+    /// The mailer refuses every send with `422`, doing nothing: the step fails for good.
+    mailer_refuses: bool,
 }
 
 /// The billing, inventory and mailer services on 127.0.0.1.
@@ -178,6 +180,9 @@ impl World {
                     "reservation",
                 );
             }
+            ("POST", "/messages") if l.mailer_refuses => {
+                return Action::respond(422, &[], r#"{"error":"the address bounced"}"#);
+            }
             ("POST", "/messages") if l.mailer_busy > 0 => {
                 l.mailer_busy -= 1;
                 return Action::respond(503, &[("retry-after", "1")], "{}");
@@ -226,6 +231,11 @@ impl World {
     /// The mailer turns the next `sends` emails away with `503` and `Retry-After: 1`.
     pub fn make_mailer_busy(&self, sends: u32) {
         self.ledger.lock().expect("ledger").mailer_busy = sends;
+    }
+
+    /// The mailer refuses every send (`422`, nothing sent) while `refuses` holds.
+    pub fn make_mailer_refuse(&self, refuses: bool) {
+        self.ledger.lock().expect("ledger").mailer_refuses = refuses;
     }
 
     /// Takes the mailer's lookup down: a step it must reconcile goes to a person.
@@ -413,11 +423,11 @@ impl Tools {
     }
 
     /// Asks a service what became of a step: billing and the mailer by key, inventory by the
-    /// order (its business identity).
-    async fn lookup(&self, step: &Step) -> Reconciled {
+    /// order (its business identity, from the run's input).
+    async fn lookup(&self, step: &Step, order: &str) -> Reconciled {
         let path = match step.tool.as_str() {
             "billing" => format!("/invoices?key={}", step.key),
-            "inventory" => format!("/reservations?order=ord-{}", step.id.run),
+            "inventory" => format!("/reservations?order={order}"),
             _ => format!("/messages?key={}", step.key),
         };
         let req = Request::get(format!("{}{path}", self.url))
@@ -459,12 +469,19 @@ pub const LEASE: Duration = Duration::from_millis(800);
 /// The workflow's name in the journal.
 pub const WORKFLOW: &str = "invoice";
 
-/// The arguments of `step` for `run` (the email names the invoice, which a resumed run reads
+/// The order a run is for: its input's `order` (a run forked from another is for the same one).
+fn order_of(input: Option<&str>) -> String {
+    input
+        .and_then(|i| json_field(i.as_bytes(), "order"))
+        .unwrap_or_default()
+}
+
+/// The arguments of `step` for `order` (the email names the invoice, which a resumed run reads
 /// back from the journal).
-fn step_args(run: &str, step: &str, invoice: &str) -> String {
+fn step_args(order: &str, step: &str, invoice: &str) -> String {
     match step {
-        "create-invoice" => format!(r#"{{"order":"ord-{run}","eur":40}}"#),
-        "reserve-inventory" => format!(r#"{{"order":"ord-{run}","sku":"sku-7","qty":1}}"#),
+        "create-invoice" => format!(r#"{{"order":"{order}","eur":40}}"#),
+        "reserve-inventory" => format!(r#"{{"order":"{order}","sku":"sku-7","qty":1}}"#),
         _ => format!(r#"{{"to":"ana@example.com","invoice":"{invoice}"}}"#),
     }
 }
@@ -479,9 +496,10 @@ async fn invoice_workflow(
     let kill_at = kill_at.as_deref();
     checkpoint(kill_at, "run", "start");
     let run = ctx.run_id().to_owned();
+    let order = order_of(ctx.input());
     let mut invoice = String::new();
     for (step, tool) in STEPS {
-        let args = step_args(&run, step, &invoice);
+        let args = step_args(&order, step, &invoice);
         let new = NewStep::tool_call(&run, step, "", tool, args.as_bytes());
         if kill_at == Some(&format!("{step}:begun")) {
             // Killed right after `pending` is written, before `sent` is.
@@ -540,21 +558,33 @@ async fn work(
 ) -> Result<i32, BoxError> {
     let journal = Journal::open(db).await?;
     let tools = Arc::new(Tools::new(url)?);
-    journal
-        .start_run(run, WORKFLOW, Some(&format!(r#"{{"order":"ord-{run}"}}"#)))
-        .await?;
+    // A run made by an operator (a fork) exists already, with its own input.
+    if journal.run_record(run).await?.is_none() {
+        journal
+            .start_run(run, WORKFLOW, Some(&format!(r#"{{"order":"ord-{run}"}}"#)))
+            .await?;
+    }
     let mut hooks = Reconcilers::new();
     if naive {
         resend_without_asking(&journal, run).await?;
     } else {
         for (_, tool) in STEPS {
             let (t, kill) = (tools.clone(), kill_at.map(str::to_owned));
+            let j = journal.clone();
             hooks = hooks.tool(tool, move |s: &Step| {
-                let (t, s, kill) = (t.clone(), s.clone(), kill.clone());
+                let (t, s, kill, j) = (t.clone(), s.clone(), kill.clone(), j.clone());
                 async move {
                     // Killed while it recovers another worker's run.
                     checkpoint(kill.as_deref(), "reconcile", &s.tool);
-                    t.lookup(&s).await
+                    let order = match j.run_record(&s.id.run).await {
+                        Ok(run) => order_of(run.and_then(|r| r.input).as_deref()),
+                        Err(e) => {
+                            return Reconciled::CannotTell {
+                                why: format!("the run's order could not be read: {e}"),
+                            };
+                        }
+                    };
+                    t.lookup(&s, &order).await
                 }
             });
         }

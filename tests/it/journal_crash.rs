@@ -10,6 +10,8 @@
 //! The same kill points with a resume that does not reconcile (it sends unknown steps again)
 //! show what the guard is worth: inventory and the mailer do not honour keys, so that resume
 //! reserves and emails twice.
+//!
+//! A failed run forked at its failed step, and the fork run by a worker process.
 
 use backstop_journal::{Journal, RunState, StepId, StepState};
 use backstop_workspace::invoice::{self, World};
@@ -261,4 +263,85 @@ async fn on_postgres_killed_while_recovering_or_waiting_the_run_still_converges(
     let pg = backstop_testkit::PostgresServer::start().await;
     killed_during_recovery(&pg.url(), "run-recovery").await;
     killed_during_a_parked_wait(&pg.url(), "run-parked").await;
+}
+
+/// A run whose email the mailer refused for good (`422`, nothing sent) failed; the operator
+/// forks it at that step once the address is fixed, and a worker process runs the fork: the
+/// invoice and the reservation are read from the journal (made once, by the original), the
+/// email goes out once, under the fork's key.
+async fn a_failed_run_forked_at_its_failed_step_finishes(db: &str, run: &str) {
+    let world = World::start().await;
+    world.make_mailer_refuse(true);
+    let first = worker_process(&world, db, run, None, None).await;
+    assert_eq!(first, Ok(5), "the run failed at its email");
+    let journal = Journal::open(db).await.unwrap();
+    let email = StepId::new(run, "send-email", "");
+    let refused = journal.step(&email).await.unwrap().unwrap();
+    assert_eq!(refused.state, StepState::FailedAfterExecution);
+
+    world.make_mailer_refuse(false);
+    let fork = format!("{run}-fork");
+    let record = journal
+        .fork_run(run, "send-email", &fork, "ana", "the address is fixed")
+        .await
+        .unwrap();
+    assert_eq!(record.state, RunState::Pending);
+    let second = worker_process(&world, db, &fork, None, None).await;
+    assert_eq!(second, Ok(0), "the fork finishes");
+    assert_eq!(
+        world.effects(),
+        invoice::Effects {
+            invoices: 1,
+            reservations: 1,
+            messages: 1
+        },
+        "each earlier effect once, the forked step once"
+    );
+
+    let original = journal.run(run).await.unwrap();
+    let forked = journal.run(&fork).await.unwrap();
+    assert_eq!(forked.len(), 3, "{forked:?}");
+    for (a, b) in original.iter().zip(&forked) {
+        assert_eq!(a.id.step, b.id.step);
+        if &*a.id.step == "send-email" {
+            assert_ne!(a.key, b.key, "the forked step runs under the fork's key");
+            assert_eq!(b.state, StepState::Succeeded);
+        } else {
+            assert_eq!(
+                a.key, b.key,
+                "a copied step keeps the key its effect was made with"
+            );
+            assert_eq!((a.state, &a.result), (b.state, &b.result));
+        }
+    }
+    let done = journal.run_record(&fork).await.unwrap().unwrap();
+    assert_eq!(done.state, RunState::Succeeded);
+    assert_eq!(done.output.as_deref(), Some(r#"{"invoice":"inv_1"}"#));
+    assert_eq!(done.forked_from.as_ref().map(|f| f.run.as_str()), Some(run));
+    let original_run = journal.run_record(run).await.unwrap().unwrap();
+    assert_eq!(
+        original_run.state,
+        RunState::Failed,
+        "the original keeps its end"
+    );
+    assert_eq!(
+        refused.key,
+        journal.step(&email).await.unwrap().unwrap().key
+    );
+    let forks = journal.forks(run).await.unwrap();
+    assert_eq!(forks.len(), 1);
+    assert_eq!(forks[0].id, fork);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_forked_at_its_failed_step_finishes_on_sqlite() {
+    let dir = std::env::temp_dir().join(format!("backstop-crash-{}-fork", std::process::id()));
+    let db = invoice::fresh_db(&dir).to_string_lossy().into_owned();
+    a_failed_run_forked_at_its_failed_step_finishes(&db, "run-refused").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_forked_at_its_failed_step_finishes_on_postgres() {
+    let pg = backstop_testkit::PostgresServer::start().await;
+    a_failed_run_forked_at_its_failed_step_finishes(&pg.url(), "run-refused").await;
 }

@@ -1,5 +1,5 @@
 //! The operator's actions on the journal, each recorded with who and why: resolve a step,
-//! cancel a run, send a failed step again, stub a step's result.
+//! cancel a run, send a failed step again, stub a step's result, fork a run from a step.
 
 use crate::Failure;
 use crate::args::{ResolveArgs, Who};
@@ -81,6 +81,28 @@ pub(crate) async fn stub(
         println!(
             "step {id} is {} with the result you gave (by {}: {})",
             step.state, who.by, who.why
+        );
+    }
+    Ok(0)
+}
+
+/// `fork`: a new run from `from_step` on, the steps before it kept.
+pub(crate) async fn fork(
+    j: &Journal,
+    json: bool,
+    (run, from_step, new_run): (&str, &str, &str),
+    who: Who,
+) -> Result<u8, Failure> {
+    let record = j
+        .fork_run(run, from_step, new_run, &who.by, &who.why)
+        .await?;
+    if json {
+        print_json(&run_record_json(&record));
+    } else {
+        println!(
+            "run {new_run} is {}: forked from run {run} at step {from_step}; the steps before it \
+             keep their results, the rest run anew (by {}: {})",
+            record.state, who.by, who.why
         );
     }
     Ok(0)

@@ -23,7 +23,7 @@ pub(crate) enum Command {
 /// The exit codes, as `--help` shows them (the crate docs say the same).
 pub(crate) const EXIT_CODES: &str = "Exit codes: 0 done; 1 the journal's database failed; 2 the command \
 line is wrong (a --result that is not JSON too); 3 no such journal, run or step; 4 the action \
-was refused (the step or the run is over, or another worker moved it); 5 stuck --fail-if-any \
+was refused (the step or the run is not in a state that allows it, or another worker moved it); 5 stuck --fail-if-any \
 found steps.";
 
 #[derive(Args, Debug)]
@@ -84,6 +84,20 @@ pub(crate) enum JournalCommand {
         /// The tool call within the step, when it has one.
         #[arg(long, default_value = "")]
         call: String,
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Forks an ended run at a step: a new run whose earlier steps keep their results and
+    /// whose steps from STEP on run anew, under the new run's keys.
+    Fork {
+        /// The run to fork (succeeded, failed or cancelled).
+        run: String,
+        /// The step from which the new run runs anew.
+        #[arg(long = "from", value_name = "STEP")]
+        from_step: String,
+        /// The new run's id.
+        #[arg(long = "as", value_name = "NEW")]
+        new_run: String,
         #[command(flatten)]
         who: Who,
     },

@@ -9,6 +9,7 @@
 //! backstop journal cancel RUN --by WHO --why WHY
 //! backstop journal retry RUN STEP --by WHO --why WHY
 //! backstop journal stub RUN STEP --result JSON --by WHO --why WHY
+//! backstop journal fork RUN --from STEP --as NEW --by WHO --why WHY
 //! ```
 //!
 //! ```text
@@ -23,15 +24,17 @@
 //! `STATE` is one of `pending`, `succeeded`, `failed`, `cancelled`, `needs_human`. `cancel`
 //! stops a run for good (the worker running it stops within a third of its lease); `retry`
 //! sends a failed step again with the same key; `stub` writes the result the workflow will see
-//! instead of calling the tool. Each is recorded with who and why, and `retry` and `stub` put
-//! the run back to pending for a worker to go on with.
+//! instead of calling the tool; `fork` makes a new pending run of an ended one whose steps
+//! before STEP keep their results and whose steps from STEP on run anew under the new run's
+//! keys. Each is recorded with who and why, and `retry` and `stub` put the run back to pending
+//! for a worker to go on with.
 //!
 //! The journal is `--db URL` (or `BACKSTOP_JOURNAL`): a SQLite file (`path/to/journal.db` or
 //! `sqlite://path`) or `postgres://...`; the default is `backstop-journal.db` here. `--json` on
 //! every command prints JSON for scripts. Exit codes: 0 done; 1 the journal's database failed;
 //! 2 the command line is wrong (a `--result` that is not JSON too); 3 no such journal, run or
-//! step; 4 the action was refused (the step or the run is over, or another worker moved it);
-//! 5 `stuck --fail-if-any` found steps.
+//! step; 4 the action was refused (the step or the run is not in a state that allows it, or
+//! another worker moved it); 5 `stuck --fail-if-any` found steps.
 #![forbid(unsafe_code)]
 // docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -139,5 +142,11 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
             result,
             who,
         } => actions::stub(&j, json, (&run, &step, &call), &result, who).await,
+        JournalCommand::Fork {
+            run,
+            from_step,
+            new_run,
+            who,
+        } => actions::fork(&j, json, (&run, &from_step, &new_run), who).await,
     }
 }

@@ -59,7 +59,7 @@ pub(crate) async fn runs(
 /// `show`: one run's record, steps with their history, and events.
 pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result<u8, Failure> {
     // A fixed number of queries, however many steps: the record, the steps, every
-    // transition of the run, the run's events.
+    // transition of the run, the run's events, the runs forked from it.
     let Some(record) = j.run_record(run).await? else {
         return Err(Failure {
             code: 3,
@@ -69,6 +69,7 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
     let steps = j.run(run).await?;
     let mut history = j.run_history(run).await?;
     let events = j.run_events(run).await?;
+    let forks = j.forks(run).await?;
     let rows: Vec<(&Step, Vec<StepTransition>)> = steps
         .iter()
         .map(|s| {
@@ -83,6 +84,7 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
         let v = json!({
             "run": run_record_json(&record),
             "events": events.iter().map(event_json).collect::<Vec<_>>(),
+            "forks": forks.iter().map(run_record_json).collect::<Vec<_>>(),
             "steps": rows
             .iter()
             .map(|(s, h)| {
@@ -148,6 +150,17 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
             head.push_str(&format!(": {e}"));
         }
         println!("{head}");
+        if let Some(from) = &record.forked_from {
+            println!("forked from run {} at step {}", from.run, from.step);
+        }
+        for f in &forks {
+            if let Some(from) = &f.forked_from {
+                println!(
+                    "forked into run {} at step {} ({})",
+                    f.id, from.step, f.state
+                );
+            }
+        }
         if steps.is_empty() {
             println!("no steps yet");
         } else {

@@ -31,6 +31,7 @@ pub(crate) fn run_record_json(r: &RunRecord) -> Value {
         "output": r.output, "error": r.error, "claimed_by": r.claimed_by,
         "claim_until_ms": r.claim_until, "wake_ms": r.wake_ms, "created_ms": r.created_ms,
         "updated_ms": r.updated_ms,
+        "forked_from": r.forked_from.as_ref().map(|f| json!({ "run": f.run, "step": f.step })),
     })
 }
 

@@ -169,6 +169,62 @@ fn steer(db: &str) {
     ] {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
     }
+    fork(db);
+}
+
+/// The operator forks the cancelled run at its step; every refusal says why, with its code.
+fn fork(db: &str) {
+    let who = ["--by", "ana", "--why", "charge the new card"];
+    let fork = |run: &str, from: &str, new: &str| {
+        backstop(
+            db,
+            &[&["fork", run, "--from", from, "--as", new][..], &who].concat(),
+        )
+    };
+    let (code, _, err) = fork("run-1", "email", "run-1b");
+    assert_eq!(code, 4, "run-1 is pending: {err}");
+    assert!(
+        err.contains("it is pending") && err.contains("cancel it first"),
+        "{err}"
+    );
+    let (code, _, err) = fork("run-2", "refund", "run-3");
+    assert_eq!(code, 4, "{err}");
+    assert!(
+        err.contains("no step \"refund\": its steps are charge"),
+        "{err}"
+    );
+    let (code, _, _) = fork("run-404", "charge", "run-3");
+    assert_eq!(code, 3);
+    let (code, _, err) = fork("run-2", "charge", "run-1");
+    assert_eq!(code, 4, "run-1 is another run: {err}");
+    assert!(err.contains("exists already"), "{err}");
+
+    let (code, out, err) = fork("run-2", "charge", "run-3");
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("run run-3 is pending: forked from run run-2"),
+        "{out}"
+    );
+    let (code, _, err) = fork("run-2", "charge", "run-3");
+    assert_eq!(code, 0, "the same fork again is the fork as it is: {err}");
+    let (code, out, _) = backstop(db, &["--json", "show", "run-3"]);
+    assert_eq!(code, 0);
+    let shown: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(shown["run"]["forked_from"]["run"], "run-2", "{out}");
+    assert_eq!(shown["run"]["workflow"], "charge", "{out}");
+    assert_eq!(shown["run"]["input"], "{\"eur\":40}", "{out}");
+    assert_eq!(shown["steps"].as_array().unwrap().len(), 0, "{out}");
+    let (_, out, _) = backstop(db, &["show", "run-2"]);
+    assert!(
+        out.contains("forked into run run-3 at step charge (pending)")
+            && out.contains("forked by ana: into run run-3 at step charge: charge the new card"),
+        "{out}"
+    );
+    let (_, out, _) = backstop(db, &["show", "run-3"]);
+    assert!(
+        out.contains("forked from run run-2 at step charge"),
+        "{out}"
+    );
 }
 
 fn operate(db: &str) {

@@ -137,6 +137,14 @@ fn migrations(serial: &str) -> Vec<(i64, String)> {
                 ON backstop_journal_run_events (run_id, id)"
             ),
         ),
+        (
+            3,
+            "ALTER TABLE backstop_journal_runs ADD COLUMN forked_from TEXT;
+             ALTER TABLE backstop_journal_runs ADD COLUMN forked_at_step TEXT;
+             CREATE INDEX IF NOT EXISTS backstop_journal_runs_forked_from
+                ON backstop_journal_runs (forked_from)"
+                .to_owned(),
+        ),
     ]
 }
 

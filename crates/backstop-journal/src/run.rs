@@ -105,6 +105,18 @@ pub struct RunRecord {
     pub created_ms: i64,
     /// When it last changed.
     pub updated_ms: i64,
+    /// The run and step it was forked from ([`Journal::fork_run`]), when it was.
+    pub forked_from: Option<ForkPoint>,
+}
+
+/// Where a forked run came from: the original run and the step it was forked at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ForkPoint {
+    /// The original run.
+    pub run: String,
+    /// The step from which the fork runs anew.
+    pub step: String,
 }
 
 /// How a workflow finished a run.
@@ -138,7 +150,7 @@ pub struct RunEvent {
 }
 
 pub(crate) const RUN_COLUMNS: &str = "run_id, workflow, input, state, output, error, claimed_by, \
-     claim_until, wake_ms, created_ms, updated_ms";
+     claim_until, wake_ms, created_ms, updated_ms, forked_from, forked_at_step";
 
 /// The step states that are over, as SQL.
 pub(crate) const FINAL_STEPS: &str = "('succeeded', 'failed_after_execution', 'reconciled_succeeded', \
@@ -163,9 +175,14 @@ macro_rules! run_from_row {
             wake_ms: row.try_get("wake_ms")?,
             created_ms: row.try_get("created_ms")?,
             updated_ms: row.try_get("updated_ms")?,
+            forked_from: match (row.try_get("forked_from")?, row.try_get("forked_at_step")?) {
+                (Some(run), Some(step)) => Some($crate::ForkPoint { run, step }),
+                _ => None,
+            },
         }
     }};
 }
+pub(crate) use run_from_row;
 
 /// Writes one run event inside the transaction `$tx`.
 macro_rules! insert_event {

@@ -209,7 +209,7 @@ impl Worker {
             end: RunEnd::Released { why: String::new() },
         };
         report.end = match self.prepare(run, &mut report.reconciled).await {
-            Ok(Prepared::Run(record, workflow)) => self.run_workflow(record, workflow, stop).await,
+            Ok(Prepared::Run(record, workflow)) => self.run_workflow(*record, workflow, stop).await,
             Ok(Prepared::Ended(end)) => end,
             Err(e) => {
                 self.give_back(run, format!("the journal failed: {e}"))
@@ -263,7 +263,7 @@ impl Worker {
                 },
             ));
         }
-        Ok(Prepared::Run(record, workflow))
+        Ok(Prepared::Run(Box::new(record), workflow))
     }
 
     async fn run_workflow(
@@ -439,7 +439,7 @@ impl Drop for Task {
 }
 
 enum Prepared {
-    Run(RunRecord, WorkflowFn),
+    Run(Box<RunRecord>, WorkflowFn),
     Ended(RunEnd),
 }
 

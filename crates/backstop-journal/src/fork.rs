@@ -1,0 +1,303 @@
+//! A run forked from a step: a new run of the same workflow and input whose steps before the
+//! fork point hold the original's results (copied, with the keys their effects were made
+//! with), so the workflow reads them without calling anything, and whose steps from the fork
+//! point on run anew under the new run's keys. One transaction: the original's record locked,
+//! the new run written with where it came from, the steps copied, an event on each run.
+
+#[cfg(feature = "sqlite")]
+use crate::journal::to_sqlite;
+use crate::{
+    JournalError,
+    journal::{Journal, STEP_COLUMNS, with_pool},
+    model::Step,
+    run::{ForkPoint, RunRecord, insert_event},
+    steps::step_from_row,
+};
+
+/// Copies step `$s` into run `$new_run` inside the transaction `$tx`, with one history row
+/// saying where it came from.
+macro_rules! copy_step {
+    ($tx:expr, $sql:expr, $s:expr, $new_run:expr, $now:expr, $who:expr, $why:expr) => {{
+        let s: &Step = $s;
+        sqlx::query(&$sql(&format!(
+            "INSERT INTO backstop_journal_steps ({STEP_COLUMNS})
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, NULL, NULL, $13, $14, $15)"
+        )))
+        .bind($new_run)
+        .bind(&*s.id.step)
+        .bind(&*s.id.call)
+        .bind(&s.tool)
+        .bind(&s.key)
+        .bind(&s.args_digest)
+        .bind(s.kind.as_str())
+        .bind(s.state.as_str())
+        .bind(i64::from(s.attempts))
+        .bind(&s.last_error)
+        .bind(&s.result)
+        .bind(&s.provider_ref)
+        .bind(s.created_ms)
+        .bind($now)
+        .bind(s.sent_ms)
+        .execute(&mut *$tx)
+        .await?;
+        sqlx::query(&$sql(
+            "INSERT INTO backstop_journal_transitions
+                (run_id, step_id, call_id, from_state, to_state, at_ms, attempts, error, actor,
+                 reason)
+             VALUES ($1, $2, $3, NULL, $4, $5, $6, NULL, $7, $8)",
+        ))
+        .bind($new_run)
+        .bind(&*s.id.step)
+        .bind(&*s.id.call)
+        .bind(s.state.as_str())
+        .bind($now)
+        .bind(i64::from(s.attempts))
+        .bind($who)
+        .bind($why)
+        .execute(&mut *$tx)
+        .await?;
+    }};
+}
+
+impl Journal {
+    /// Forks run `run` at step `from_step` into a new pending run `new_run` of the same
+    /// workflow and input, recorded with who and why on both runs; a [`Worker`] runs it.
+    ///
+    /// The steps recorded before `from_step` (in the order they were recorded) are copied with
+    /// their state, result, provider reference and key: the workflow gets their results back
+    /// and calls nothing for them. `from_step` and every step after it are not copied: they run
+    /// anew, with keys derived from `new_run`, so their effects happen again (once each).
+    /// The original keeps its steps and history; its events name the fork, and the new run's
+    /// record names where it came from ([`RunRecord::forked_from`], [`Journal::forks`]).
+    ///
+    /// Refused, with the reason and nothing written, when `run` is still pending or waits for
+    /// a person (it could still act: cancel it first), when it has no step `from_step`, when
+    /// a step before the fork point is not over (its outcome must be known before the new
+    /// run relies on it), and when `new_run` is another run already. Forking again with the
+    /// same arguments returns the fork as it is, so an operator whose command was cut off may
+    /// repeat it.
+    ///
+    /// The copied steps keep their arguments' digests: a workflow whose arguments name its own
+    /// run id gets [`JournalError::ArgsChanged`] at the first copied step.
+    ///
+    /// [`Worker`]: crate::Worker
+    pub async fn fork_run(
+        &self,
+        run: &str,
+        from_step: &str,
+        new_run: &str,
+        who: &str,
+        why: &str,
+    ) -> Result<RunRecord, JournalError> {
+        let refused = |why: String| JournalError::RunRefused {
+            run: run.to_owned(),
+            why,
+        };
+        if let Some(existing) = self.run_record(new_run).await? {
+            let same = ForkPoint {
+                run: run.to_owned(),
+                step: from_step.to_owned(),
+            };
+            return match existing.forked_from {
+                Some(ref from) if *from == same => Ok(existing),
+                _ => Err(JournalError::RunRefused {
+                    run: new_run.to_owned(),
+                    why: "a run of that id exists already: a fork needs an id of its own".into(),
+                }),
+            };
+        }
+        let now = self.now_ms();
+        let forked = with_pool!(self, |pool, sql| {
+            let mut tx = pool.begin().await?;
+            // Locks the original's record (a row lock on PostgreSQL, the write lock on
+            // SQLite) while it is over, so no operator reopens it while it is copied.
+            let ended = sqlx::query(&sql("UPDATE backstop_journal_runs SET updated_ms = $2
+                 WHERE run_id = $1 AND state IN ('succeeded', 'failed', 'cancelled')"))
+            .bind(run)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                == 1;
+            if !ended {
+                None
+            } else {
+                let rows = sqlx::query(&sql(&format!(
+                    "SELECT {STEP_COLUMNS} FROM backstop_journal_steps s WHERE run_id = $1
+                     ORDER BY (SELECT MIN(t.id) FROM backstop_journal_transitions t
+                               WHERE t.run_id = s.run_id AND t.step_id = s.step_id
+                                 AND t.call_id = s.call_id), created_ms, step_id, call_id"
+                )))
+                .bind(run)
+                .fetch_all(&mut *tx)
+                .await?;
+                let mut steps: Vec<Step> = Vec::with_capacity(rows.len());
+                for row in rows {
+                    steps.push(step_from_row!(row));
+                }
+                let before = copied_steps(&steps, from_step).map_err(refused)?;
+                let (workflow, input): (Option<String>, Option<String>) = sqlx::query_as(&sql(
+                    "SELECT workflow, input FROM backstop_journal_runs WHERE run_id = $1",
+                ))
+                .bind(run)
+                .fetch_one(&mut *tx)
+                .await?;
+                if workflow.is_none() {
+                    return Err(refused(
+                        "it was not started as a workflow: no worker could run a fork of it".into(),
+                    ));
+                }
+                let made = sqlx::query(&sql("INSERT INTO backstop_journal_runs
+                        (run_id, created_ms, updated_ms, workflow, input, state, forked_from,
+                         forked_at_step)
+                     VALUES ($1, $2, $2, $3, $4, 'pending', $5, $6)
+                     ON CONFLICT (run_id) DO NOTHING"))
+                .bind(new_run)
+                .bind(now)
+                .bind(&workflow)
+                .bind(&input)
+                .bind(run)
+                .bind(from_step)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                    == 1;
+                if !made {
+                    return Err(JournalError::RunRefused {
+                        run: new_run.to_owned(),
+                        why: "a run of that id was made meanwhile: a fork needs an id of its own"
+                            .into(),
+                    });
+                }
+                let copied = format!("copied from run {run} (fork at {from_step}): {why}");
+                for s in before {
+                    copy_step!(tx, sql, s, new_run, now, who, &copied);
+                }
+                let into = format!("into run {new_run} at step {from_step}: {why}");
+                insert_event!(tx, sql, run, now, who, "forked", Some(into.as_str()));
+                let from = format!("from run {run} at step {from_step}: {why}");
+                insert_event!(tx, sql, new_run, now, who, "forked", Some(from.as_str()));
+                tx.commit().await?;
+                Some(())
+            }
+        });
+        if forked.is_none() {
+            return Err(match self.run_record(run).await? {
+                None => JournalError::NotFound(format!("run {run}")),
+                Some(r) => refused(format!(
+                    "it is {}: only a run that is over can be forked (cancel it first)",
+                    r.state
+                )),
+            });
+        }
+        tracing::info!(target: "backstop::journal", run, from_step, new_run, who, why, "run forked");
+        self.existing_run(new_run).await
+    }
+
+    /// The runs forked from run `run`, oldest first.
+    pub async fn forks(&self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
+        with_pool!(self, |pool, sql| {
+            let rows = sqlx::query(&sql(&format!(
+                "SELECT {} FROM backstop_journal_runs WHERE forked_from = $1
+                 ORDER BY created_ms, run_id",
+                crate::run::RUN_COLUMNS
+            )))
+            .bind(run)
+            .fetch_all(pool)
+            .await?;
+            let mut forks = Vec::with_capacity(rows.len());
+            for row in rows {
+                forks.push(crate::run::run_from_row!(row));
+            }
+            Ok(forks)
+        })
+    }
+}
+
+/// The steps recorded before the first call of `from_step`, each over; or why the fork is
+/// refused.
+fn copied_steps<'a>(steps: &'a [Step], from_step: &str) -> Result<&'a [Step], String> {
+    let Some(at) = steps.iter().position(|s| *s.id.step == *from_step) else {
+        let mut names: Vec<&str> = steps.iter().map(|s| &*s.id.step).collect();
+        names.dedup();
+        return Err(if names.is_empty() {
+            format!("it has no step {from_step:?}: it recorded no steps")
+        } else {
+            format!(
+                "it has no step {from_step:?}: its steps are {}",
+                names.join(", ")
+            )
+        });
+    };
+    let before = &steps[..at];
+    if let Some(open) = before.iter().find(|s| !s.state.is_final()) {
+        return Err(format!(
+            "step {} before the fork point is {}: its outcome must be known first (resolve it, \
+             or fork from it)",
+            open.id, open.state
+        ));
+    }
+    Ok(before)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{StepId, StepKind, StepState};
+
+    fn step(name: &str, state: StepState) -> Step {
+        Step {
+            id: StepId::new("r", name, ""),
+            tool: "t".into(),
+            key: format!("k-{name}"),
+            args_digest: "d".into(),
+            kind: StepKind::Action,
+            state,
+            attempts: 1,
+            last_error: None,
+            result: None,
+            provider_ref: None,
+            park_until: None,
+            attention: None,
+            created_ms: 0,
+            updated_ms: 0,
+            sent_ms: None,
+        }
+    }
+
+    #[test]
+    fn the_steps_before_the_fork_point_are_copied_when_each_is_over() {
+        let steps = [
+            step("a", StepState::Succeeded),
+            step("b", StepState::ReconciledSucceeded),
+            step("c", StepState::FailedAfterExecution),
+            step("d", StepState::Succeeded),
+        ];
+        let names = |s: &[Step]| s.iter().map(|s| s.id.step.to_string()).collect::<Vec<_>>();
+        assert_eq!(names(copied_steps(&steps, "c").unwrap()), ["a", "b"]);
+        assert_eq!(
+            names(copied_steps(&steps, "a").unwrap()),
+            Vec::<String>::new()
+        );
+        let why = copied_steps(&steps, "x").unwrap_err();
+        assert!(
+            why.contains("no step \"x\": its steps are a, b, c, d"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_step_in_doubt_before_the_fork_point_refuses_the_fork() {
+        let steps = [
+            step("a", StepState::Unknown),
+            step("b", StepState::FailedAfterExecution),
+        ];
+        let why = copied_steps(&steps, "b").unwrap_err();
+        assert!(
+            why.contains("step r/a before the fork point is unknown"),
+            "{why}"
+        );
+        // From the step in doubt itself, nothing before it needs to be known.
+        assert!(copied_steps(&steps, "a").unwrap().is_empty());
+    }
+}
