@@ -2,10 +2,13 @@
 //!
 //! `tracing-opentelemetry` turns Backstop's `tracing` spans into OpenTelemetry spans: one `call`
 //! span per logical call (target `backstop::call`: dependency, run and key, attempts, outcome),
-//! and inside it one `attempt` span per attempt (target `backstop::retry`, at debug level:
-//! dependency, attempt, and `http.request.resend_count` on resends, after the HTTP semantic
-//! conventions 1.23+). Backoff is the time between attempt spans, apart from the server's time
-//! inside them. Here the SDK's in-memory exporter stands where an OTLP exporter would, and the
+//! and inside it one span per attempt (target `backstop::retry`, at debug level), named and
+//! attributed as the HTTP semantic conventions ask: its name the method (`GET`), its kind
+//! client, `http.request.method`, `server.address`, `server.port`, `url.full`,
+//! `http.response.status_code`, `error.type` for an error status, and
+//! `http.request.resend_count` on resends; Backstop adds the dependency and the attempt's
+//! number. Backoff is the time between attempt spans, apart from the server's time inside
+//! them. Here the SDK's in-memory exporter stands where an OTLP exporter would, and the
 //! example prints what it received: a GET answered 503 once, then 200.
 //!
 //! Run it with `cargo run --example otel_export`.
@@ -54,7 +57,7 @@ pub(crate) fn main() -> Result<(), BoxError> {
         .ok_or("no call span exported")?;
     let attempts: Vec<&SpanData> = spans
         .iter()
-        .filter(|s| s.name == "attempt" && s.parent_span_id == call.span_context.span_id())
+        .filter(|s| s.parent_span_id == call.span_context.span_id())
         .collect();
     println!(
         "call span: {} attributes: {:?}",
@@ -78,6 +81,18 @@ pub(crate) fn main() -> Result<(), BoxError> {
         );
     }
     assert_eq!(attempts.len(), 2, "one span per attempt, inside the call's");
+    for (a, status) in attempts.iter().zip(["503", "200"]) {
+        assert_eq!(a.name, "GET", "named after the method");
+        assert_eq!(a.span_kind, opentelemetry::trace::SpanKind::Client);
+        assert_eq!(
+            attribute(a, "http.response.status_code").map(|kv| kv.value.to_string()),
+            Some(status.to_owned())
+        );
+    }
+    assert_eq!(
+        attribute(attempts[0], "error.type").map(|kv| kv.value.to_string()),
+        Some("503".to_owned())
+    );
     assert!(
         attempts
             .iter()

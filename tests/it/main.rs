@@ -18,6 +18,7 @@ mod journal_crash;
 mod journal_stack;
 mod mcp;
 mod observability;
+mod otel_metrics;
 mod readme_code;
 mod readme_texts;
 mod soak;

@@ -60,6 +60,20 @@ async fn replay_server() -> Result<(), BoxError> {
 }
 
 #[rustfmt::skip]
+fn telemetry(
+    meter_provider: opentelemetry_sdk::metrics::SdkMeterProvider,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+) -> Result<(), BoxError> {
+    use opentelemetry::metrics::MeterProvider;
+    // README block 3
+    let telemetry = backstop::otel::Telemetry::new(&meter_provider.meter("backstop"));
+    metrics::set_global_recorder(backstop::otel::OtelRecorder::new(&telemetry))?;
+    let rates = Backstop::http("rates-api").telemetry(telemetry).build()?.leaf(client);
+    // end
+    Ok(())
+}
+
+#[rustfmt::skip]
 async fn journal() -> Result<(), BoxError> {
     use backstop::journal::{CallResult, HttpJudge, Judge, RunContext, Worker};
     use backstop::Outcome;
@@ -67,7 +81,7 @@ async fn journal() -> Result<(), BoxError> {
     use tower::ServiceExt;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let shutdown = std::future::ready(());
-    // README block 3
+    // README block 4
     let journal = Journal::sqlite("journal.db").await?;            // or Journal::postgres(url) for several workers
     let billing = Backstop::http("billing").honours_keys().build()?.layer(client);
     let worker = Worker::new(journal.clone(), "worker-1").workflow("invoice", move |ctx: RunContext| {
@@ -111,7 +125,7 @@ fn chaos() -> Result<(), BoxError> {
     let refund_handler = service_fn(|_req: http::Request<()>| async {
         Ok::<_, std::convert::Infallible>(http::Response::new(()))
     });
-    // README block 4
+    // README block 5
     let faults = FaultPlan::default()
         .lose_reply(0.25)                  // the service acted, the caller gets a connection reset
         .reset(0.05)                       // reset before the service saw the request
@@ -125,7 +139,7 @@ fn chaos() -> Result<(), BoxError> {
 
 #[rustfmt::skip]
 async fn grpc() -> Result<(), BoxError> {
-    // README block 5
+    // README block 6
     let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:50051").connect_lazy();
     let refunds = Backstop::grpc("refunds-grpc").honours_keys().build()?.layer(channel);
     let mut client = tonic::client::Grpc::new(refunds);         // or YourGeneratedClient::new(refunds)
@@ -138,7 +152,7 @@ fn tower_limits() -> Result<(), BoxError> {
     use std::time::Duration;
     use tower::ServiceBuilder;
     let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    // README block 6
+    // README block 7
     let client = ServiceBuilder::new()
         .concurrency_limit(64)                            // attempts in flight; a call waiting to retry holds no permit
         .buffer(1024)                                     // RateLimit and Hedge are not Clone: a Buffer shares them
@@ -193,7 +207,7 @@ impl<E: AsError> Classify<ToolCall, String, E> for ToolRules {
 #[rustfmt::skip]
 fn tools_stack() -> Result<(), BoxError> {
     let tools = service_fn(|_call: ToolCall| async { Ok::<_, BoxError>(String::new()) });
-    // README block 7
+    // README block 8
     let runtime = Backstop::tools("payments-tool", ToolRules).preset(Preset::Create).build()?.layer(tools);
     // end
     Ok(())
@@ -208,7 +222,7 @@ async fn mcp_rmcp(
     use serde_json::json;
     use std::time::Duration;
     use tower::ServiceExt;
-    // README block 8
+    // README block 9
     let run = Run::new("run-7f3a").deadline(Duration::from_secs(120)).retry_budget(10); // shared by the run's calls
     let catalog = ToolCatalog::discover(client.peer()).await?;     // the tools' annotations choose each call's policy
     let payments = Backstop::mcp("payments-mcp").build()?.rmcp(client.peer().clone());
@@ -231,7 +245,7 @@ async fn issue_refund(args: serde_json::Value) -> tower_mcp::Result<tower_mcp::C
 async fn mcp_tower() -> Result<(), BoxError> {
     use backstop::{mcp::{ToolReplayLayer, tower_mcp::{PerToolReplayLayer, RouterClient}}, replay::MemoryStore};
     use tower_mcp::{McpRouter, ToolBuilder};
-    // README block 9
+    // README block 10
     let refund = ToolBuilder::new("issue_refund").description("Refund part of an order").destructive()
         .handler(issue_refund)
         .layer(PerToolReplayLayer::new("issue_refund", ToolReplayLayer::new(MemoryStore::default()).single_tenant()))

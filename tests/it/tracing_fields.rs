@@ -25,6 +25,7 @@ struct Seen {
     spans: Arc<Mutex<Vec<(String, FieldMap)>>>,
     parents: Arc<Mutex<Vec<Option<u64>>>>,
     entered: Arc<Mutex<Vec<u64>>>,
+    metadata: Arc<Mutex<Vec<&'static tracing::Metadata<'static>>>>,
     events: Arc<Mutex<Vec<BTreeMap<String, String>>>>,
 }
 
@@ -52,6 +53,7 @@ impl Subscriber for Seen {
             attrs.parent().map(Id::into_u64)
         };
         self.parents.lock().unwrap().push(parent);
+        self.metadata.lock().unwrap().push(attrs.metadata());
         let mut spans = self.spans.lock().unwrap();
         spans.push((attrs.metadata().name().to_owned(), fields));
         Id::from_u64(spans.len() as u64)
@@ -65,6 +67,15 @@ impl Subscriber for Seen {
         let mut fields = BTreeMap::new();
         event.record(&mut Fields(&mut fields));
         self.events.lock().unwrap().push(fields);
+    }
+    fn current_span(&self) -> tracing_core::span::Current {
+        match self.entered.lock().unwrap().last() {
+            Some(&id) => tracing_core::span::Current::new(
+                Id::from_u64(id),
+                self.metadata.lock().unwrap()[id as usize - 1],
+            ),
+            None => tracing_core::span::Current::none(),
+        }
     }
     fn enter(&self, id: &Id) {
         self.entered.lock().unwrap().push(id.into_u64());
@@ -224,4 +235,59 @@ async fn a_run_s_retries_are_told_with_the_run_and_the_tool_that_spent_them() {
     assert_eq!(retrying.len(), 1);
     assert_eq!(retrying[0]["run"], "run-spans");
     assert_eq!(retrying[0]["dependency"], "carrier-mcp");
+}
+
+/// With telemetry, each attempt's span carries the HTTP semantic conventions' attributes (its
+/// name the method, its kind client), inside the call's span.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn each_attempt_span_carries_the_http_conventions_attributes() {
+    use backstop::{Backstop, backoff::RngSource, otel::Telemetry};
+    use opentelemetry::metrics::MeterProvider;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tower::{ServiceExt, service_fn};
+    let seen = Seen::default();
+    let _tracing = tracing::subscriber::set_default(seen.clone());
+    let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder().build();
+    let n = Arc::new(AtomicU32::new(0));
+    let flaky = service_fn(move |_req: http::Request<String>| {
+        let status = if n.fetch_add(1, Ordering::SeqCst) == 0 {
+            503
+        } else {
+            200
+        };
+        async move {
+            Ok::<_, std::io::Error>(http::Response::builder().status(status).body(()).unwrap())
+        }
+    });
+    let stack = Backstop::http("tracing-fields-otel-api")
+        .rng(RngSource::seeded(2))
+        .no_breaker()
+        .no_budget()
+        .telemetry(Telemetry::new(&provider.meter("backstop")))
+        .build()
+        .unwrap()
+        .leaf(flaky);
+    let req = http::Request::get("https://fx.otel.test/rates")
+        .body(String::new())
+        .unwrap();
+    assert_eq!(stack.oneshot(req).await.unwrap().status(), 200);
+    let spans = seen.spans.lock().unwrap().clone();
+    let attempts: Vec<&FieldMap> = spans
+        .iter()
+        .filter(|(name, _)| name == "attempt")
+        .map(|(_, f)| f)
+        .collect();
+    assert_eq!(attempts.len(), 2, "{spans:?}");
+    for (a, status) in attempts.iter().zip(["503", "200"]) {
+        assert_eq!(a["otel.name"], "GET", "{a:?}");
+        assert_eq!(a["otel.kind"], "client");
+        assert_eq!(a["http.request.method"], "GET");
+        assert_eq!(a["server.address"], "fx.otel.test");
+        assert_eq!(a["server.port"], "443");
+        assert_eq!(a["url.full"], "https://fx.otel.test/rates");
+        assert_eq!(a["http.response.status_code"], status);
+    }
+    assert_eq!(attempts[0]["error.type"], "503");
+    assert!(!attempts[1].contains_key("error.type"));
+    assert_eq!(attempts[1]["http.request.resend_count"], "1");
 }

@@ -87,6 +87,16 @@ pub(crate) enum JournalCommand {
         #[command(flatten)]
         who: Who,
     },
+    /// Serves the journal in a browser: runs, one run, what needs a person; the operator's
+    /// actions as forms with --allow-actions.
+    Serve {
+        /// Where to listen (a loopback address unless the network in front is trusted).
+        #[arg(long, default_value = "127.0.0.1:8765")]
+        listen: std::net::SocketAddr,
+        /// Show the actions' forms and accept them (read-only without it).
+        #[arg(long)]
+        allow_actions: bool,
+    },
     /// Forks an ended run at a step: a new run whose earlier steps keep their results and
     /// whose steps from STEP on run anew, under the new run's keys.
     Fork {
@@ -136,7 +146,7 @@ fn parse_run_state(s: &str) -> Result<RunState, String> {
     })
 }
 
-fn parse_json(s: &str) -> Result<String, String> {
+pub(crate) fn parse_json(s: &str) -> Result<String, String> {
     serde_json::from_str::<Value>(s)
         .map(|_| s.to_owned())
         .map_err(|e| format!("the result must be JSON ({e}); a string is quoted: '\"text\"'"))

@@ -10,6 +10,7 @@
 //! backstop journal retry RUN STEP --by WHO --why WHY
 //! backstop journal stub RUN STEP --result JSON --by WHO --why WHY
 //! backstop journal fork RUN --from STEP --as NEW --by WHO --why WHY
+//! backstop journal serve [--listen 127.0.0.1:8765] [--allow-actions]
 //! ```
 //!
 //! ```text
@@ -46,6 +47,7 @@ use clap::Parser;
 
 mod actions;
 mod args;
+mod console;
 mod letters;
 mod reads;
 mod render;
@@ -142,6 +144,10 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
             result,
             who,
         } => actions::stub(&j, json, (&run, &step, &call), &result, who).await,
+        JournalCommand::Serve {
+            listen,
+            allow_actions,
+        } => console::serve(j, listen, allow_actions).await,
         JournalCommand::Fork {
             run,
             from_step,

@@ -5,6 +5,9 @@ use backstop_core::Outcome;
 use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, RunOutcome, Step};
 use std::{process::Command, time::Duration};
 
+#[path = "cli/console.rs"]
+mod console;
+
 /// The `backstop` binary run with `args`: its exit code, standard output and error.
 fn run_cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_backstop"))

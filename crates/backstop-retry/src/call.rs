@@ -182,6 +182,12 @@ impl<T: Retryable> Call<T> {
             crate::obs::retry(&self.dependency);
         }
         self.sent = true;
+        if !self.span.is_disabled()
+            && let Some(name) = policy.resend.attempt_name(&req)
+        {
+            // Before the span is first entered, while OpenTelemetry's span can still be named.
+            self.span.record("otel.name", &*name);
+        }
         // A span the service makes in its own `call` is the attempt's child.
         let _entered = self.span.enter();
         State::Called {
@@ -440,6 +446,16 @@ fn attempt_span(dependency: &Dependency, attempt: u32) -> Span {
         attempt,
         http.request.resend_count = tracing::field::Empty,
         attempt_timeout_ms = tracing::field::Empty,
+        // Recorded by an HTTP attempt layer inside (`backstop-otel`), as the HTTP semantic
+        // conventions name them.
+        otel.name = tracing::field::Empty,
+        otel.kind = "client",
+        http.request.method = tracing::field::Empty,
+        server.address = tracing::field::Empty,
+        server.port = tracing::field::Empty,
+        url.full = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        error.type = tracing::field::Empty,
     );
     if attempt > 1 && !span.is_disabled() {
         span.record("http.request.resend_count", attempt - 1);

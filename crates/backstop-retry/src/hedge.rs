@@ -297,7 +297,10 @@ where
                 && let Poll::Ready(result) = this.primary.as_mut().poll(cx)
             {
                 match result {
-                    Ok(res) => return Poll::Ready(Ok(res)),
+                    Ok(res) => {
+                        obs::hedges_cancelled(&this.shared.dependency, this.hedges.len());
+                        return Poll::Ready(Ok(res));
+                    }
                     Err(e) => {
                         *this.primary_done = true;
                         *this.failed = Some(e);
@@ -312,7 +315,11 @@ where
                     fut.as_mut().poll(cx)
                 };
                 match polled {
-                    Poll::Ready(Ok(res)) => return Poll::Ready(Ok(res)),
+                    Poll::Ready(Ok(res)) => {
+                        let others = this.hedges.len() - 1 + usize::from(!*this.primary_done);
+                        obs::hedges_cancelled(&this.shared.dependency, others);
+                        return Poll::Ready(Ok(res));
+                    }
                     Poll::Ready(Err(e)) => {
                         drop(this.hedges.swap_remove(i));
                         *this.failed = Some(e);

@@ -5,7 +5,8 @@
 //! `backstop_budget_refusals_total`, `backstop_run_retries_total` and
 //! `backstop_run_budget_refusals_total` (retries of calls that belong to a `Run`, per dependency:
 //! which tool spent the run's retries), `backstop_unknown_outcomes_total` (calls that ended with
-//! an unknown side effect) and `backstop_success_after_attempt_total{attempt}`.
+//! an unknown side effect), `backstop_success_after_attempt_total{attempt}`, and for hedged
+//! reads `backstop_hedges_total` and `backstop_hedges_cancelled_total`.
 
 use backstop_core::Dependency;
 
@@ -81,6 +82,18 @@ pub(crate) fn attempt_timeout(d: &Dependency, limit: std::time::Duration) {
     metrics::gauge!("backstop_attempt_timeout_seconds", "dependency" => label(d))
         .set(limit.as_secs_f64());
     let _ = (d, limit);
+}
+
+/// Copies still in flight when another answered, dropped:
+/// `backstop_hedges_cancelled_total{dependency}`.
+#[inline]
+pub(crate) fn hedges_cancelled(d: &Dependency, n: usize) {
+    #[cfg(feature = "metrics")]
+    if n > 0 {
+        metrics::counter!("backstop_hedges_cancelled_total", "dependency" => label(d))
+            .increment(n as u64);
+    }
+    let _ = (d, n);
 }
 
 /// A hedge sent: `backstop_hedges_total{dependency}` (counted apart from retries).

@@ -55,6 +55,32 @@ pub trait Resend<Req> {
 
     /// A copy of `req` for one attempt, or why there can be none.
     fn copy(&self, req: &Req) -> Result<Req, NotCopyable>;
+
+    /// The name an attempt's span gets in OpenTelemetry (`otel.name`), as the protocol's
+    /// semantic conventions name a client span: the method for HTTP, `package.Service/Method`
+    /// for gRPC. Asked only when the span is recorded. The default: none (the span stays
+    /// `attempt`).
+    fn attempt_name(&self, req: &Req) -> Option<Cow<'static, str>> {
+        let _ = req;
+        None
+    }
+}
+
+/// An HTTP method as the semantic conventions name a client span: the method, or `HTTP` for
+/// one they do not know.
+pub(crate) fn method_name(method: &http::Method) -> &'static str {
+    match *method {
+        http::Method::GET => "GET",
+        http::Method::POST => "POST",
+        http::Method::PUT => "PUT",
+        http::Method::DELETE => "DELETE",
+        http::Method::PATCH => "PATCH",
+        http::Method::HEAD => "HEAD",
+        http::Method::OPTIONS => "OPTIONS",
+        http::Method::TRACE => "TRACE",
+        http::Method::CONNECT => "CONNECT",
+        _ => "HTTP",
+    }
 }
 
 /// Copies any `Clone` request by cloning it (the default, for non-HTTP tool calls).
@@ -75,6 +101,10 @@ pub struct HttpResend;
 impl<B: ResendableBody> Resend<http::Request<B>> for HttpResend {
     fn copy(&self, req: &http::Request<B>) -> Result<http::Request<B>, NotCopyable> {
         Ok(with_parts_of(req, req.body().copy_body()?))
+    }
+
+    fn attempt_name(&self, req: &http::Request<B>) -> Option<Cow<'static, str>> {
+        Some(Cow::Borrowed(method_name(req.method())))
     }
 }
 

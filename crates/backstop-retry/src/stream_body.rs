@@ -323,6 +323,11 @@ impl<B: TeeableBody> Resend<Request<B>> for StreamingResend {
         Request::from_parts(parts, B::placeholder())
     }
 
+    fn attempt_name(&self, req: &Request<B>) -> Option<std::borrow::Cow<'static, str>> {
+        let path = req.uri().path();
+        Some(path.strip_prefix('/').unwrap_or(path).to_owned().into())
+    }
+
     fn check(&self, req: &Request<B>) -> Result<(), NotCopyable> {
         match req.extensions().get::<BodyTee<B>>() {
             Some(tee) => tee.check(),

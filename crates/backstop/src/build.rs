@@ -111,6 +111,14 @@ impl<C, P, I> Backstop<C, P, I> {
             Some(b) => b,
             None => Some(Budget::process_wide()),
         };
+        #[cfg(feature = "otel")]
+        if let (Some(telemetry), Some(b)) = (&self.otel.telemetry, &budget) {
+            let (b, dependency) = (b.clone(), self.dependency.clone());
+            telemetry.observe_budget(&self.dependency, move || {
+                let stats = b.stats(&dependency);
+                (stats.allowance - stats.retries as f64).max(0.0)
+            });
+        }
         match (self.throttle.take(), budget) {
             (Some(t), Some(b)) => Some(Arc::new(t.with_budget(b))),
             (Some(t), None) => Some(Arc::new(t)),
@@ -192,6 +200,7 @@ impl<C, P, I> Backstop<C, P, I> {
             read_only: self.preset == Preset::ReadOnly,
             sink: self.sink,
             reconcile: self.reconcile,
+            otel: self.otel.clone(),
         });
         Ok(BackstopLayer {
             dependency: self.dependency,
@@ -200,6 +209,7 @@ impl<C, P, I> Backstop<C, P, I> {
             hedging,
             transport,
             attempt_header: self.attempt_header,
+            otel: self.otel,
             breaker: checked.breaker,
         })
     }

@@ -94,6 +94,7 @@ pub struct Backstop<C, P, I> {
     pub(crate) attempt_header: Option<http::HeaderName>,
     pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
     pub(crate) reconcile: Option<Reconcile>,
+    pub(crate) otel: crate::telemetry::Otel,
 }
 
 impl<C: fmt::Debug, P, I> fmt::Debug for Backstop<C, P, I> {
@@ -201,7 +202,21 @@ impl<C, P, I> Backstop<C, P, I> {
             attempt_header: None,
             sink: None,
             reconcile: None,
+            otel: crate::telemetry::Otel::default(),
         }
+    }
+
+    /// Records every attempt and every call into `telemetry`'s OpenTelemetry instruments:
+    /// `http.client.request.duration` per attempt (its HTTP attributes on the attempt's span
+    /// too), Backstop's per-call duration and attempts, and for a gRPC stack the per-call
+    /// metrics of gRPC's A96 (the table in [`backstop::otel`](crate::otel)). Over a leaf
+    /// client the attempts then carry the call context, which holds their number. Off by
+    /// default: a stack without it records nothing. Feature `otel`.
+    #[cfg(feature = "otel")]
+    #[must_use]
+    pub fn telemetry(mut self, telemetry: backstop_otel::Telemetry) -> Self {
+        self.otel.telemetry = Some(telemetry);
+        self
     }
 
     /// How side effects are treated (see [`Preset`]).
@@ -380,6 +395,7 @@ impl<C, P, I> Backstop<C, P, I> {
             attempt_header: self.attempt_header,
             sink: self.sink,
             reconcile: self.reconcile,
+            otel: self.otel,
         }
     }
 }

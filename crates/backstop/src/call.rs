@@ -2,6 +2,7 @@
 //! before the retry layer copies the request, so every attempt carries it), the call's span,
 //! one [`Error`] for every end, dead letters and reconciliation.
 
+use crate::telemetry::{Otel, OtelCall};
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{
@@ -39,6 +40,7 @@ pub(crate) struct CallWork<I> {
     pub(crate) read_only: bool,
     pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
     pub(crate) reconcile: Option<Reconcile>,
+    pub(crate) otel: Otel,
 }
 
 impl<I> fmt::Debug for CallWork<I> {
@@ -65,6 +67,8 @@ pub(crate) struct CallState {
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.
     letterhead: Option<Box<Letterhead>>,
+    /// The call's start, when the stack records telemetry.
+    otel: Option<Box<OtelCall>>,
 }
 
 impl fmt::Debug for CallState {
@@ -78,8 +82,13 @@ impl fmt::Debug for CallState {
 
 impl<I> CallWork<I> {
     /// Before the call: marks a read-only call replay-safe, attaches the key (or refuses the
-    /// call, nothing sent), opens the call's span and takes what a dead letter would need.
-    pub(crate) fn begin<Req>(&self, req: &mut Req) -> Result<CallState, Error>
+    /// call, nothing sent), opens the call's span and takes what a dead letter would need (and
+    /// the call's start, for telemetry; `grpc` names a gRPC call's method and target).
+    pub(crate) fn begin<Req>(
+        &self,
+        req: &mut Req,
+        grpc: fn(&Req) -> Option<(String, String)>,
+    ) -> Result<CallState, Error>
     where
         Req: HasExtensions,
         I: Inject<Req>,
@@ -143,7 +152,12 @@ impl<I> CallWork<I> {
                 })
             });
         }
-        Ok(CallState { span, letterhead })
+        let otel = self.otel.begin(&self.dependency, || grpc(req));
+        Ok(CallState {
+            span,
+            letterhead,
+            otel,
+        })
     }
 
     /// An error of this stack's (a refusal, a `poll_ready` error) as the call's [`Error`].
@@ -164,16 +178,24 @@ impl CallState {
         let span = &self.span;
         let e = match result {
             Ok(res) => {
-                if !span.is_disabled() {
-                    let attempts = RetryHistory::of(&res).map_or(1, RetryHistory::sent);
+                if !span.is_disabled() || self.otel.is_some() {
+                    let history = RetryHistory::of(&res);
+                    let attempts = history.map_or(1, RetryHistory::sent);
                     span.record("attempts", attempts);
                     span.record("outcome", Outcome::Completed.as_str());
+                    if let Some(otel) = self.otel.take() {
+                        otel.end(attempts, history, Outcome::Completed, None);
+                    }
                 }
                 return Ok(res);
             }
             Err(e) => e,
         };
         let err = Error::from_box(e);
+        if let Some(otel) = self.otel.take() {
+            let kind = err.kind().as_str();
+            otel.end(err.attempts(), err.history(), err.outcome(), Some(kind));
+        }
         span.record("attempts", err.attempts());
         span.record("outcome", err.outcome().as_str());
         span.record("error", err.kind().as_str());

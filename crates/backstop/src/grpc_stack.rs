@@ -4,7 +4,7 @@ use crate::{
     Backstop,
     attempt_header::AttemptCount,
     box_errors::BoxErrors,
-    transport::{Deliver, Transport, TransportSettings},
+    transport::{Attempts, Deliver, Describe, Transport, TransportSettings, attempts},
 };
 use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{BoxError, CallContext, Deadline, Dependency};
@@ -60,8 +60,18 @@ impl<Res> Deliver<Res> for StreamingResend {
     }
 }
 
+/// A gRPC call's method is its request's path (`/package.Service/Method`), its target the
+/// authority it goes to.
+impl<B> Describe<http::Request<B>> for StreamingResend {
+    fn grpc_method(req: &http::Request<B>) -> Option<(String, String)> {
+        let uri = req.uri();
+        let target = uri.authority().map(|a| a.to_string()).unwrap_or_default();
+        Some((uri.path().to_owned(), target))
+    }
+}
+
 impl<S> Transport<S> for StreamingResend {
-    type Client = BoxErrors<BodyTimeout<GrpcAttempt<AttemptCount<S>>>>;
+    type Client = Attempts<BoxErrors<BodyTimeout<GrpcAttempt<AttemptCount<S>>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
         let client = AttemptCount {
             inner: client,
@@ -71,11 +81,12 @@ impl<S> Transport<S> for StreamingResend {
             inner: client,
             attempt_timeout: settings.attempt_timeout,
         };
-        BoxErrors(
+        let client = BoxErrors(
             BodyTimeoutLayer::new(settings.attempt_timeout)
                 .handed_down()
                 .layer(client),
-        )
+        );
+        attempts(client, settings)
     }
 }
 

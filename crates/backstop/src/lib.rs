@@ -124,6 +124,7 @@ mod mcp_stack;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
 mod service;
+mod telemetry;
 mod transport;
 
 pub use builder::{Backstop, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset};
@@ -554,6 +555,18 @@ pub mod mcp {
             to_rmcp_result,
         };
     }
+}
+
+/// OpenTelemetry's instruments for the stack (`backstop-otel`): give a [`Telemetry`](otel::Telemetry)
+/// to [`Backstop::telemetry`], and install [`OtelRecorder`](otel::OtelRecorder) for the counts
+/// kept through `metrics`. Feature `otel`.
+#[cfg(feature = "otel")]
+pub mod otel {
+    #[doc(inline)]
+    pub use backstop_otel::{
+        AttemptMetrics, AttemptMetricsLayer, CallRecord, INSTRUMENTS, OtelRecorder, Telemetry,
+        future,
+    };
 }
 
 /// The rest of the vocabulary every layer shares (the most used of it is at the crate root).

@@ -4,7 +4,7 @@
 
 use crate::{
     call::{CallState, CallWork},
-    transport::{Deliver, Transport, TransportSettings},
+    transport::{Deliver, Describe, Transport, TransportSettings},
 };
 use backstop_breaker::Breaker;
 use backstop_classify::Classify;
@@ -76,7 +76,7 @@ type Parts<S, C, P, Req> = (<P as Transport<S>>::Client, Req, C, P);
 
 impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
 where
-    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>>,
+    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>> + Describe<Req>,
     P::Client: Service<Req, Error: Into<BoxError>, Response: HasExtensions> + Clone,
     Req: HasExtensions,
     C: Classify<Req, ClientResponse<S, P, Req>, <P::Client as Service<Req>>::Error>,
@@ -99,7 +99,7 @@ where
             let inner = self.inner.call(req);
             return BackstopFuture(Calling::Passed { inner });
         }
-        match self.call.begin(&mut req) {
+        match self.call.begin(&mut req, P::grpc_method) {
             Ok(state) => {
                 // The first attempt is sent from here: its span is the call's child.
                 let inner = {
@@ -198,6 +198,7 @@ pub struct BackstopLayer<C, P, I> {
     pub(crate) hedging: Option<HedgeParts<C>>,
     pub(crate) transport: P,
     pub(crate) attempt_header: Option<http::HeaderName>,
+    pub(crate) otel: crate::telemetry::Otel,
     pub(crate) breaker: Option<Breaker>,
 }
 
@@ -293,7 +294,7 @@ impl<C: Clone, P: Clone, I: Clone> BackstopLayer<C, P, I> {
     where
         P: Transport<S>,
     {
-        if self.attempt_header.is_some() {
+        if self.attempt_header.is_some() || self.otel.is_on() {
             return Layer::layer(self, client);
         }
         self.build_over(client, self.retry.clone().leaf_client())
@@ -310,6 +311,7 @@ impl<C: Clone, P: Clone, I: Clone> BackstopLayer<C, P, I> {
         let settings = TransportSettings {
             attempt_timeout: self.retry.limits().attempt_timeout,
             attempt_header: self.attempt_header.clone(),
+            otel: self.otel.clone(),
         };
         let client = self.transport.wrap(inner, &settings);
         BackstopService {

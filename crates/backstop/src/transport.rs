@@ -30,6 +30,20 @@ pub trait Deliver<Res> {
     fn deliver(res: Res, end: Option<AttemptEnd>) -> Self::Response;
 }
 
+/// What the composed stack's telemetry learns of a request before its call: a gRPC call's
+/// method and target (A96's `grpc.method`, `grpc.target`); nothing for the others.
+#[allow(unreachable_pub)] // Sealed, as `Transport`.
+pub trait Describe<Req> {
+    /// The method and target of `req` when it is a gRPC call.
+    fn grpc_method(_req: &Req) -> Option<(String, String)> {
+        None
+    }
+}
+
+impl<B> Describe<http::Request<B>> for HttpResend {}
+
+impl<Req> Describe<Req> for CloneResend {}
+
 /// What [`Transport::wrap`] is told.
 #[derive(Clone, Debug, Default)]
 #[allow(unreachable_pub)] // Sealed, as `Transport`.
@@ -39,15 +53,41 @@ pub struct TransportSettings {
     /// The stack's attempt timeout (gRPC sends it as `grpc-timeout`).
     #[cfg_attr(not(feature = "grpc"), allow(dead_code))]
     pub(crate) attempt_timeout: Option<Duration>,
+    /// The stack's telemetry: each attempt recorded over the client.
+    #[cfg_attr(not(feature = "otel"), allow(dead_code))]
+    pub(crate) otel: crate::telemetry::Otel,
+}
+
+/// The client as the retry layer calls it: with feature `otel`, every attempt passes the
+/// attempt metrics (a branch when the stack has no telemetry).
+#[cfg(feature = "otel")]
+pub(crate) type Attempts<S> = backstop_otel::AttemptMetrics<S>;
+#[cfg(not(feature = "otel"))]
+pub(crate) type Attempts<S> = S;
+
+/// Wraps `client` in [`Attempts`].
+#[inline]
+pub(crate) fn attempts<S>(client: S, settings: &TransportSettings) -> Attempts<S> {
+    #[cfg(feature = "otel")]
+    return tower_layer::Layer::layer(
+        &backstop_otel::AttemptMetricsLayer::new(settings.otel.telemetry.clone()),
+        client,
+    );
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = settings;
+        client
+    }
 }
 
 impl<S> Transport<S> for HttpResend {
-    type Client = BoxErrors<AttemptCount<S>>;
+    type Client = Attempts<BoxErrors<AttemptCount<S>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
-        BoxErrors(AttemptCount {
+        let client = BoxErrors(AttemptCount {
             inner: client,
             header: settings.attempt_header.clone(),
-        })
+        });
+        attempts(client, settings)
     }
 }
 

@@ -1,0 +1,279 @@
+//! The console's pages: runs (filtered by state and workflow), one run, what needs a person.
+//! Rendered with maud, which escapes every value it is given: a step named `<b>` shows as text.
+
+use super::{Console, failed};
+use crate::render::{ago, human, short_key, time_in_states, when};
+use axum::{
+    extract::{Path, Query, State},
+    http::StatusCode,
+    response::{Html, IntoResponse, Response},
+};
+use backstop_journal::{RunState, Step, StepState, StepTransition};
+use maud::{DOCTYPE, Markup, html};
+use serde::Deserialize;
+use std::sync::Arc;
+
+const STYLE: &str = "body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}\
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.3em .6em;\
+text-align:left;vertical-align:top}th{background:#f3f3f3}nav a{margin-right:1em}\
+.state{font-weight:600}.failed,.needs_human,.cancelled{color:#a00}.succeeded{color:#070}\
+.pending{color:#a60}form{margin:.4em 0;padding:.5em;border:1px solid #ddd;background:#fafafa}\
+input,select{margin-right:.4em}code{font-size:12px}.err{color:#a00}";
+
+/// A whole page around `body`.
+fn page(title: &str, body: Markup) -> Html<String> {
+    Html(
+        html! {
+            (DOCTYPE)
+            html lang="en" {
+                head {
+                    meta charset="utf-8";
+                    title { (title) " · Backstop journal" }
+                    style { (maud::PreEscaped(STYLE)) }
+                }
+                body {
+                    nav { a href="/" { "Runs" } a href="/stuck" { "Needs a person" } }
+                    h1 { (title) }
+                    (body)
+                }
+            }
+        }
+        .into_string(),
+    )
+}
+
+/// The page for an error.
+pub(crate) fn error_page(status: StatusCode, message: &str) -> Html<String> {
+    page(
+        &format!("{}", status.as_u16()),
+        html! { p.err { (message) } p { a href="/" { "Back to the runs" } } },
+    )
+}
+
+fn journal_failed(e: impl std::fmt::Display) -> Response {
+    failed(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        &format!("the journal failed: {e}"),
+    )
+}
+
+#[derive(Deserialize)]
+pub(crate) struct RunsQuery {
+    state: Option<String>,
+    workflow: Option<String>,
+}
+
+/// `/`: the most recently changed runs, by state and workflow.
+pub(crate) async fn runs(State(c): State<Arc<Console>>, Query(q): Query<RunsQuery>) -> Response {
+    let state = match q.state.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(s) => match s.parse::<RunState>() {
+            Ok(st) => Some(st),
+            Err(_) => {
+                return failed(
+                    StatusCode::BAD_REQUEST,
+                    &format!("{s:?} is not a run state"),
+                );
+            }
+        },
+    };
+    let listed = match state {
+        Some(st) => c.journal.runs_in(st, 500).await,
+        None => c.journal.runs(500).await,
+    };
+    let mut runs = match listed {
+        Ok(r) => r,
+        Err(e) => return journal_failed(e),
+    };
+    let workflow = q.workflow.filter(|w| !w.is_empty());
+    if let Some(w) = &workflow {
+        runs.retain(|r| r.workflow.as_deref() == Some(w.as_str()));
+    }
+    let now = c.journal.now_ms();
+    let body = html! {
+        form method="get" action="/" {
+            label { "State " select name="state" {
+                option value="" { "any" }
+                @for st in RunState::ALL {
+                    option value=(st.as_str()) selected[state == Some(st)] { (st.as_str()) }
+                }
+            } }
+            label { "Workflow " input name="workflow" value=(workflow.clone().unwrap_or_default()); }
+            button type="submit" { "Filter" }
+        }
+        @if runs.is_empty() {
+            p { "No runs." }
+        } @else {
+            table {
+                tr { th { "run" } th { "workflow" } th { "state" } th { "steps" } th { "done" }
+                     th { "need a person" } th { "parked" } th { "in doubt" } th { "updated" }
+                     th { "claimed by" } th { "error" } }
+                @for r in &runs {
+                    tr {
+                        td { a href=(format!("/runs/{}", encode(&r.run))) { (r.run) } }
+                        td { (r.workflow.clone().unwrap_or_default()) }
+                        td.state.(r.state.as_str()) { (r.state.as_str()) }
+                        td { (r.steps) } td { (r.done) } td { (r.needs_human) } td { (r.parked) }
+                        td { (r.unknown) } td { (ago(now, r.updated_ms)) }
+                        td { (r.claimed_by.clone().unwrap_or_default()) }
+                        td { (r.error.clone().unwrap_or_default()) }
+                    }
+                }
+            }
+        }
+    };
+    page("Runs", body).into_response()
+}
+
+/// `/stuck`: the steps waiting for a person, and the parked ones.
+pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Response {
+    let steps = match c.journal.stuck().await {
+        Ok(s) => s,
+        Err(e) => return journal_failed(e),
+    };
+    let now = c.journal.now_ms();
+    let body = html! {
+        @if steps.is_empty() {
+            p { "Nothing is stuck: no step waits for a person, none is parked." }
+        } @else {
+            table {
+                tr { th { "run" } th { "step" } th { "call" } th { "tool" } th { "state" }
+                     th { "waiting for" } th { "since" } }
+                @for s in &steps {
+                    tr {
+                        td { a href=(format!("/runs/{}", encode(&s.id.run))) { (&*s.id.run) } }
+                        td { (&*s.id.step) } td { (&*s.id.call) } td { (s.tool) }
+                        td.state { (s.state.as_str()) }
+                        td { (waiting(s, now)) }
+                        td { (ago(now, s.updated_ms)) }
+                    }
+                }
+            }
+        }
+    };
+    page("Needs a person", body).into_response()
+}
+
+fn waiting(s: &Step, now: i64) -> String {
+    match (&s.attention, s.park_until) {
+        (Some(why), _) => format!("a person: {why}"),
+        (None, Some(at)) => format!("its time: wakes {}", when(now, at)),
+        (None, None) => String::new(),
+    }
+}
+
+/// `/runs/{run}`: the run's record, its steps with their history, its events and forks, and
+/// (with actions allowed) the forms that act on it.
+pub(crate) async fn run(State(c): State<Arc<Console>>, Path(run): Path<String>) -> Response {
+    let j = &c.journal;
+    let record = match j.run_record(&run).await {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            return failed(
+                StatusCode::NOT_FOUND,
+                &format!("run {run} is not in the journal"),
+            );
+        }
+        Err(e) => return journal_failed(e),
+    };
+    let (steps, history, events, forks) = match (
+        j.run(&run).await,
+        j.run_history(&run).await,
+        j.run_events(&run).await,
+        j.forks(&run).await,
+    ) {
+        (Ok(s), Ok(h), Ok(e), Ok(f)) => (s, h, e, f),
+        (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => {
+            return journal_failed(e);
+        }
+    };
+    let now = j.now_ms();
+    let of =
+        |s: &Step| -> Vec<&StepTransition> { history.iter().filter(|t| t.id == s.id).collect() };
+    let acting = c.allow_actions;
+    let body = html! {
+        table {
+            tr { th { "state" } td.state.(record.state.as_str()) { (record.state.as_str()) } }
+            tr { th { "workflow" } td { (record.workflow.clone().unwrap_or_default()) } }
+            tr { th { "input" } td { code { (record.input.clone().unwrap_or_default()) } } }
+            tr { th { "output" } td { code { (record.output.clone().unwrap_or_default()) } } }
+            tr { th { "error" } td { (record.error.clone().unwrap_or_default()) } }
+            tr { th { "claimed by" } td { (record.claimed_by.clone().unwrap_or_default()) } }
+            tr { th { "updated" } td { (ago(now, record.updated_ms)) } }
+            @if let Some(from) = &record.forked_from {
+                tr { th { "forked from" } td {
+                    a href=(format!("/runs/{}", encode(&from.run))) { (from.run) }
+                    " at step " (from.step)
+                } }
+            }
+            @for f in &forks {
+                tr { th { "forked into" } td {
+                    a href=(format!("/runs/{}", encode(&f.id))) { (f.id) }
+                    " (" (f.state.as_str()) ")"
+                } }
+            }
+        }
+        h2 { "Steps" }
+        @if steps.is_empty() { p { "No steps yet." } } @else {
+            table {
+                tr { th { "step" } th { "call" } th { "tool" } th { "state" } th { "attempts" }
+                     th { "key" } th { "last error" } th { "time in each state" } th { "history" } }
+                @for s in &steps {
+                    @let h = of(s);
+                    tr {
+                        td { (&*s.id.step) } td { (&*s.id.call) } td { (s.tool) }
+                        td.state { (s.state.as_str()) @if s.attention.is_some() { " (needs a person)" } }
+                        td { (s.attempts) }
+                        td { code title=(s.key) { (short_key(&s.key)) } }
+                        td { (s.last_error.clone().or_else(|| s.attention.clone()).unwrap_or_default()) }
+                        td { (times(&h, now)) }
+                        td { @for t in &h {
+                            div { (ago(now, t.at_ms)) " → " (t.to.as_str()) " by " (t.actor)
+                                @if let Some(r) = &t.reason { ": " (r) } }
+                        } }
+                    }
+                }
+            }
+        }
+        h2 { "Events" }
+        ul { @for e in &events {
+            li { (ago(now, e.at_ms)) " " (e.action) " by " (e.actor)
+                @if let Some(r) = &e.reason { ": " (r) } }
+        } }
+        @if acting {
+            h2 { "Act" }
+            (super::actions::forms(&c.token, &record, &steps))
+        } @else {
+            p { "Read-only: start the console with --allow-actions to act on runs." }
+        }
+    };
+    page(&format!("Run {run}"), body).into_response()
+}
+
+fn times(history: &[&StepTransition], now: i64) -> String {
+    let owned: Vec<StepTransition> = history.iter().map(|t| (*t).clone()).collect();
+    time_in_states(&owned, now)
+        .into_iter()
+        .map(|(st, ms)| match ms {
+            Some(ms) => format!("{st} {}", human(ms)),
+            None => st.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A run's id as one path segment.
+pub(crate) fn encode(segment: &str) -> String {
+    percent_encoding::utf8_percent_encode(segment, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+/// Whether a step can be sent again by an operator, as `retry_step` decides.
+pub(crate) fn retryable(s: &Step) -> bool {
+    matches!(
+        s.state,
+        StepState::FailedBeforeExecution
+            | StepState::FailedAfterExecution
+            | StepState::ReconciledFailed
+            | StepState::Parked
+    ) || s.attention.is_some()
+}

@@ -1,0 +1,391 @@
+//! `backstop journal serve` in a real headless browser (Debian's Chromium through its
+//! ChromeDriver, driven over WebDriver): the pages render a journal with runs in each state, a
+//! cancel taken through its form shows in the run's events, a step named with HTML shows as
+//! text, the read-only console offers no forms and refuses posts, and a post without the
+//! console's token (another site's form) is refused. A screenshot of each page is written to
+//! `target/console/`.
+
+use backstop_core::Outcome;
+use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, RunOutcome, Step};
+use fantoccini::{ClientBuilder, Locator};
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+const HTML_STEP: &str = "<img src=x onerror=alert(1)><b>bold</b>";
+
+/// A journal with a run in each state, one of them with a step named in HTML.
+async fn write_runs(db: &Path) {
+    let j = Journal::sqlite(db).await.unwrap();
+    let ok = || async {
+        CallResult::Succeeded {
+            result: Some("{\"ok\":true}".into()),
+            provider_ref: None,
+        }
+    };
+    // succeeded
+    j.start_run("run-done", "invoice", Some("{}"))
+        .await
+        .unwrap();
+    j.execute(
+        &NewStep::tool_call("run-done", "create-invoice", "", "billing", b"{}"),
+        |_| ok(),
+    )
+    .await
+    .unwrap();
+    j.finish_run(
+        "run-done",
+        "worker-1",
+        RunOutcome::Succeeded {
+            output: Some("{\"invoice\":\"inv_1\"}".into()),
+        },
+    )
+    .await
+    .unwrap();
+    // failed, its step named in HTML
+    j.start_run("run-failed", "invoice", Some("{}"))
+        .await
+        .unwrap();
+    j.execute(
+        &NewStep::tool_call("run-failed", HTML_STEP, "", "mailer", b"{}"),
+        |_| async {
+            CallResult::Failed {
+                outcome: Outcome::Completed,
+                error: "mailer answered 422: <script>bounced</script>".into(),
+                retry_after: None,
+            }
+        },
+    )
+    .await
+    .unwrap();
+    j.finish_run(
+        "run-failed",
+        "worker-1",
+        RunOutcome::Failed {
+            error: "the email bounced".into(),
+        },
+    )
+    .await
+    .unwrap();
+    // cancelled
+    j.start_run("run-cancelled", "invoice", Some("{}"))
+        .await
+        .unwrap();
+    j.cancel_run("run-cancelled", "ana", "a duplicate order")
+        .await
+        .unwrap();
+    // needs a person: a step nobody can tell about
+    j.start_run("run-human", "invoice", Some("{}"))
+        .await
+        .unwrap();
+    j.execute(
+        &NewStep::tool_call("run-human", "reserve", "", "inventory", b"{}"),
+        |_| async {
+            CallResult::Failed {
+                outcome: Outcome::Unknown,
+                error: "inventory did not answer within 2 s".into(),
+                retry_after: None,
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let hooks = Reconcilers::new().tool("inventory", |_: &Step| async {
+        Reconciled::CannotTell {
+            why: "inventory has no lookup by key".into(),
+        }
+    });
+    j.reconcile_run("run-human", &hooks).await.unwrap();
+    // pending
+    j.start_run("run-pending", "invoice", Some("{}"))
+        .await
+        .unwrap();
+}
+
+/// A process the test started, killed when the test ends however it ends.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `backstop journal --db DB serve` on a free loopback port, and its base URL.
+fn console(db: &Path, allow_actions: bool) -> (Running, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_backstop"));
+    cmd.args(["journal", "--db"])
+        .arg(db)
+        .args(["serve", "--listen", "127.0.0.1:0"]);
+    if allow_actions {
+        cmd.arg("--allow-actions");
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the console starts");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .trim_end_matches('/')
+        .to_owned();
+    (Running(child), url)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// ChromeDriver on a free port, once it answers.
+async fn chromedriver() -> (Running, String) {
+    let port = free_port();
+    let child = Command::new("chromedriver")
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("chromedriver is installed (.ci/install-test-deps installs it)");
+    let running = Running(child);
+    for _ in 0..200 {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return (running, format!("http://127.0.0.1:{port}"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("chromedriver did not listen on {port}");
+}
+
+async fn browser(webdriver: &str) -> fantoccini::Client {
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": "/usr/bin/chromium",
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1400,1000"],
+        }),
+    );
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(webdriver)
+        .await
+        .expect("a headless Chromium session")
+}
+
+fn shots() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/console");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+async fn shoot(b: &fantoccini::Client, name: &str) {
+    let png = b.screenshot().await.unwrap();
+    assert!(png.starts_with(b"\x89PNG"), "a PNG");
+    std::fs::write(shots().join(format!("{name}.png")), png).unwrap();
+}
+
+/// The text of the page's first `css` element.
+async fn text_of(b: &fantoccini::Client, css: &str) -> String {
+    b.find(Locator::Css(css))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The page's text once it holds `needle` (a submitted form's answer arrives after the click
+/// returns), or the text it holds after ten seconds.
+async fn text_with(b: &fantoccini::Client, needle: &str) -> String {
+    let mut text = String::new();
+    for _ in 0..100 {
+        // While the next page loads, the old body goes stale: read again.
+        if let Ok(body) = b.find(Locator::Css("body")).await
+            && let Ok(t) = body.text().await
+        {
+            text = t;
+            if text.contains(needle) {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    text
+}
+
+/// A raw POST, as another site's form would send it: no token of this console's.
+fn post(base: &str, path: &str, body: &str, origin: &str) -> u16 {
+    let addr = base.trim_start_matches("http://");
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nOrigin: {origin}\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_in_a_headless_browser() {
+    let dir = std::env::temp_dir().join(format!("backstop-console-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = dir.join("journal.db");
+    write_runs(&db).await;
+    let (_server, base) = console(&db, true);
+    let (_driver, webdriver) = chromedriver().await;
+    let b = browser(&webdriver).await;
+
+    // The runs, one in each state.
+    b.goto(&format!("{base}/")).await.unwrap();
+    let text = text_of(&b, "body").await;
+    for want in [
+        "run-done",
+        "run-failed",
+        "run-cancelled",
+        "run-human",
+        "run-pending",
+    ] {
+        assert!(text.contains(want), "{want} in\n{text}");
+    }
+    for state in ["succeeded", "failed", "cancelled", "needs_human", "pending"] {
+        assert!(text.contains(state), "{state} in\n{text}");
+    }
+    shoot(&b, "runs").await;
+    b.goto(&format!("{base}/?state=failed")).await.unwrap();
+    let text = text_of(&b, "table").await;
+    assert!(
+        text.contains("run-failed") && !text.contains("run-done"),
+        "{text}"
+    );
+
+    // A step named in HTML, and an error holding a script, are text.
+    b.goto(&format!("{base}/runs/run-failed")).await.unwrap();
+    let text = text_of(&b, "body").await;
+    assert!(text.contains(HTML_STEP), "the step's name as text:\n{text}");
+    assert!(text.contains("<script>bounced</script>"), "{text}");
+    assert!(
+        b.find(Locator::Css("td b")).await.is_err(),
+        "no <b> element made"
+    );
+    assert!(
+        b.find(Locator::Css("td img")).await.is_err(),
+        "no <img> element made"
+    );
+    shoot(&b, "run-failed").await;
+
+    // What needs a person.
+    b.goto(&format!("{base}/stuck")).await.unwrap();
+    let text = text_of(&b, "body").await;
+    assert!(
+        text.contains("run-human") && text.contains("inventory has no lookup"),
+        "{text}"
+    );
+    shoot(&b, "stuck").await;
+
+    // The pending run cancelled through its form: it shows in the run's events.
+    b.goto(&format!("{base}/runs/run-pending")).await.unwrap();
+    let form = b
+        .form(Locator::Css("form[action$='/cancel']"))
+        .await
+        .unwrap();
+    form.set_by_name("who", "ana").await.unwrap();
+    form.set_by_name("why", "the customer called it off")
+        .await
+        .unwrap();
+    form.submit().await.unwrap();
+    let text = text_with(&b, "cancelled by ana").await;
+    assert!(
+        text.contains("cancelled by ana: the customer called it off"),
+        "the action in the run's events:\n{text}"
+    );
+    let record = Journal::sqlite(&db)
+        .await
+        .unwrap()
+        .run_record("run-pending")
+        .await
+        .unwrap();
+    assert_eq!(record.unwrap().state, backstop_journal::RunState::Cancelled);
+    shoot(&b, "run-cancelled-through-the-form").await;
+
+    // The failed run forked through its form, from its failed step.
+    b.goto(&format!("{base}/runs/run-failed")).await.unwrap();
+    let form = b.form(Locator::Css("form[action$='/fork']")).await.unwrap();
+    form.set_by_name("new_run", "run-failed-again")
+        .await
+        .unwrap();
+    form.set_by_name("who", "ana").await.unwrap();
+    form.set_by_name("why", "the address is fixed")
+        .await
+        .unwrap();
+    form.submit().await.unwrap();
+    let text = text_with(&b, "Run run-failed-again").await;
+    assert!(
+        text.contains("Run run-failed-again") && text.contains("forked from run-failed"),
+        "{text}"
+    );
+    shoot(&b, "run-forked").await;
+
+    // Another site's form, without this console's token, is refused; nothing is written.
+    let code = post(
+        &base,
+        "/runs/run-human/cancel",
+        "token=guess&who=eve&why=x",
+        "http://evil.example",
+    );
+    assert_eq!(code, 403);
+    let code = post(
+        &base,
+        "/runs/run-human/cancel",
+        "token=guess&who=eve&why=x",
+        &base,
+    );
+    assert_eq!(code, 403, "the right origin without the token");
+    let record = Journal::sqlite(&db)
+        .await
+        .unwrap()
+        .run_record("run-human")
+        .await
+        .unwrap();
+    assert_eq!(
+        record.unwrap().state,
+        backstop_journal::RunState::NeedsHuman
+    );
+    b.close().await.unwrap();
+
+    // Read-only: no forms, and a post is refused.
+    let (_ro, ro) = console(&db, false);
+    let b = browser(&webdriver).await;
+    b.goto(&format!("{ro}/runs/run-human")).await.unwrap();
+    assert!(
+        b.find(Locator::Css("form[method='post']")).await.is_err(),
+        "no forms"
+    );
+    let text = text_of(&b, "body").await;
+    assert!(text.contains("Read-only"), "{text}");
+    shoot(&b, "run-read-only").await;
+    b.close().await.unwrap();
+    assert_eq!(
+        post(&ro, "/runs/run-human/cancel", "token=x&who=a&why=b", &ro),
+        403
+    );
+}
