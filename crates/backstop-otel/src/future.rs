@@ -1,6 +1,6 @@
 //! Future types: [`AttemptMetricsFuture`].
 
-use crate::attempt::Started;
+use crate::record::Started;
 use backstop_core::BoxError;
 use pin_project::{pin_project, pinned_drop};
 use std::{

@@ -55,6 +55,7 @@
 #![deny(missing_docs)]
 
 mod attempt;
+mod record;
 
 mod recorder;
 mod telemetry;

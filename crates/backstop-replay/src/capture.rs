@@ -3,8 +3,8 @@
 
 use crate::{
     body::PrefixedBody,
-    claim::ClaimGuard,
-    layer::Config,
+    config::Config,
+    guard::ClaimGuard,
     problem::{ReplayResponseBody, full},
     store::StoredResponse,
 };

@@ -1,56 +1,17 @@
-//! The layer and its configuration: which requests it guards, where results are stored, for
-//! how long, and what a request must carry.
+//! The layer: its builder, which sets which requests it guards, where results are stored, for
+//! how long, and what a request must carry (the [`Config`](crate::config::Config) every
+//! service of it shares).
 
-use crate::{service::Replay, store::ReplayStore};
+use crate::{
+    config::{Config, Principal},
+    service::Replay,
+    store::ReplayStore,
+};
 use backstop_core::InvalidConfig;
 use bytes::Bytes;
 use http::{HeaderName, Method, StatusCode, request::Parts};
 use std::{fmt, sync::Arc, time::Duration};
 use tower_layer::Layer;
-
-/// The authenticated principal (tenant, user) a request acts for, put in the request's
-/// extensions by the authentication middleware that runs before the replay layer.
-///
-/// Stored results are scoped by it: one principal can never receive another's stored response,
-/// even with the same key. It must come from authentication, never from a header the client
-/// chooses.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Principal(pub String);
-
-type PrincipalFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-type BusinessFn = dyn Fn(&Parts, &Bytes) -> Option<String> + Send + Sync;
-type StorePolicy = dyn Fn(StatusCode) -> bool + Send + Sync;
-
-pub(crate) struct Config {
-    pub(crate) store: Arc<dyn ReplayStore>,
-    pub(crate) header: HeaderName,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    pub(crate) principal: Arc<PrincipalFn>,
-    pub(crate) business_key: Option<Arc<BusinessFn>>,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_stored_body: usize,
-    pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) store_status: Arc<StorePolicy>,
-    pub(crate) allow_headers: Vec<HeaderName>,
-    pub(crate) fail_open: bool,
-    pub(crate) single_tenant: bool,
-    #[cfg(feature = "postgres")]
-    pub(crate) transactional: Option<crate::PgStore>,
-}
-
-impl Config {
-    pub(crate) fn is_transactional(&self) -> bool {
-        #[cfg(feature = "postgres")]
-        return self.transactional.is_some();
-        #[cfg(not(feature = "postgres"))]
-        false
-    }
-}
-
-/// The principal of every request of a layer built with [`ReplayLayer::single_tenant`].
-pub(crate) const SINGLE_TENANT: &str = "(single tenant)";
 
 /// Makes non-idempotent endpoints safe to call twice; see the crate docs.
 ///

@@ -90,6 +90,9 @@
 mod body;
 mod capture;
 mod claim;
+mod config;
+mod guard;
+mod inner;
 mod key;
 mod layer;
 mod lease;
@@ -105,7 +108,8 @@ mod store;
 #[cfg(feature = "postgres")]
 mod transaction;
 
-pub use layer::{Principal, ReplayLayer};
+pub use config::Principal;
+pub use layer::ReplayLayer;
 pub use lease::Lease;
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]

@@ -3,14 +3,14 @@
 
 use crate::{
     claim::run_claimed,
+    config::{Config, SINGLE_TENANT},
+    inner::call_inner,
     key::{Identity, fingerprint, read_key, store_key},
-    layer::{Config, SINGLE_TENANT},
     lease::Lease,
     problem::{
         BodyError, ReplayRequestBody, ReplayResponseBody, count, mismatch, principal_missing,
         problem, replayed, retry_later, store_unavailable, unknown_outcome,
     },
-    service::call_inner,
     store::{Claim, Fingerprint},
 };
 use backstop_core::BoxError;

@@ -1,15 +1,14 @@
 //! The service: readiness passed through, the request served on the handle polled ready.
 
 use crate::{
-    layer::Config,
-    problem::{BodyError, ReplayRequestBody, ReplayResponseBody},
+    config::Config,
+    problem::{ReplayRequestBody, ReplayResponseBody},
     serve::serve,
 };
 use backstop_core::BoxError;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use http_body_util::BodyExt;
 use std::{
     fmt,
     future::Future,
@@ -68,24 +67,4 @@ where
         let svc = std::mem::replace(&mut self.inner, clone);
         Box::pin(serve(self.cfg.clone(), svc, req))
     }
-}
-
-pub(crate) fn boxed_response<ResB>(res: Response<ResB>) -> Response<ReplayResponseBody>
-where
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
-{
-    res.map(|b| b.map_err(|e| BodyError(e.into())).boxed_unsync())
-}
-
-pub(crate) async fn call_inner<S, ResB>(
-    mut svc: S,
-    req: Request<ReplayRequestBody>,
-) -> Result<Response<ReplayResponseBody>, S::Error>
-where
-    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
-{
-    svc.call(req).await.map(boxed_response)
 }

@@ -3,12 +3,12 @@
 
 use crate::{
     capture::buffer,
-    claim::{ClaimGuard, OnDrop},
-    layer::Config,
+    config::Config,
+    guard::{ClaimGuard, OnDrop},
+    inner::call_inner,
     problem::{
         ReplayRequestBody, ReplayResponseBody, count, problem, retry_later, store_unavailable,
     },
-    service::call_inner,
 };
 use backstop_core::BoxError;
 use bytes::Bytes;

@@ -5,14 +5,14 @@
 use crate::error_kind::Diagnosis;
 use crate::{
     AttemptRecord, ErrorKind, NotCopyable, Resend, RetryError, RetryHistory, StopReason, Ticket,
-    future::{EndOf, Err, Fut, NOT_SENT, PolicyOf, Res, Retryable, State},
-    policy::Schedule,
+    parts::{EndOf, Ended, Err, Fut, NOT_SENT, PolicyOf, Res, Retryable, Schedule},
 };
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{
     BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
 };
 use backstop_timeout::{AttemptCutoff, Expiry};
+use pin_project::pin_project;
 use std::{
     future::Future,
     pin::Pin,
@@ -23,10 +23,28 @@ use tokio::time::{Instant, Sleep, sleep_until};
 use tower_service::Service;
 use tracing::Span;
 
-/// How an attempt ended: the inner service's result, or this layer's own error.
-pub(crate) enum Ended<T, E> {
-    Inner(Result<T, E>),
-    Own(BoxError),
+#[pin_project(project = StateProj)]
+pub(crate) enum State<F> {
+    /// An attempt in flight, and its timer (created at its first `Pending`).
+    Called {
+        #[pin]
+        fut: F,
+        #[pin]
+        timer: Option<Sleep>,
+    },
+    /// Waiting before the next attempt.
+    Waiting {
+        #[pin]
+        sleep: Sleep,
+    },
+    /// The service getting ready for the next attempt, never past the deadline (`timer`).
+    Readying {
+        #[pin]
+        timer: Option<Sleep>,
+    },
+    /// The attempt ended before it was sent; its error is taken at the next poll.
+    Unsent(Option<(BoxError, Verdict)>),
+    Done,
 }
 
 /// One call: the service whose readiness it holds, the caller's request, and its attempts.

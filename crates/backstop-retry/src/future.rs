@@ -7,13 +7,14 @@
 pub use crate::body::BufferBodyFuture;
 pub use crate::hedge::HedgeFuture;
 
+pub use crate::parts::Retryable;
+
 use crate::{
     Resend, StopReason,
-    call::{Call, Ended},
-    layer::Policy,
+    call::{Call, State, StateProj},
+    parts::{Ended, Fut, NOT_SENT, PolicyOf, Res},
 };
-use backstop_classify::{Classify, Verdict};
-use backstop_core::{BoxError, Dependency, HasExtensions, Outcome};
+use backstop_core::{BoxError, Dependency};
 use backstop_timeout::AttemptCutoff;
 use pin_project::{pin_project, pinned_drop};
 use std::{
@@ -23,54 +24,8 @@ use std::{
     sync::Arc,
     task::{Context, Poll, ready},
 };
-use tokio::time::{Instant, Sleep, sleep};
-use tower_service::Service;
+use tokio::time::{Instant, sleep};
 
-/// What the retry layer asks of the service it wraps (`Svc`), the request (`Req`), the
-/// classifier and the copier: the bounds, written once. Implemented for the tuple
-/// `(S, Req, C, P)` whenever they hold, and sealed: a layer wrapping [`ResponseFuture`] names
-/// its parts through it, and nothing else implements it.
-pub trait Retryable: sealed::Sealed {
-    /// The request.
-    type Req: HasExtensions;
-    /// The service each attempt goes to.
-    type Svc: Service<Self::Req, Error: Into<BoxError>, Response: HasExtensions>;
-    /// Judges each attempt.
-    type Classifier: Classify<Self::Req, Res<Self>, Err<Self>>;
-    /// Copies the request for each attempt.
-    type Resend: Resend<Self::Req>;
-}
-
-mod sealed {
-    #[allow(unreachable_pub)] // Public in name only: no one outside can implement `Retryable`.
-    pub trait Sealed {}
-    impl<S, Req, C, P> Sealed for (S, Req, C, P) {}
-}
-
-impl<S, Req, C, P> Retryable for (S, Req, C, P)
-where
-    S: Service<Req, Error: Into<BoxError>, Response: HasExtensions>,
-    Req: HasExtensions,
-    C: Classify<Req, S::Response, S::Error>,
-    P: Resend<Req>,
-{
-    type Req = Req;
-    type Svc = S;
-    type Classifier = C;
-    type Resend = P;
-}
-
-pub(crate) type Res<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Response;
-pub(crate) type Err<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Error;
-pub(crate) type Fut<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Future;
-pub(crate) type PolicyOf<T> = Policy<<T as Retryable>::Classifier, <T as Retryable>::Resend>;
-/// An attempt's end and its verdict.
-pub(crate) type EndOf<T> = (Ended<Res<T>, Err<T>>, Verdict);
-
-/// The verdict on an attempt that was never sent.
-pub(crate) const NOT_SENT: Verdict = Verdict::Fatal {
-    outcome: Outcome::NotSent,
-};
 const POLLED_AFTER: &str = "ResponseFuture polled after completion";
 
 /// Response future of [`Retry`](crate::Retry).
@@ -80,30 +35,6 @@ pub struct ResponseFuture<T: Retryable> {
     call: Call<T>,
     #[pin]
     state: State<Fut<T>>,
-}
-
-#[pin_project(project = StateProj)]
-pub(crate) enum State<F> {
-    /// An attempt in flight, and its timer (created at its first `Pending`).
-    Called {
-        #[pin]
-        fut: F,
-        #[pin]
-        timer: Option<Sleep>,
-    },
-    /// Waiting before the next attempt.
-    Waiting {
-        #[pin]
-        sleep: Sleep,
-    },
-    /// The service getting ready for the next attempt, never past the deadline (`timer`).
-    Readying {
-        #[pin]
-        timer: Option<Sleep>,
-    },
-    /// The attempt ended before it was sent; its error is taken at the next poll.
-    Unsent(Option<(BoxError, Verdict)>),
-    Done,
 }
 
 /// When the attempt that answered a call is cut, and the dependency it went to (for the error

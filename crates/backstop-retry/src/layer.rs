@@ -1,6 +1,8 @@
 use crate::{
-    AttemptGate, CloneResend, HttpResend, NoBudget, Resend, RetryBudget, call::Call,
+    AttemptGate, CloneResend, HttpResend, NoBudget, Resend, RetryBudget,
+    call::Call,
     future::ResponseFuture,
+    parts::{Policy, Settings},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -23,34 +25,6 @@ use tower_service::Service;
 
 /// The default number of attempts: one call and two retries.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-
-/// What every call's future reads: shared by the layer's services through one `Arc`.
-pub(crate) struct Policy<C, P> {
-    pub(crate) classifier: C,
-    pub(crate) resend: P,
-    pub(crate) settings: Settings,
-}
-
-/// The settings that do not depend on the layer's type parameters.
-#[derive(Clone)]
-pub(crate) struct Settings {
-    pub(crate) max_attempts: u32,
-    pub(crate) backoff: Backoff,
-    pub(crate) rng: RngSource,
-    pub(crate) budget: Arc<dyn RetryBudget>,
-    /// The budget admits each attempt too ([`RetryBudget::admits`]).
-    pub(crate) budget_admits: bool,
-    /// Something is asked before and told after every attempt (`budget_admits`, or a latency
-    /// record): one check on the path of an attempt when nothing is.
-    pub(crate) attempt_hooks: bool,
-    pub(crate) deadline: Option<Duration>,
-    pub(crate) attempt_timeout: Option<Duration>,
-    /// Attempt timeouts learned from observed latency, instead of `attempt_timeout`.
-    pub(crate) latency: Option<BoundLatency>,
-    pub(crate) gate: Option<Arc<dyn AttemptGate>>,
-    /// The inner service is a leaf client: no call context is written on the attempts.
-    pub(crate) leaf: bool,
-}
 
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
 /// shares the RNG source, the budget and the gate.

@@ -89,6 +89,7 @@ pub mod future;
 mod hedge;
 mod layer;
 mod obs;
+mod parts;
 mod policy;
 mod resend;
 mod stream_body;

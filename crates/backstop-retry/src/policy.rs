@@ -1,14 +1,14 @@
 //! Whether an attempt that did not end the call is retried, and after what wait: every rule of
 //! the crate docs, in order.
 
-use crate::{Resend, StopReason, call::Call, future::Retryable, layer::Policy};
+use crate::{
+    Resend, StopReason,
+    call::Call,
+    parts::{Policy, Retryable},
+};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{AttemptLimit, Outcome, ReplaySafe, Run, UnvouchedKey};
-use rand::rngs::SmallRng;
 use std::time::Duration;
-
-/// A call's backoff, created at its first retry.
-pub(crate) type Schedule = (backstop_backoff::Schedule, SmallRng);
 
 impl<T: Retryable> Call<T> {
     /// The rules, in order: `Ok` is the wait before the next attempt, `Err` the first rule that

@@ -5,6 +5,7 @@
 //! token per server in every form, and the browser's `Origin` and `Sec-Fetch-Site` checked).
 
 mod actions;
+mod forms;
 mod pages;
 
 use crate::Failure;
@@ -154,4 +155,9 @@ pub(crate) fn may_act(
 /// An error page.
 pub(crate) fn failed(status: axum::http::StatusCode, message: &str) -> Response {
     (status, pages::error_page(status, message)).into_response()
+}
+
+/// A run's id as one path segment.
+pub(crate) fn encode(segment: &str) -> String {
+    percent_encoding::utf8_percent_encode(segment, percent_encoding::NON_ALPHANUMERIC).to_string()
 }

@@ -1,14 +1,14 @@
 //! The console's pages: runs (filtered by state and workflow), one run, what needs a person.
 //! Rendered with maud, which escapes every value it is given: a step named `<b>` shows as text.
 
-use super::{Console, failed};
+use super::{Console, encode, failed};
 use crate::render::{ago, human, short_key, time_in_states, when};
 use axum::{
     extract::{Path, Query, State},
     http::StatusCode,
     response::{Html, IntoResponse, Response},
 };
-use backstop_journal::{RunState, Step, StepState, StepTransition};
+use backstop_journal::{RunState, Step, StepTransition};
 use maud::{DOCTYPE, Markup, html};
 use serde::Deserialize;
 use std::sync::Arc;
@@ -242,7 +242,7 @@ pub(crate) async fn run(State(c): State<Arc<Console>>, Path(run): Path<String>) 
         } }
         @if acting {
             h2 { "Act" }
-            (super::actions::forms(&c.token, &record, &steps))
+            (super::forms::forms(&c.token, &record, &steps))
         } @else {
             p { "Read-only: start the console with --allow-actions to act on runs." }
         }
@@ -260,20 +260,4 @@ fn times(history: &[&StepTransition], now: i64) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// A run's id as one path segment.
-pub(crate) fn encode(segment: &str) -> String {
-    percent_encoding::utf8_percent_encode(segment, percent_encoding::NON_ALPHANUMERIC).to_string()
-}
-
-/// Whether a step can be sent again by an operator, as `retry_step` decides.
-pub(crate) fn retryable(s: &Step) -> bool {
-    matches!(
-        s.state,
-        StepState::FailedBeforeExecution
-            | StepState::FailedAfterExecution
-            | StepState::ReconciledFailed
-            | StepState::Parked
-    ) || s.attention.is_some()
 }
