@@ -2,7 +2,7 @@
 //! before the retry layer copies the request, so every attempt carries it), the call's span,
 //! one [`Error`] for every end, dead letters and reconciliation.
 
-use crate::telemetry::{Otel, OtelCall};
+use crate::telemetry::{Otel, Slot};
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{
@@ -68,7 +68,7 @@ pub(crate) struct CallState {
     /// every call moves stays small.
     letterhead: Option<Box<Letterhead>>,
     /// The call's start, when the stack records telemetry.
-    otel: Option<Box<OtelCall>>,
+    otel: Slot,
 }
 
 impl fmt::Debug for CallState {

@@ -32,17 +32,42 @@ impl Otel {
         &self,
         dependency: &Dependency,
         grpc: impl FnOnce() -> Option<(String, String)>,
-    ) -> Option<Box<OtelCall>> {
+    ) -> Slot {
         #[cfg(feature = "otel")]
         if let Some(telemetry) = &self.telemetry {
-            return Some(Box::new(OtelCall {
+            return Slot(Some(Box::new(OtelCall {
                 telemetry: telemetry.clone(),
                 dependency: dependency.clone(),
                 started: tokio::time::Instant::now(),
                 grpc: grpc(),
-            }));
+            })));
         }
         let _ = (dependency, grpc);
+        Slot::default()
+    }
+}
+
+/// A call's start for its telemetry, kept in the call's state: nothing at all (no byte of the
+/// future every call moves) without the feature.
+#[derive(Debug, Default)]
+pub(crate) struct Slot(#[cfg(feature = "otel")] Option<Box<OtelCall>>);
+
+impl Slot {
+    /// Whether the call records telemetry.
+    #[inline]
+    pub(crate) fn is_some(&self) -> bool {
+        #[cfg(feature = "otel")]
+        return self.0.is_some();
+        #[cfg(not(feature = "otel"))]
+        false
+    }
+
+    /// The call's start, once.
+    #[inline]
+    pub(crate) fn take(&mut self) -> Option<Box<OtelCall>> {
+        #[cfg(feature = "otel")]
+        return self.0.take();
+        #[cfg(not(feature = "otel"))]
         None
     }
 }
