@@ -14,6 +14,7 @@ use backstop::{
     chaos::{ChaosLayer, FaultPlan},
     classify::HttpClassifier,
     idempotency::IdempotencyLayer,
+    replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
     retry::{Hedging, RetryLayer},
     timeout::{
         AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer, LatencyConfig, LatencyTimeouts,
@@ -100,6 +101,25 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
         ("the idempotency key", |inner| {
             status_of(IdempotencyLayer::http().layer(inner))
         }),
+        ("the replay layer, keyed writes", |inner| {
+            // Each request becomes a POST with a key of its own: claimed, run once on the handle
+            // polled ready (in a task of its own), its result stored.
+            static KEYS: AtomicUsize = AtomicUsize::new(0);
+            let handler =
+                inner.map_request(|req: Request<ReplayRequestBody>| req.map(|_| Full::default()));
+            let replay = ReplayLayer::new(MemoryStore::new(10_000))
+                .single_tenant()
+                .layer(handler);
+            status_of(replay.map_request(|req: Req| {
+                let (mut parts, body) = req.into_parts();
+                parts.method = http::Method::POST;
+                let key = format!("conformance-{}", KEYS.fetch_add(1, Ordering::SeqCst));
+                parts
+                    .headers
+                    .insert("idempotency-key", key.parse().unwrap());
+                Request::from_parts(parts, body)
+            }))
+        }),
         ("the fault layer, with no faults", |inner| {
             status_of(
                 ChaosLayer::new(FaultPlan::default(), 1)
@@ -108,6 +128,21 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
             )
         }),
     ]
+}
+
+/// Runs a case to its end, or fails it: on the paused clock a case waiting for a request that
+/// never comes (a call the mock refused, in a task of its own) would otherwise wait forever.
+async fn within<F: std::future::Future>(case: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(600), case)
+        .await
+        .expect("the case never ended: a request or an answer it waited for never came")
+}
+
+/// Subjects that finish a request's handler after its caller has gone (the replay layer runs a
+/// claimed request to its end, so that its result is stored): what the handler holds is freed
+/// when it ends, not when the caller drops its future.
+fn finishes_after_the_caller_leaves(name: &str) -> bool {
+    name.starts_with("the replay layer")
 }
 
 /// Subjects that retry a 503 themselves.
@@ -181,49 +216,58 @@ async fn respond(
 /// `oneshot` on a clone: readiness, then the call, on the clone; the answer comes back.
 #[tokio::test(start_paused = true)]
 async fn oneshot_on_a_clone_is_answered() {
-    for (name, subject) in subjects() {
-        let (mock, seen) = answered(200);
-        let svc = subject(boxed(mock));
-        let status = svc.clone().oneshot(get()).await.unwrap();
-        assert_eq!(status, 200, "{name}");
-        assert_eq!(seen.load(Ordering::SeqCst), 1, "{name}: one request");
-    }
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, seen) = answered(200);
+            let svc = subject(boxed(mock));
+            let status = svc.clone().oneshot(get()).await.unwrap();
+            assert_eq!(status, 200, "{name}");
+            assert_eq!(seen.load(Ordering::SeqCst), 1, "{name}: one request");
+        }
+    })
+    .await;
 }
 
 /// One long-lived handle, `ready().await` then `call`, many times: each call goes out on the
 /// handle polled ready (the mock panics otherwise) and is answered.
 #[tokio::test(start_paused = true)]
 async fn a_kept_handle_serves_call_after_call() {
-    for (name, subject) in subjects() {
-        let (mock, seen) = answered(200);
-        let mut svc = subject(boxed(mock));
-        for i in 0..5 {
-            let status = svc.ready().await.unwrap().call(get()).await.unwrap();
-            assert_eq!(status, 200, "{name}: call {i}");
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, seen) = answered(200);
+            let mut svc = subject(boxed(mock));
+            for i in 0..5 {
+                let status = svc.ready().await.unwrap().call(get()).await.unwrap();
+                assert_eq!(status, 200, "{name}: call {i}");
+            }
+            assert_eq!(seen.load(Ordering::SeqCst), 5, "{name}");
         }
-        assert_eq!(seen.load(Ordering::SeqCst), 5, "{name}");
-    }
+    })
+    .await;
 }
 
 /// A retry polls readiness before it goes out: the mock panics on a call that was not polled
 /// ready, so a retried 503 that ends 200 proves it. Subjects that do not retry hand the 503 back.
 #[tokio::test(start_paused = true)]
 async fn every_retry_is_polled_ready_before_it_is_sent() {
-    for (name, subject) in subjects() {
-        let (mock, handle) = mock::pair::<Req, Res>();
-        let seen = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(respond(handle, Arc::clone(&seen), |n| {
-            if n == 0 { 503 } else { 200 }
-        }));
-        let status = subject(boxed(mock)).oneshot(get()).await.unwrap();
-        if retries(name) {
-            assert_eq!(status, 200, "{name}: retried");
-            assert_eq!(seen.load(Ordering::SeqCst), 2, "{name}");
-        } else {
-            assert_eq!(status, 503, "{name}: handed back");
-            assert_eq!(seen.load(Ordering::SeqCst), 1, "{name}");
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, handle) = mock::pair::<Req, Res>();
+            let seen = Arc::new(AtomicUsize::new(0));
+            tokio::spawn(respond(handle, Arc::clone(&seen), |n| {
+                if n == 0 { 503 } else { 200 }
+            }));
+            let status = subject(boxed(mock)).oneshot(get()).await.unwrap();
+            if retries(name) {
+                assert_eq!(status, 200, "{name}: retried");
+                assert_eq!(seen.load(Ordering::SeqCst), 2, "{name}");
+            } else {
+                assert_eq!(status, 503, "{name}: handed back");
+                assert_eq!(seen.load(Ordering::SeqCst), 1, "{name}");
+            }
         }
-    }
+    })
+    .await;
 }
 
 /// The readiness a handle reserved is used by the call that follows it: with one call allowed,
@@ -231,51 +275,57 @@ async fn every_retry_is_polled_ready_before_it_is_sent() {
 /// until more are allowed.
 #[tokio::test(start_paused = true)]
 async fn a_reservation_is_spent_by_the_call_that_follows_it() {
-    for (name, subject) in subjects() {
-        let (mock, mut handle) = mock::pair::<Req, Res>();
-        handle.allow(1);
-        let mut svc = subject(boxed(mock));
-        let fut = tokio::spawn(svc.ready().await.unwrap().call(get()));
-        let (_req, reply) = handle
-            .next_request()
-            .await
-            .expect("the reserved call went out");
-        reply.send_response(answer(200));
-        assert_eq!(fut.await.unwrap().unwrap(), 200, "{name}");
-        let mut next = tokio_test::task::spawn(svc.ready());
-        assert!(next.poll().is_pending(), "{name}: nothing left to reserve");
-        handle.allow(1);
-        assert!(
-            next.is_woken(),
-            "{name}: woken when the mock allows another"
-        );
-        assert!(next.poll().is_ready(), "{name}");
-    }
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, mut handle) = mock::pair::<Req, Res>();
+            handle.allow(1);
+            let mut svc = subject(boxed(mock));
+            let fut = tokio::spawn(svc.ready().await.unwrap().call(get()));
+            let (_req, reply) = handle
+                .next_request()
+                .await
+                .expect("the reserved call went out");
+            reply.send_response(answer(200));
+            assert_eq!(fut.await.unwrap().unwrap(), 200, "{name}");
+            let mut next = tokio_test::task::spawn(svc.ready());
+            assert!(next.poll().is_pending(), "{name}: nothing left to reserve");
+            handle.allow(1);
+            assert!(
+                next.is_woken(),
+                "{name}: woken when the mock allows another"
+            );
+            assert!(next.poll().is_ready(), "{name}");
+        }
+    })
+    .await;
 }
 
 /// `Buffer` in front, a limit of one inside, three callers at once: each is served in turn (the
 /// buffer's worker drives one handle; its reservation is the one its call uses).
 #[tokio::test(start_paused = true)]
 async fn a_buffer_in_front_of_a_limit_serves_every_caller() {
-    for (name, subject) in subjects() {
-        let (mock, handle) = mock::pair::<Req, Res>();
-        let seen = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(respond_slowly(handle, Arc::clone(&seen)));
-        let svc = Buffer::new(subject(boxed(ConcurrencyLimit::new(mock, 1))), 8);
-        let started = Instant::now();
-        let calls: Vec<_> = (0..3)
-            .map(|_| tokio::spawn(svc.clone().oneshot(get())))
-            .collect();
-        for call in calls {
-            assert_eq!(call.await.unwrap().unwrap(), 200, "{name}");
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, handle) = mock::pair::<Req, Res>();
+            let seen = Arc::new(AtomicUsize::new(0));
+            tokio::spawn(respond_slowly(handle, Arc::clone(&seen)));
+            let svc = Buffer::new(subject(boxed(ConcurrencyLimit::new(mock, 1))), 8);
+            let started = Instant::now();
+            let calls: Vec<_> = (0..3)
+                .map(|_| tokio::spawn(svc.clone().oneshot(get())))
+                .collect();
+            for call in calls {
+                assert_eq!(call.await.unwrap().unwrap(), 200, "{name}");
+            }
+            assert_eq!(seen.load(Ordering::SeqCst), 3, "{name}");
+            assert_eq!(
+                started.elapsed(),
+                Duration::from_millis(300),
+                "{name}: one after another"
+            );
         }
-        assert_eq!(seen.load(Ordering::SeqCst), 3, "{name}");
-        assert_eq!(
-            started.elapsed(),
-            Duration::from_millis(300),
-            "{name}: one after another"
-        );
-    }
+    })
+    .await;
 }
 
 /// Answers each request after 100 ms (each in a task of its own, so a limit decides the order).
@@ -293,20 +343,23 @@ async fn respond_slowly(mut handle: Handle<Req, Res>, seen: Arc<AtomicUsize>) {
 /// callers through a limit of one are served in turn.
 #[tokio::test(start_paused = true)]
 async fn a_concurrency_limit_outside_serves_callers_in_turn() {
-    for (name, subject) in subjects() {
-        let (mock, handle) = mock::pair::<Req, Res>();
-        let seen = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(respond_slowly(handle, Arc::clone(&seen)));
-        let svc = ConcurrencyLimit::new(subject(boxed(mock)), 1);
-        let started = Instant::now();
-        let (a, b) = tokio::join!(svc.clone().oneshot(get()), svc.clone().oneshot(get()));
-        assert_eq!(
-            (a.unwrap().as_u16(), b.unwrap().as_u16()),
-            (200, 200),
-            "{name}"
-        );
-        assert_eq!(started.elapsed(), Duration::from_millis(200), "{name}");
-    }
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, handle) = mock::pair::<Req, Res>();
+            let seen = Arc::new(AtomicUsize::new(0));
+            tokio::spawn(respond_slowly(handle, Arc::clone(&seen)));
+            let svc = ConcurrencyLimit::new(subject(boxed(mock)), 1);
+            let started = Instant::now();
+            let (a, b) = tokio::join!(svc.clone().oneshot(get()), svc.clone().oneshot(get()));
+            assert_eq!(
+                (a.unwrap().as_u16(), b.unwrap().as_u16()),
+                (200, 200),
+                "{name}"
+            );
+            assert_eq!(started.elapsed(), Duration::from_millis(200), "{name}");
+        }
+    })
+    .await;
 }
 
 /// `RateLimit` inside (behind a `Buffer`, which makes it shareable) and outside: two calls per
@@ -314,171 +367,192 @@ async fn a_concurrency_limit_outside_serves_callers_in_turn() {
 /// buffer is an attempt in flight).
 #[tokio::test(start_paused = true)]
 async fn a_rate_limit_inside_or_outside_paces_the_calls() {
-    for (name, subject) in subjects() {
-        let (mock, _seen) = answered(200);
-        let limited = Buffer::new(
-            RateLimit::new(
-                mock,
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, _seen) = answered(200);
+            let limited = Buffer::new(
+                RateLimit::new(
+                    mock,
+                    tower::limit::rate::Rate::new(2, Duration::from_millis(400)),
+                ),
+                8,
+            );
+            let mut inside = subject(boxed(limited));
+            let started = Instant::now();
+            for _ in 0..4 {
+                assert_eq!(
+                    inside.ready().await.unwrap().call(get()).await.unwrap(),
+                    200,
+                    "{name}"
+                );
+            }
+            if name.contains("hedged") {
+                // A call queued behind the limit is unanswered past the hedge's delay: its copy
+                // queues too, and is paced like the rest (never faster than the rate).
+                assert_eq!(
+                    started.elapsed(),
+                    Duration::from_millis(800),
+                    "{name}: paced inside, copies included"
+                );
+            } else {
+                assert_eq!(
+                    started.elapsed(),
+                    Duration::from_millis(400),
+                    "{name}: paced inside"
+                );
+            }
+
+            let (mock, _seen) = answered(200);
+            let mut outside = RateLimit::new(
+                subject(boxed(mock)),
                 tower::limit::rate::Rate::new(2, Duration::from_millis(400)),
-            ),
-            8,
-        );
-        let mut inside = subject(boxed(limited));
-        let started = Instant::now();
-        for _ in 0..4 {
-            assert_eq!(
-                inside.ready().await.unwrap().call(get()).await.unwrap(),
-                200,
-                "{name}"
             );
-        }
-        if name.contains("hedged") {
-            // A call queued behind the limit is unanswered past the hedge's delay: its copy
-            // queues too, and is paced like the rest (never faster than the rate).
-            assert_eq!(
-                started.elapsed(),
-                Duration::from_millis(800),
-                "{name}: paced inside, copies included"
-            );
-        } else {
+            let started = Instant::now();
+            for _ in 0..4 {
+                assert_eq!(
+                    outside.ready().await.unwrap().call(get()).await.unwrap(),
+                    200,
+                    "{name}"
+                );
+            }
             assert_eq!(
                 started.elapsed(),
                 Duration::from_millis(400),
-                "{name}: paced inside"
+                "{name}: paced outside"
             );
         }
-
-        let (mock, _seen) = answered(200);
-        let mut outside = RateLimit::new(
-            subject(boxed(mock)),
-            tower::limit::rate::Rate::new(2, Duration::from_millis(400)),
-        );
-        let started = Instant::now();
-        for _ in 0..4 {
-            assert_eq!(
-                outside.ready().await.unwrap().call(get()).await.unwrap(),
-                200,
-                "{name}"
-            );
-        }
-        assert_eq!(
-            started.elapsed(),
-            Duration::from_millis(400),
-            "{name}: paced outside"
-        );
-    }
+    })
+    .await;
 }
 
 /// `load_shed` outside, the service inside not ready: the call is shed at once, and nothing
 /// reaches the service.
 #[tokio::test(start_paused = true)]
 async fn load_shed_outside_sheds_when_the_service_inside_is_not_ready() {
-    for (name, subject) in subjects() {
-        let (mock, mut handle) = mock::pair::<Req, Res>();
-        handle.allow(0);
-        let started = Instant::now();
-        let err = LoadShed::new(subject(boxed(mock)))
-            .oneshot(get())
-            .await
-            .unwrap_err();
-        assert!(
-            err.is::<tower::load_shed::error::Overloaded>(),
-            "{name}: {err}"
-        );
-        assert_eq!(started.elapsed(), Duration::ZERO, "{name}: at once");
-        assert!(
-            !matches!(
-                tokio_test::task::spawn(handle.next_request()).poll(),
-                std::task::Poll::Ready(Some(_))
-            ),
-            "{name}: nothing sent"
-        );
-    }
+    within(async {
+        for (name, subject) in subjects() {
+            let (mock, mut handle) = mock::pair::<Req, Res>();
+            handle.allow(0);
+            let started = Instant::now();
+            let err = LoadShed::new(subject(boxed(mock)))
+                .oneshot(get())
+                .await
+                .unwrap_err();
+            assert!(
+                err.is::<tower::load_shed::error::Overloaded>(),
+                "{name}: {err}"
+            );
+            assert_eq!(started.elapsed(), Duration::ZERO, "{name}: at once");
+            assert!(
+                !matches!(
+                    tokio_test::task::spawn(handle.next_request()).poll(),
+                    std::task::Poll::Ready(Some(_))
+                ),
+                "{name}: nothing sent"
+            );
+        }
+    })
+    .await;
 }
 
 /// A balancer (`p2c`) over two instances, one of whose services is never ready: every call goes
 /// to the ready one, since the balancer sees each instance's readiness.
 #[tokio::test(start_paused = true)]
 async fn a_balancer_sends_every_call_to_the_ready_instance() {
-    for (name, subject) in subjects() {
-        let (stuck, mut stuck_handle) = mock::pair::<Req, Res>();
-        stuck_handle.allow(0);
-        let (ready, seen) = answered(200);
-        let load = |svc| PendingRequests::new(svc, CompleteOnResponse::default());
-        let list = tower::discover::ServiceList::new(vec![
-            load(subject(boxed(stuck))),
-            load(subject(boxed(ready))),
-        ]);
-        let mut balance = tower::balance::p2c::Balance::new(list);
-        for _ in 0..6 {
-            let status = balance.ready().await.unwrap().call(get()).await.unwrap();
-            assert_eq!(status, 200, "{name}");
+    within(async {
+        for (name, subject) in subjects() {
+            let (stuck, mut stuck_handle) = mock::pair::<Req, Res>();
+            stuck_handle.allow(0);
+            let (ready, seen) = answered(200);
+            let load = |svc| PendingRequests::new(svc, CompleteOnResponse::default());
+            let list = tower::discover::ServiceList::new(vec![
+                load(subject(boxed(stuck))),
+                load(subject(boxed(ready))),
+            ]);
+            let mut balance = tower::balance::p2c::Balance::new(list);
+            for _ in 0..6 {
+                let status = balance.ready().await.unwrap().call(get()).await.unwrap();
+                assert_eq!(status, 200, "{name}");
+            }
+            assert_eq!(
+                seen.load(Ordering::SeqCst),
+                6,
+                "{name}: all to the ready one"
+            );
         }
-        assert_eq!(
-            seen.load(Ordering::SeqCst),
-            6,
-            "{name}: all to the ready one"
-        );
-    }
+    })
+    .await;
 }
 
 /// `ServiceExt::call_all`: a stream of requests through one handle, each answered in order.
 #[tokio::test(start_paused = true)]
 async fn call_all_answers_a_stream_of_requests() {
-    use tokio_stream::StreamExt as _;
-    for (name, subject) in subjects() {
-        let (mock, seen) = answered(200);
-        let requests = tokio_stream::iter((0..5).map(|_| get()));
-        let answers: Vec<_> = subject(boxed(mock)).call_all(requests).collect().await;
-        assert_eq!(answers.len(), 5, "{name}");
-        assert!(
-            answers.iter().all(|a| matches!(a, Ok(s) if *s == 200)),
-            "{name}"
-        );
-        assert_eq!(seen.load(Ordering::SeqCst), 5, "{name}");
-    }
+    within(async {
+        use tokio_stream::StreamExt as _;
+        for (name, subject) in subjects() {
+            let (mock, seen) = answered(200);
+            let requests = tokio_stream::iter((0..5).map(|_| get()));
+            let answers: Vec<_> = subject(boxed(mock)).call_all(requests).collect().await;
+            assert_eq!(answers.len(), 5, "{name}");
+            assert!(
+                answers.iter().all(|a| matches!(a, Ok(s) if *s == 200)),
+                "{name}"
+            );
+            assert_eq!(seen.load(Ordering::SeqCst), 5, "{name}");
+        }
+    })
+    .await;
 }
 
 /// A `MakeService` (`tower::make::Shared`, as hyper and axum take one): each made service is a
 /// clone that serves on its own.
 #[tokio::test(start_paused = true)]
 async fn a_make_service_hands_out_clones_that_serve() {
-    use tower::make::MakeService as _;
-    for (name, subject) in subjects() {
-        let (mock, seen) = answered(200);
-        let mut make = tower::make::Shared::new(subject(boxed(mock)));
-        for _ in 0..2 {
-            let svc = make.make_service(()).await.unwrap();
-            assert_eq!(svc.oneshot(get()).await.unwrap(), 200, "{name}");
+    within(async {
+        use tower::make::MakeService as _;
+        for (name, subject) in subjects() {
+            let (mock, seen) = answered(200);
+            let mut make = tower::make::Shared::new(subject(boxed(mock)));
+            for _ in 0..2 {
+                let svc = make.make_service(()).await.unwrap();
+                assert_eq!(svc.oneshot(get()).await.unwrap(), 200, "{name}");
+            }
+            assert_eq!(seen.load(Ordering::SeqCst), 2, "{name}");
         }
-        assert_eq!(seen.load(Ordering::SeqCst), 2, "{name}");
-    }
+    })
+    .await;
 }
 
 /// Dropping a future releases what it holds: a call dropped while it waits for readiness, and
 /// one dropped while its request is in flight, each leave the limit inside free for the next.
 #[tokio::test(start_paused = true)]
 async fn dropping_a_future_releases_what_it_holds() {
-    for (name, subject) in subjects() {
-        let (mock, mut handle) = mock::pair::<Req, Res>();
-        let svc = subject(boxed(ConcurrencyLimit::new(mock, 1)));
-        // In flight, then dropped.
-        let mut first = tokio_test::task::spawn(svc.clone().oneshot(get()));
-        assert!(first.poll().is_pending(), "{name}");
-        let (_req, _reply) = handle.next_request().await.expect("the first went out");
-        drop(first);
-        // Waiting for readiness behind a second caller, then dropped.
-        handle.allow(0);
-        let mut waiting = tokio_test::task::spawn(svc.clone().oneshot(get()));
-        assert!(waiting.poll().is_pending(), "{name}");
-        drop(waiting);
-        // The permit and the reservation are free: the next call goes out and is answered.
-        handle.allow(1);
-        let next = tokio::spawn(svc.clone().oneshot(get()));
-        let (_req, reply) = handle.next_request().await.expect("the next went out");
-        reply.send_response(answer(200));
-        assert_eq!(next.await.unwrap().unwrap(), 200, "{name}");
-    }
+    within(async {
+        for (name, subject) in subjects() {
+            if finishes_after_the_caller_leaves(name) {
+                continue;
+            }
+            let (mock, mut handle) = mock::pair::<Req, Res>();
+            let svc = subject(boxed(ConcurrencyLimit::new(mock, 1)));
+            // In flight, then dropped.
+            let mut first = tokio_test::task::spawn(svc.clone().oneshot(get()));
+            assert!(first.poll().is_pending(), "{name}");
+            let (_req, _reply) = handle.next_request().await.expect("the first went out");
+            drop(first);
+            // Waiting for readiness behind a second caller, then dropped.
+            handle.allow(0);
+            let mut waiting = tokio_test::task::spawn(svc.clone().oneshot(get()));
+            assert!(waiting.poll().is_pending(), "{name}");
+            drop(waiting);
+            // The permit and the reservation are free: the next call goes out and is answered.
+            handle.allow(1);
+            let next = tokio::spawn(svc.clone().oneshot(get()));
+            let (_req, reply) = handle.next_request().await.expect("the next went out");
+            reply.send_response(answer(200));
+            assert_eq!(next.await.unwrap().unwrap(), 200, "{name}");
+        }
+    })
+    .await;
 }
 
 /// A hedged read's copy goes out on a clone polled ready for it (the mock panics on a call
@@ -486,32 +560,66 @@ async fn dropping_a_future_releases_what_it_holds() {
 /// still waits; the first answer wins.
 #[tokio::test(start_paused = true)]
 async fn a_hedged_copy_is_polled_ready_on_a_handle_of_its_own() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
-    let learned = LatencyConfig::default()
-        .min_samples(1)
-        .floor(Duration::from_secs(1));
-    let layer = stack_builder("conformance-hedge-copy")
-        .attempt_timeout_from_latency(LatencyTimeouts::new(learned).unwrap())
-        .build()
-        .unwrap();
-    let svc = status_of(layer.layer(layer.hedge(boxed(mock), Hedging::default()).unwrap()));
-    // The latency record learns 10 ms answers.
-    for _ in 0..5 {
+    within(async {
+        let (mock, mut handle) = mock::pair::<Req, Res>();
+        let learned = LatencyConfig::default()
+            .min_samples(1)
+            .floor(Duration::from_secs(1));
+        let layer = stack_builder("conformance-hedge-copy")
+            .attempt_timeout_from_latency(LatencyTimeouts::new(learned).unwrap())
+            .build()
+            .unwrap();
+        let svc = status_of(layer.layer(layer.hedge(boxed(mock), Hedging::default()).unwrap()));
+        // The latency record learns 10 ms answers.
+        for _ in 0..5 {
+            let call = tokio::spawn(svc.clone().oneshot(get()));
+            let (_req, reply) = handle.next_request().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            reply.send_response(answer(200));
+            assert_eq!(call.await.unwrap().unwrap(), 200);
+        }
         let call = tokio::spawn(svc.clone().oneshot(get()));
-        let (_req, reply) = handle.next_request().await.unwrap();
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        let sent = Instant::now();
+        let (_first, _unanswered) = handle.next_request().await.unwrap();
+        let (_copy, reply) = handle.next_request().await.unwrap();
+        let after = sent.elapsed();
+        assert!(
+            after >= Duration::from_millis(10) && after < Duration::from_millis(100),
+            "the copy went out {after:?} after the first, past the learned latency"
+        );
         reply.send_response(answer(200));
         assert_eq!(call.await.unwrap().unwrap(), 200);
-    }
-    let call = tokio::spawn(svc.clone().oneshot(get()));
-    let sent = Instant::now();
-    let (_first, _unanswered) = handle.next_request().await.unwrap();
-    let (_copy, reply) = handle.next_request().await.unwrap();
-    let after = sent.elapsed();
-    assert!(
-        after >= Duration::from_millis(10) && after < Duration::from_millis(100),
-        "the copy went out {after:?} after the first, past the learned latency"
-    );
-    reply.send_response(answer(200));
-    assert_eq!(call.await.unwrap().unwrap(), 200);
+    })
+    .await;
+}
+
+/// The replay layer runs a claimed request's handler to its end after its caller has gone (its
+/// result is stored for the caller's repeat): the limit inside stays held while the handler
+/// works, and is free for the next caller once the handler answers.
+#[tokio::test(start_paused = true)]
+async fn a_claimed_request_outlives_its_caller_and_then_frees_what_it_held() {
+    within(async {
+        let (_, subject) = subjects()
+            .into_iter()
+            .find(|(name, _)| finishes_after_the_caller_leaves(name))
+            .expect("the replay layer is a subject");
+        let (mock, mut handle) = mock::pair::<Req, Res>();
+        let svc = subject(boxed(ConcurrencyLimit::new(mock, 1)));
+        let mut first = tokio_test::task::spawn(svc.clone().oneshot(get()));
+        assert!(first.poll().is_pending());
+        let (_req, reply) = handle.next_request().await.expect("the first went out");
+        drop(first);
+        // The handler still holds the permit: the next caller waits for it.
+        let next = tokio::spawn(svc.clone().oneshot(get()));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !next.is_finished(),
+            "the next waits while the first's handler works"
+        );
+        reply.send_response(answer(201));
+        let (_req, reply) = handle.next_request().await.expect("the next went out");
+        reply.send_response(answer(200));
+        assert_eq!(next.await.unwrap().unwrap(), 200);
+    })
+    .await;
 }
