@@ -2,7 +2,7 @@
 //! request with the same key (a client's first try and its retry, on two replicas) over one
 //! store, with a clock, leases renewed on time while the store answers, and the faults the
 //! protocol meets: a store outage, a store restarted empty, a result write the store refuses,
-//! a process killed at any step. The property: **at most one execution of the handler**.
+//! a process killed at any step, a process whose clock runs slow past its renewals' margin. The property: **at most one execution of the handler**.
 //!
 //! The checker explores every interleaving to the model's bound. Without faults, and in the
 //! transactional mode with outages and kills, no interleaving executes twice; each documented
@@ -153,6 +153,10 @@ struct ReplayModel {
     outage: bool,
     restart_empty: bool,
     write_refused: bool,
+    /// Process 0's clock runs slow past the renewal margin (its renewals, every third of the
+    /// lease by its own clock, come after the lease's end by the store's): the store's clock,
+    /// the only one that ends a lease, may pass its lease while it still works.
+    slow_clock: bool,
 }
 
 impl ReplayModel {
@@ -168,7 +172,8 @@ impl ReplayModel {
     fn may_tick(&self, s: &State) -> bool {
         s.now < HORIZON
             && (s.store_down
-                || s.procs.iter().all(|p| match p {
+                || s.procs.iter().enumerate().all(|(i, p)| match p {
+                    _ if self.slow_clock && i == 0 => true,
                     Proc::Holding { token } | Proc::Ran { token } => match s.slot {
                         Slot::InFlight { token: t, until } if t == *token => until > s.now + 1,
                         _ => true,
@@ -407,6 +412,39 @@ fn an_outage_past_the_lease_executes_twice() {
             Claim(1),
             Run(1),
         ],
+    );
+}
+
+/// Documented limit: a process whose clock runs slow past the renewal margin renews after its
+/// lease has ended by the store's clock, and another process claims the key meanwhile.
+#[test]
+fn a_clock_slow_past_the_renewal_margin_executes_twice() {
+    use Action::*;
+    let checker = check(ReplayModel {
+        slow_clock: true,
+        ..ReplayModel::default()
+    });
+    eprintln!("slow clock: {} states", checker.unique_state_count());
+    checker.assert_discovery(
+        ONE,
+        vec![Claim(0), Run(0), Tick, Tick, Tick, Claim(1), Run(1)],
+    );
+}
+
+/// The transactional mode holds whatever the processes' clocks do: the store's clock alone
+/// ends a lease, and a late owner's commit is refused by its fencing token.
+#[test]
+fn the_transactional_mode_executes_once_with_a_slow_clock_and_kills() {
+    let checker = check(ReplayModel {
+        transactional: true,
+        kills: true,
+        slow_clock: true,
+        ..ReplayModel::default()
+    });
+    checker.assert_no_discovery(ONE);
+    eprintln!(
+        "transactional, slow clock, kills: {} states",
+        checker.unique_state_count()
     );
 }
 
