@@ -316,3 +316,73 @@ impl Recorder for OtelRecorder {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::metrics::MeterProvider;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+
+    /// Every `metrics` name of the table arrives under its OpenTelemetry name, with the
+    /// labels as the table's attributes; a name the table does not know is not recorded.
+    #[test]
+    fn every_metrics_name_arrives_under_its_opentelemetry_name() {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        let telemetry = Telemetry::new(&provider.meter("backstop"));
+        let recorder = OtelRecorder::new(&telemetry);
+        metrics::with_local_recorder(&recorder, || {
+            for (name, kind, _) in NAMES {
+                let labels = [
+                    ("dependency", "ledger-api"),
+                    ("to", "open"),
+                    ("tool", "mailer"),
+                ];
+                match kind {
+                    Kind::Counter(_) => metrics::counter!(name, &labels).increment(2),
+                    Kind::Gauge(_) => metrics::gauge!(name, &labels).set(1.5),
+                    Kind::Histogram(_) => metrics::histogram!(name, &labels).record(0.25),
+                }
+            }
+            metrics::counter!("not_backstops_own").increment(1);
+        });
+        provider.force_flush().unwrap();
+        let mut seen: Vec<(String, Vec<String>)> = Vec::new();
+        for rm in exporter.get_finished_metrics().unwrap() {
+            for sm in rm.scope_metrics() {
+                for m in sm.metrics() {
+                    let keys = format!("{:?}", m.data());
+                    seen.push((m.name().to_owned(), vec![keys]));
+                }
+            }
+        }
+        for (name, kind, _) in NAMES {
+            let otel = match kind {
+                Kind::Counter(n) | Kind::Gauge(n) | Kind::Histogram(n) => n,
+            };
+            let (_, data) = seen
+                .iter()
+                .find(|(n, _)| n == otel)
+                .unwrap_or_else(|| panic!("{name} did not arrive as {otel}"));
+            let data = &data[0];
+            assert!(data.contains("backstop.dependency"), "{otel}: {data}");
+            assert!(data.contains("server.address"), "{otel}: {data}");
+            let state = if name.starts_with("backstop_journal") {
+                "backstop.journal.state"
+            } else {
+                "backstop.breaker.state"
+            };
+            assert!(data.contains(state), "{otel}: {data}");
+            assert!(data.contains("backstop.tool"), "{otel}: {data}");
+        }
+        // The breaker's state gauge is set by its transitions: open is 2.
+        let (_, state) = seen
+            .iter()
+            .find(|(n, _)| n == "backstop.breaker.state")
+            .expect("the state gauge");
+        assert!(state[0].contains("value: 2"), "{state:?}");
+        assert!(!seen.iter().any(|(n, _)| n.contains("not_backstops_own")));
+    }
+}
