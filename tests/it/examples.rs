@@ -43,26 +43,13 @@ fn mcp_agent_runs() {
     mcp_agent::main().unwrap();
 }
 
-/// In a process of its own (this test binary run again for this one test): the example's
-/// scoped subscriber would otherwise race with other tests' threads over tracing's
-/// per-callsite interest, and its attempt spans could go unrecorded.
+/// In a process of its own ([`in_own_process`](crate::common::in_own_process)): the example
+/// reads its spans through a scoped subscriber.
 #[test]
 fn otel_export_runs() {
-    if std::env::var_os("BACKSTOP_OTEL_EXAMPLE_CHILD").is_some() {
+    if crate::common::in_own_process(module_path!(), "otel_export_runs") {
         otel_export::main().unwrap();
-        return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "examples::otel_export_runs", "--nocapture"])
-        .env("BACKSTOP_OTEL_EXAMPLE_CHILD", "1")
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && said.contains("1 passed"),
-        "{said}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

@@ -136,6 +136,12 @@ fn stack() -> backstop::BackstopLayer<
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn inside_the_stack_each_attempt_has_its_id_and_its_span_all_in_the_call_span() {
+    if !crate::common::in_own_process(
+        module_path!(),
+        "inside_the_stack_each_attempt_has_its_id_and_its_span_all_in_the_call_span",
+    ) {
+        return;
+    }
     let spans = Spans::default();
     let _guard = tracing::subscriber::set_default(spans.clone());
     let ids = Arc::new(Mutex::new(Vec::new()));
@@ -165,6 +171,12 @@ async fn inside_the_stack_each_attempt_has_its_id_and_its_span_all_in_the_call_s
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn outside_the_stack_one_id_and_one_span_per_logical_call() {
+    if !crate::common::in_own_process(
+        module_path!(),
+        "outside_the_stack_one_id_and_one_span_per_logical_call",
+    ) {
+        return;
+    }
     let spans = Spans::default();
     let _guard = tracing::subscriber::set_default(spans.clone());
     let ids = Arc::new(Mutex::new(Vec::new()));

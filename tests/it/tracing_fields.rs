@@ -1,7 +1,7 @@
 //! What the stack tells operators through `tracing`: a span per call and per attempt with the
-//! fields the seed documents list, and an event per retry. Alone in its test binary: tracing
-//! caches each callsite's interest per process, and a test without a subscriber running in
-//! parallel could make this one miss spans.
+//! fields the seed documents list, and an event per retry. Each test runs in a process of its
+//! own (`common::in_own_process`): tracing caches each callsite's interest per process, and a
+//! test without a subscriber running in parallel could make one of these miss spans.
 
 use crate::common;
 
@@ -89,6 +89,12 @@ impl Subscriber for Seen {
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn spans_and_events_carry_the_fields_operators_need() {
+    if !crate::common::in_own_process(
+        module_path!(),
+        "spans_and_events_carry_the_fields_operators_need",
+    ) {
+        return;
+    }
     let seen = Seen::default();
     let _tracing = tracing::subscriber::set_default(seen.clone());
 
@@ -150,6 +156,9 @@ async fn spans_and_events_carry_the_fields_operators_need() {
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn three_nested_stacks_make_one_call_span() {
+    if !crate::common::in_own_process(module_path!(), "three_nested_stacks_make_one_call_span") {
+        return;
+    }
     use backstop::{Backstop, BoxError};
     use tower::{Layer, ServiceExt, service_fn};
     type Req = http::Request<http_body_util::Full<bytes::Bytes>>;
@@ -191,6 +200,12 @@ async fn three_nested_stacks_make_one_call_span() {
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_run_s_retries_are_told_with_the_run_and_the_tool_that_spent_them() {
+    if !crate::common::in_own_process(
+        module_path!(),
+        "a_run_s_retries_are_told_with_the_run_and_the_tool_that_spent_them",
+    ) {
+        return;
+    }
     use backstop::{
         Backstop, Run,
         backoff::RngSource,
@@ -241,6 +256,12 @@ async fn a_run_s_retries_are_told_with_the_run_and_the_tool_that_spent_them() {
 /// name the method, its kind client), inside the call's span.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn each_attempt_span_carries_the_http_conventions_attributes() {
+    if !crate::common::in_own_process(
+        module_path!(),
+        "each_attempt_span_carries_the_http_conventions_attributes",
+    ) {
+        return;
+    }
     use backstop::{Backstop, backoff::RngSource, otel::Telemetry};
     use opentelemetry::metrics::MeterProvider;
     use std::sync::atomic::{AtomicU32, Ordering};

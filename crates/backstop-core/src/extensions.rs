@@ -218,6 +218,29 @@ impl RetryScope {
     }
 }
 
+/// The name of one of HTTP's own methods (RFC 9110 §9 and PATCH), as a `'static` string for
+/// telemetry; `None` for any other method (the semantic conventions then say `_OTHER`).
+///
+/// ```
+/// assert_eq!(backstop_core::known_method(&http::Method::PATCH), Some("PATCH"));
+/// assert_eq!(backstop_core::known_method(&http::Method::from_bytes(b"PURGE").unwrap()), None);
+/// ```
+pub fn known_method(method: &http::Method) -> Option<&'static str> {
+    use http::Method;
+    Some(match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::CONNECT => "CONNECT",
+        _ => return None,
+    })
+}
+
 /// Whether HTTP calls this method idempotent (RFC 9110 §9.2.2: GET, HEAD, OPTIONS, TRACE, PUT,
 /// DELETE), so a request with it may be sent again without an idempotency key.
 pub fn is_idempotent_method(method: &http::Method) -> bool {

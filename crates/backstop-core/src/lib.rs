@@ -54,6 +54,7 @@ pub use error::{
 };
 pub use extensions::{
     HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, WithExtensions, is_idempotent_method,
+    known_method,
 };
 pub use gate::{AttemptGate, Ticket};
 pub use outcome::{Outcome, ReportsOutcome};

@@ -20,39 +20,26 @@ pub(crate) struct Started {
 impl Started {
     pub(crate) fn new<B>(telemetry: Option<Telemetry>, req: &http::Request<B>, span: Span) -> Self {
         let uri = req.uri();
-        let method = match *req.method() {
-            http::Method::GET
-            | http::Method::POST
-            | http::Method::PUT
-            | http::Method::DELETE
-            | http::Method::PATCH
-            | http::Method::HEAD
-            | http::Method::OPTIONS
-            | http::Method::TRACE
-            | http::Method::CONNECT => req.method().as_str().to_owned(),
-            _ => "_OTHER".to_owned(),
-        };
-        let scheme = uri.scheme_str().unwrap_or("http").to_owned();
-        let port = uri
-            .port_u16()
-            .unwrap_or(if scheme == "https" { 443 } else { 80 });
-        let ctx = CallContext::of(req);
-        let resend = CallContext::attempt_of(req).map_or(0, |n| n.saturating_sub(1));
-        let mut attrs = vec![
-            KeyValue::new("http.request.method", method.clone()),
-            KeyValue::new("server.address", uri.host().unwrap_or_default().to_owned()),
-            KeyValue::new("server.port", i64::from(port)),
-            KeyValue::new("url.scheme", scheme),
-            KeyValue::new("http.request.resend_count", i64::from(resend)),
-        ];
-        if let Some(d) = Dependency::on(req) {
-            attrs.push(KeyValue::new(
-                "backstop.dependency",
-                d.metric_label().to_string(),
-            ));
+        let method = backstop_core::known_method(req.method()).unwrap_or("_OTHER");
+        let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+        // The instrument's attributes, made only when there is an instrument to record into.
+        let mut attrs = Vec::new();
+        if telemetry.is_some() {
+            let resend = CallContext::attempt_of(req).map_or(0, |n| n.saturating_sub(1));
+            attrs.extend([
+                KeyValue::new("http.request.method", method),
+                KeyValue::new("server.address", uri.host().unwrap_or_default().to_owned()),
+                KeyValue::new("server.port", i64::from(port)),
+                KeyValue::new("url.scheme", if https { "https" } else { "http" }),
+                KeyValue::new("http.request.resend_count", i64::from(resend)),
+            ]);
+            if let Some(d) = Dependency::on(req) {
+                attrs.push(KeyValue::new("backstop.dependency", d.metric_label()));
+            }
         }
         if !span.is_disabled() {
-            span.record("http.request.method", method.as_str());
+            span.record("http.request.method", method);
             span.record("server.address", uri.host().unwrap_or_default());
             span.record("server.port", port);
             span.record("url.full", uri.to_string());
@@ -60,7 +47,7 @@ impl Started {
         Started {
             telemetry,
             at: Instant::now(),
-            cut_at: ctx.and_then(CallContext::attempt_end),
+            cut_at: CallContext::of(req).and_then(CallContext::attempt_end),
             attrs,
             span,
         }

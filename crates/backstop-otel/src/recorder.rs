@@ -225,24 +225,16 @@ impl OtelRecorder {
 struct Recorded<I> {
     instrument: I,
     attrs: Vec<KeyValue>,
-    /// For the breaker's transitions: the state gauge, set to the state moved to.
-    state: Option<(opentelemetry::metrics::Gauge<u64>, u64)>,
+    /// For the breaker's transitions: the state gauge, the state moved to, and the circuit's
+    /// attributes.
+    state: Option<(opentelemetry::metrics::Gauge<u64>, u64, Vec<KeyValue>)>,
 }
 
 impl metrics::CounterFn for Recorded<opentelemetry::metrics::Counter<u64>> {
     fn increment(&self, value: u64) {
         self.instrument.add(value, &self.attrs);
-        if let Some((gauge, state)) = &self.state {
-            let attrs: Vec<KeyValue> = self
-                .attrs
-                .iter()
-                .filter(|kv| {
-                    kv.key.as_str().starts_with("backstop.dependency")
-                        || kv.key.as_str() == "server.address"
-                })
-                .cloned()
-                .collect();
-            gauge.record(*state, &attrs);
+        if let Some((gauge, state, attrs)) = &self.state {
+            gauge.record(*state, attrs);
         }
     }
     fn absolute(&self, _value: u64) {}
@@ -280,13 +272,23 @@ impl Recorder for OtelRecorder {
     fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
         match self.instruments.get(key.name()) {
             Some(Instrument::Counter(c)) => {
+                let attrs = attributes(key.name(), key);
                 let state = (key.name() == "backstop_breaker_transitions_total")
                     .then(|| state_value(key))
                     .flatten()
-                    .map(|s| (self.breaker_state.clone(), s));
+                    .map(|s| {
+                        let circuit = attrs
+                            .iter()
+                            .filter(|kv| {
+                                matches!(kv.key.as_str(), "backstop.dependency" | "server.address")
+                            })
+                            .cloned()
+                            .collect();
+                        (self.breaker_state.clone(), s, circuit)
+                    });
                 Counter::from_arc(Arc::new(Recorded {
                     instrument: c.clone(),
-                    attrs: attributes(key.name(), key),
+                    attrs,
                     state,
                 }))
             }

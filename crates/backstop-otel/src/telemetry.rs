@@ -125,7 +125,7 @@ impl Telemetry {
         dependency: &Dependency,
         remaining: impl Fn() -> f64 + Send + Sync + 'static,
     ) {
-        let label = dependency.metric_label().to_string();
+        let label = dependency.metric_label();
         let attrs = [
             KeyValue::new("backstop.dependency", label.clone()),
             KeyValue::new("server.address", label),
@@ -145,8 +145,8 @@ impl Telemetry {
         let i = &self.inner;
         let dependency = call.dependency.metric_label();
         let mut attrs = vec![
-            KeyValue::new("backstop.dependency", dependency.to_string()),
-            KeyValue::new("server.address", dependency.to_string()),
+            KeyValue::new("backstop.dependency", dependency.clone()),
+            KeyValue::new("server.address", dependency),
             KeyValue::new("backstop.outcome", call.outcome.as_str()),
         ];
         i.call_attempts.record(u64::from(call.attempts), &attrs);
@@ -238,12 +238,7 @@ impl CallRecord {
 /// Which `error.type` an attempt's transport error gets: the kind of the first I/O error in
 /// its chain of causes (`ConnectionReset`, `TimedOut`, ...), else `_OTHER`.
 pub(crate) fn transport_error_type(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            return format!("{:?}", io.kind());
-        }
-        cur = err.source();
-    }
-    "_OTHER".to_owned()
+    std::iter::successors(Some(e), |e| e.source())
+        .find_map(|e| e.downcast_ref::<std::io::Error>())
+        .map_or_else(|| "_OTHER".to_owned(), |io| format!("{:?}", io.kind()))
 }

@@ -66,23 +66,6 @@ pub trait Resend<Req> {
     }
 }
 
-/// An HTTP method as the semantic conventions name a client span: the method, or `HTTP` for
-/// one they do not know.
-pub(crate) fn method_name(method: &http::Method) -> &'static str {
-    match *method {
-        http::Method::GET => "GET",
-        http::Method::POST => "POST",
-        http::Method::PUT => "PUT",
-        http::Method::DELETE => "DELETE",
-        http::Method::PATCH => "PATCH",
-        http::Method::HEAD => "HEAD",
-        http::Method::OPTIONS => "OPTIONS",
-        http::Method::TRACE => "TRACE",
-        http::Method::CONNECT => "CONNECT",
-        _ => "HTTP",
-    }
-}
-
 /// Copies any `Clone` request by cloning it (the default, for non-HTTP tool calls).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CloneResend;
@@ -104,7 +87,9 @@ impl<B: ResendableBody> Resend<http::Request<B>> for HttpResend {
     }
 
     fn attempt_name(&self, req: &http::Request<B>) -> Option<Cow<'static, str>> {
-        Some(Cow::Borrowed(method_name(req.method())))
+        // The semantic conventions name a client span by its method, or `HTTP`.
+        let method = backstop_core::known_method(req.method()).unwrap_or("HTTP");
+        Some(Cow::Borrowed(method))
     }
 }
 

@@ -575,6 +575,7 @@ pub mod core {
     pub use backstop_core::{
         AttemptLimit, AttemptTimedOut, ByAuthority, CauseChain, DeadlineExceeded, DeadlineWords,
         HumanDuration, InvalidConfig, ReportsOutcome, UnvouchedKey, is_idempotent_method,
+        known_method,
     };
 }
 

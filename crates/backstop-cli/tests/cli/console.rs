@@ -227,13 +227,14 @@ async fn text_with(b: &fantoccini::Client, needle: &str) -> String {
     text
 }
 
-/// A raw POST, as another site's form would send it: no token of this console's.
-fn post(base: &str, path: &str, body: &str, origin: &str) -> u16 {
+/// A raw POST with the header `from` (`Origin: ...`, `Sec-Fetch-Site: ...`), as another
+/// site's page would send it; its status.
+fn post(base: &str, path: &str, body: &str, from: &str) -> u16 {
     let addr = base.trim_start_matches("http://");
     let mut s = TcpStream::connect(addr).unwrap();
     write!(
         s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nOrigin: {origin}\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\n{from}\r\n\
          Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\
          Connection: close\r\n\r\n{body}",
         body.len()
@@ -345,30 +346,45 @@ async fn the_console_in_a_headless_browser() {
     );
     shoot(&b, "run-forked").await;
 
-    // Another site's form, without this console's token, is refused; nothing is written.
-    let code = post(
-        &base,
-        "/runs/run-human/cancel",
-        "token=guess&who=eve&why=x",
-        "http://evil.example",
-    );
-    assert_eq!(code, 403);
-    let code = post(
-        &base,
-        "/runs/run-human/cancel",
-        "token=guess&who=eve&why=x",
-        &base,
-    );
-    assert_eq!(code, 403, "the right origin without the token");
-    let record = Journal::sqlite(&db)
+    // Another site's page: with the console's token (read off this page) but another origin,
+    // or a browser saying it comes from another site, and with this origin but no token: each
+    // refused, nothing written. The same post from the console's own origin acts.
+    b.goto(&format!("{base}/runs/run-human")).await.unwrap();
+    let token = b
+        .find(Locator::Css("input[name='token']"))
         .await
         .unwrap()
-        .run_record("run-human")
+        .attr("value")
         .await
-        .unwrap();
+        .unwrap()
+        .expect("the form carries the token");
+    let cancel = "/runs/run-human/cancel";
+    let with_token = format!("token={token}&who=eve&why=x");
+    let origin = format!("Origin: {base}");
+    for (body, from) in [
+        (with_token.as_str(), "Origin: http://evil.example"),
+        (with_token.as_str(), "Sec-Fetch-Site: cross-site"),
+        ("token=guess&who=eve&why=x", origin.as_str()),
+    ] {
+        assert_eq!(post(&base, cancel, body, from), 403, "{from} {body}");
+    }
+    let state = |db: PathBuf| async move {
+        let j = Journal::sqlite(&db).await.unwrap();
+        j.run_record("run-human").await.unwrap().unwrap().state
+    };
     assert_eq!(
-        record.unwrap().state,
+        state(db.clone()).await,
         backstop_journal::RunState::NeedsHuman
+    );
+    let ok = format!("token={token}&who=ana&why=the+order+is+void");
+    assert_eq!(
+        post(&base, cancel, &ok, &origin),
+        303,
+        "the console's own origin"
+    );
+    assert_eq!(
+        state(db.clone()).await,
+        backstop_journal::RunState::Cancelled
     );
     b.close().await.unwrap();
 
@@ -385,7 +401,12 @@ async fn the_console_in_a_headless_browser() {
     shoot(&b, "run-read-only").await;
     b.close().await.unwrap();
     assert_eq!(
-        post(&ro, "/runs/run-human/cancel", "token=x&who=a&why=b", &ro),
+        post(
+            &ro,
+            "/runs/run-human/cancel",
+            "token=x&who=a&why=b",
+            &format!("Origin: {ro}")
+        ),
         403
     );
 }
