@@ -14,6 +14,7 @@ use backstop::{
     chaos::{ChaosLayer, FaultPlan},
     classify::HttpClassifier,
     idempotency::IdempotencyLayer,
+    mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolResult},
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
     retry::{Hedging, RetryLayer},
     timeout::{
@@ -41,18 +42,18 @@ use tower::{
 };
 use tower_test::mock::{self, Handle, Mock};
 
-type Req = Request<Full<Bytes>>;
-type Res = Response<Full<Bytes>>;
+pub(crate) type Req = Request<Full<Bytes>>;
+pub(crate) type Res = Response<Full<Bytes>>;
 /// What a subject wraps: the mock, or the mock under a limit, boxed so each subject is one type.
-type Inner = BoxCloneService<Req, Res, BoxError>;
+pub(crate) type Inner = BoxCloneService<Req, Res, BoxError>;
 /// A subject as the idioms drive it: its answer is the status.
-type Subject = BoxCloneService<Req, StatusCode, BoxError>;
+pub(crate) type Subject = BoxCloneService<Req, StatusCode, BoxError>;
 
 /// Builds a subject over the inner service it is given.
-type Wrap = fn(Inner) -> Subject;
+pub(crate) type Wrap = fn(Inner) -> Subject;
 
 /// The services under test, by name.
-fn subjects() -> Vec<(&'static str, Wrap)> {
+pub(crate) fn subjects() -> Vec<(&'static str, Wrap)> {
     vec![
         ("the composed stack", |inner| {
             let layer = stack_builder("conformance-stack").build().unwrap();
@@ -78,6 +79,7 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 status_of(layer.layer(layer.hedge(inner, Hedging::default()).unwrap()))
             },
         ),
+        ("the composed stack for MCP tool calls", mcp_stack),
         ("the retry layer", |inner| {
             let layer = RetryLayer::http()
                 .dependency("conformance-retry")
@@ -130,9 +132,94 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
     ]
 }
 
+/// The MCP stack as a subject: each request the idioms send becomes a tool call (its path the
+/// tool's name, a `GET` a read-only tool, anything else a tool that changes things), and each
+/// attempt's tool call reaches the mock as a request again ([`ToolTransport`]); the answer's
+/// status comes back as the result's text.
+fn mcp_stack(inner: Inner) -> Subject {
+    let tools = the_subjects_settings(Backstop::mcp("conformance-mcp"))
+        .build()
+        .unwrap();
+    let svc = tools
+        .layer(ToolTransport(inner))
+        .map_request(|req: Req| {
+            let read_only = req.method() == http::Method::GET;
+            ToolCall::new(
+                req.uri().path().trim_start_matches('/'),
+                serde_json::json!({}),
+            )
+            .unwrap()
+            .hints(ToolHints {
+                read_only: Some(read_only),
+                ..ToolHints::default()
+            })
+        })
+        .map_response(|result: ToolResult| {
+            StatusCode::from_bytes(result.joined_text().as_bytes()).expect("a status")
+        });
+    BoxCloneService::new(svc.map_err(Into::into))
+}
+
+/// A tool server's transport over the conformance mock: a tool call is sent as a request (a
+/// read-only tool's as a `GET`, its key in `Idempotency-Key`); a 503 is MCP's overloaded error,
+/// any other answer a result whose text is its status; a reset is a lost reply, a refused
+/// connection a call not sent, any other error a JSON-RPC error (fatal). Readiness is the
+/// mock's.
+#[derive(Clone)]
+struct ToolTransport(Inner);
+
+impl Service<ToolCall> for ToolTransport {
+    type Response = ToolResult;
+    type Error = ToolError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<ToolResult, ToolError>> + Send + 'static>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), ToolError>> {
+        self.0.poll_ready(cx).map_err(ToolError::NotSent)
+    }
+
+    fn call(&mut self, call: ToolCall) -> Self::Future {
+        let read_only = call.policy() == backstop::mcp::ToolPolicy::ReadOnly;
+        let mut req = Request::builder()
+            .method(if read_only { "GET" } else { "POST" })
+            .uri(format!("http://conformance.local/{}", call.name()));
+        if let Some(key) = call.key() {
+            req = req.header("idempotency-key", key.as_str());
+        }
+        let fut = self.0.call(req.body(Full::default()).unwrap());
+        Box::pin(async move {
+            match fut.await {
+                Ok(res) if res.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                    let mut result = ToolResult::error_text("503");
+                    result.meta.insert(
+                        backstop::mcp::META_ERROR.into(),
+                        RpcError::new(backstop::mcp::codes::OVERLOADED, "503").to_json(),
+                    );
+                    Ok(result)
+                }
+                Ok(res) => Ok(ToolResult::text(res.status().as_str())),
+                Err(e) => Err(
+                    match e.downcast_ref::<std::io::Error>().map(|io| io.kind()) {
+                        Some(std::io::ErrorKind::ConnectionReset) => ToolError::Lost(e),
+                        Some(std::io::ErrorKind::ConnectionRefused) => ToolError::NotSent(e),
+                        _ => ToolError::Rpc(RpcError::new(
+                            backstop::mcp::codes::INVALID_PARAMS,
+                            e.to_string(),
+                        )),
+                    },
+                ),
+            }
+        })
+    }
+}
+
 /// Runs a case to its end, or fails it: on the paused clock a case waiting for a request that
 /// never comes (a call the mock refused, in a task of its own) would otherwise wait forever.
-async fn within<F: std::future::Future>(case: F) -> F::Output {
+pub(crate) async fn within<F: std::future::Future>(case: F) -> F::Output {
     tokio::time::timeout(Duration::from_secs(600), case)
         .await
         .expect("the case never ended: a request or an answer it waited for never came")
@@ -141,19 +228,25 @@ async fn within<F: std::future::Future>(case: F) -> F::Output {
 /// Subjects that finish a request's handler after its caller has gone (the replay layer runs a
 /// claimed request to its end, so that its result is stored): what the handler holds is freed
 /// when it ends, not when the caller drops its future.
-fn finishes_after_the_caller_leaves(name: &str) -> bool {
+pub(crate) fn finishes_after_the_caller_leaves(name: &str) -> bool {
     name.starts_with("the replay layer")
 }
 
 /// Subjects that retry a 503 themselves.
-fn retries(name: &str) -> bool {
+pub(crate) fn retries(name: &str) -> bool {
     name.starts_with("the composed stack") || name == "the retry layer"
 }
 
-fn stack_builder(
+pub(crate) fn stack_builder(
     dependency: &'static str,
 ) -> Backstop<HttpClassifier, backstop::retry::HttpResend, backstop::idempotency::HttpKeys> {
-    Backstop::http(dependency)
+    the_subjects_settings(Backstop::http(dependency))
+}
+
+/// What every composed subject is built with: a budget, a breaker, a constant 20 ms backoff on
+/// a seeded RNG, a 1 s attempt timeout and a 2 s deadline.
+fn the_subjects_settings<C, R, K>(builder: Backstop<C, R, K>) -> Backstop<C, R, K> {
+    builder
         .budget(Budget::default())
         .breaker(Breaker::new(BreakerConfig::default()).unwrap())
         .backoff(Backoff::constant(Duration::from_millis(20)))
@@ -162,7 +255,7 @@ fn stack_builder(
         .deadline(Duration::from_secs(2))
 }
 
-fn status_of<S, B>(svc: S) -> Subject
+pub(crate) fn status_of<S, B>(svc: S) -> Subject
 where
     S: Service<Req, Response = Response<B>> + Clone + Send + 'static,
     S::Error: Into<BoxError>,
@@ -171,7 +264,7 @@ where
     BoxCloneService::new(svc.map_response(|r| r.status()).map_err(Into::into))
 }
 
-fn boxed<S>(svc: S) -> Inner
+pub(crate) fn boxed<S>(svc: S) -> Inner
 where
     S: Service<Req, Response = Res> + Clone + Send + 'static,
     S::Error: Into<BoxError>,
@@ -180,13 +273,13 @@ where
     BoxCloneService::new(svc.map_err(Into::into))
 }
 
-fn get() -> Req {
+pub(crate) fn get() -> Req {
     Request::get("http://conformance.local/item")
         .body(Full::default())
         .unwrap()
 }
 
-fn answer(status: u16) -> Res {
+pub(crate) fn answer(status: u16) -> Res {
     Response::builder()
         .status(status)
         .body(Full::default())
@@ -194,7 +287,7 @@ fn answer(status: u16) -> Res {
 }
 
 /// A mock and a task answering every request it receives with `status`, counting them.
-fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
+pub(crate) fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
     let (mock, handle) = mock::pair::<Req, Res>();
     let seen = Arc::new(AtomicUsize::new(0));
     tokio::spawn(respond(handle, Arc::clone(&seen), move |_| status));
@@ -202,7 +295,7 @@ fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
 }
 
 /// Answers each request with what `status` says for its number (0 for the first).
-async fn respond(
+pub(crate) async fn respond(
     mut handle: Handle<Req, Res>,
     seen: Arc<AtomicUsize>,
     status: impl Fn(usize) -> u16 + Send + 'static,

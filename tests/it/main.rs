@@ -23,6 +23,7 @@ mod readme_code;
 mod readme_texts;
 mod soak;
 mod stack;
+mod tower_cases;
 mod tower_composition;
 mod tower_http;
 mod tracing_fields;

@@ -40,6 +40,29 @@ mod netsim {
         }
     }
 
+    /// Runs every seed, on as many threads as the machine has cores (each seed's simulation is
+    /// a world of its own, deterministic whichever thread runs it), in seed order.
+    fn run_all(seeds: Vec<u64>, config: &Config) -> Vec<Report> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = seeds.len().div_ceil(threads).max(1);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = seeds
+                .chunks(chunk)
+                .map(|part| {
+                    scope.spawn(move || {
+                        part.iter()
+                            .map(|&seed| run(seed, config))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().expect("a simulation thread panicked"))
+                .collect()
+        })
+    }
+
     fn broken(reports: &[Report]) -> String {
         reports
             .iter()
@@ -56,10 +79,7 @@ mod netsim {
 
     #[test]
     fn every_guarantee_holds_under_partitions_kills_and_a_failing_store() {
-        let reports: Vec<Report> = seeds(200)
-            .into_iter()
-            .map(|seed| run(seed, &Config::default()))
-            .collect();
+        let reports = run_all(seeds(200), &Config::default());
         let failures = broken(&reports);
         assert!(failures.is_empty(), "{failures}");
         if reports.len() > 1 {

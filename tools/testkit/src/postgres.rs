@@ -4,6 +4,7 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
+    sync::OnceLock,
 };
 
 /// A PostgreSQL cluster of the test's own, on `127.0.0.1` and a free port.
@@ -19,6 +20,31 @@ pub struct PostgresServer {
     port: u16,
     as_postgres: bool,
     running: bool,
+}
+
+/// Where a test process keeps the cluster it copies for each server (its pid follows).
+const TEMPLATE_PREFIX: &str = "backstop-pg-template-";
+
+/// This process's template cluster, made by the first server it starts.
+static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
+
+/// An empty directory at `dir`, the postgres user's when the tests run as root (PostgreSQL
+/// refuses to run as root, so its servers run as that user).
+fn fresh_dir(dir: &Path, as_postgres: bool) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).expect("a temporary directory");
+    if as_postgres {
+        let status = Command::new("chown")
+            .args(["postgres:postgres"])
+            .arg(dir)
+            .status()
+            .expect("chown");
+        assert!(
+            status.success(),
+            "could not give {} to the postgres user",
+            dir.display()
+        );
+    }
 }
 
 fn find_bin_dir() -> Option<PathBuf> {
@@ -74,21 +100,8 @@ impl PostgresServer {
         let port = crate::free_port();
         let bin = bin_dir();
         let dir = std::env::temp_dir().join(format!("backstop-pg-{}-{port}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
         let as_postgres = is_root();
-        if as_postgres {
-            let status = Command::new("chown")
-                .args(["postgres:postgres"])
-                .arg(&dir)
-                .status()
-                .expect("chown");
-            assert!(
-                status.success(),
-                "could not give {} to the postgres user",
-                dir.display()
-            );
-        }
+        fresh_dir(&dir, as_postgres);
         let mut server = PostgresServer {
             bin,
             dir,
@@ -96,19 +109,7 @@ impl PostgresServer {
             as_postgres,
             running: false,
         };
-        let data = server.dir.join("data");
-        let out = server
-            .command("initdb")
-            .arg("-D")
-            .arg(&data)
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
-            .output()
-            .expect("initdb runs");
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        server.copy_template();
         // The port was free when it was picked, but another test may take it before the
         // server binds it: then another port.
         for _ in 0..5 {
@@ -121,6 +122,54 @@ impl PostgresServer {
             }
         }
         panic!("PostgreSQL found no free loopback port in 5 tries");
+    }
+
+    /// Gives the server a fresh data directory: a copy of a cluster `initdb` made once per test
+    /// process (initdb takes about a second; the copy a tenth of that).
+    fn copy_template(&self) {
+        let template = TEMPLATE.get_or_init(|| self.make_template());
+        let out = Command::new("cp")
+            .arg("-a")
+            .arg(template)
+            .arg(self.dir.join("data"))
+            .output()
+            .expect("cp runs");
+        assert!(
+            out.status.success(),
+            "could not copy the template cluster: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Runs `initdb` into this process's template directory, removing the templates of test
+    /// processes that have ended.
+    fn make_template(&self) -> PathBuf {
+        let parent = std::env::temp_dir();
+        for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(TEMPLATE_PREFIX)) else {
+                continue;
+            };
+            if !Path::new("/proc").join(pid).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let dir = parent.join(format!("{TEMPLATE_PREFIX}{}", std::process::id()));
+        fresh_dir(&dir, self.as_postgres);
+        let data = dir.join("data");
+        let out = self
+            .command("initdb")
+            .arg("-D")
+            .arg(&data)
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+            .output()
+            .expect("initdb runs");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        data
     }
 
     fn command(&self, tool: &str) -> Command {
