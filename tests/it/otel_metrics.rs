@@ -4,8 +4,9 @@
 //! under their OpenTelemetry names through `OtelRecorder`.
 
 use backstop::{
-    Backstop,
+    Backstop, ErrorKind,
     backoff::{Backoff, RngSource},
+    budget::{AdaptiveThrottle, ThrottleConfig},
     otel::{OtelRecorder, Telemetry},
 };
 use opentelemetry::{KeyValue, metrics::MeterProvider};
@@ -194,6 +195,63 @@ async fn one_call_with_two_retries_gives_the_instruments_the_table_names() {
         !points.contains_key("grpc.client.call.retries"),
         "an HTTP stack"
     );
+}
+
+/// A dependency that sheds every request (503) behind adaptive throttling: once the throttle
+/// has learned that, it ends calls itself, nothing sent, and `backstop.throttled.calls` counts
+/// exactly those calls, under the dependency's name; calls the dependency answered are not in it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn calls_ended_by_adaptive_throttling_are_counted_as_throttled() {
+    let exported = Exported::new();
+    let shedding = service_fn(|_req: http::Request<String>| async {
+        Ok::<_, std::io::Error>(http::Response::builder().status(503).body(()).unwrap())
+    });
+    let throttle = AdaptiveThrottle::new(ThrottleConfig::default(), 11).unwrap();
+    let stack = Backstop::http("otel-shedding-api")
+        .max_attempts(1)
+        .no_breaker()
+        .no_budget()
+        .adaptive_throttle(throttle)
+        .telemetry(exported.telemetry())
+        .build()
+        .unwrap();
+    let svc = stack.leaf(shedding);
+    let (mut throttled, mut answered) = (0, 0);
+    for _ in 0..200 {
+        let req = http::Request::get("http://shedding.otel.test/items")
+            .body(String::new())
+            .unwrap();
+        match svc.clone().oneshot(req).await {
+            Ok(res) => {
+                assert_eq!(res.status(), 503);
+                answered += 1;
+            }
+            Err(err) => {
+                assert_eq!(err.kind(), ErrorKind::Throttled, "{err}");
+                throttled += 1;
+            }
+        }
+        tokio::time::advance(Duration::from_millis(10)).await;
+    }
+    assert!(
+        throttled > 50 && answered > 0,
+        "{throttled} throttled, {answered} answered"
+    );
+
+    let points = exported.points();
+    let counted = &points["backstop.throttled.calls"];
+    assert_eq!(counted.len(), 1, "{counted:?}");
+    assert!(
+        has(
+            &counted[0],
+            &[
+                ("backstop.dependency", "otel-shedding-api"),
+                ("server.address", "otel-shedding-api"),
+            ]
+        ),
+        "{counted:?}"
+    );
+    assert_eq!(counted[0].1, f64::from(throttled), "{counted:?}");
 }
 
 /// A gRPC call refused twice before it was sent, answered `UNAVAILABLE`, then `OK`: gRPC's

@@ -8,8 +8,8 @@
 //! paused clock keeps time.
 
 use super::conformance::{
-    Inner, Req, Subject, answer, boxed, finishes_after_the_caller_leaves, retries, stack_builder,
-    status_of, subjects, within,
+    Inner, Req, Res, Subject, answer, boxed, finishes_after_the_caller_leaves, retries,
+    stack_builder, status_of, subjects, within,
 };
 use backstop::{
     BoxError,
@@ -17,7 +17,6 @@ use backstop::{
     retry::{Hedging, NotCopyable, Resend, RetryLayer},
     timeout::{LatencyConfig, LatencyTimeouts},
 };
-use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::Full;
 use std::{error::Error as StdError, io, iter, task::Poll, time::Duration};
@@ -25,7 +24,7 @@ use tokio_test::task;
 use tower::{
     Layer, Service, ServiceExt, buffer::Buffer, limit::ConcurrencyLimit, load_shed::LoadShed,
 };
-use tower_test::mock::{self, Handle};
+use tower_test::mock::{self, Handle, SendResponse};
 
 fn at(method: &str, path: &str) -> Req {
     Request::builder()
@@ -64,10 +63,7 @@ fn names(err: &BoxError, text: &str) -> bool {
 }
 
 /// The next request the mock receives, checked to be for `path`.
-async fn expect(
-    handle: &mut Handle<Req, http::Response<Full<Bytes>>>,
-    path: &str,
-) -> tower_test::mock::SendResponse<http::Response<Full<Bytes>>> {
+async fn expect(handle: &mut Handle<Req, Res>, path: &str) -> SendResponse<Res> {
     let (req, reply) = handle
         .next_request()
         .await
@@ -79,7 +75,7 @@ async fn expect(
 /// Answers the next request, checked to be for `path`, with `status`, and checks that the
 /// caller whose call is `call` gets that status.
 async fn serve(
-    handle: &mut Handle<Req, http::Response<Full<Bytes>>>,
+    handle: &mut Handle<Req, Res>,
     path: &str,
     status: u16,
     call: tokio::task::JoinHandle<Result<StatusCode, BoxError>>,
@@ -89,8 +85,24 @@ async fn serve(
     assert_eq!(call.await.unwrap().unwrap(), status, "{name}");
 }
 
+/// Hands every request the mock receives to `each` until `call` ends, and gives the call's
+/// result.
+async fn until_ended<T>(
+    handle: &mut Handle<Req, Res>,
+    mut call: tokio::task::JoinHandle<T>,
+    mut each: impl FnMut(Req, SendResponse<Res>),
+) -> T {
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut call => return out.expect("the call's task"),
+            Some((req, reply)) = handle.next_request() => each(req, reply),
+        }
+    }
+}
+
 /// Whether a request is waiting at the mock (without waiting for one).
-fn nothing_waiting(handle: &mut Handle<Req, http::Response<Full<Bytes>>>) -> bool {
+fn nothing_waiting(handle: &mut Handle<Req, Res>) -> bool {
     !matches!(
         task::spawn(handle.next_request()).poll(),
         Poll::Ready(Some(_))
@@ -133,16 +145,12 @@ async fn retry_limit() {
             let (mock, mut handle) = mock::pair::<Req, _>();
             let call = tokio::spawn(subject(boxed(mock)).oneshot(get("/hello")));
             let mut sent = 0;
-            while !call.is_finished() {
-                tokio::select! {
-                    Some((_, reply)) = handle.next_request() => {
-                        sent += 1;
-                        reply.send_error(reset(&format!("retry {sent}")));
-                    }
-                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                }
-            }
-            let err = call.await.unwrap().unwrap_err();
+            let err = until_ended(&mut handle, call, |_, reply| {
+                sent += 1;
+                reply.send_error(reset(&format!("retry {sent}")));
+            })
+            .await
+            .unwrap_err();
             assert_eq!(sent, 3, "{name}: three attempts, the stack's limit");
             assert!(
                 names(&err, "retry 3"),
@@ -243,16 +251,16 @@ async fn retry_mutating_policy() {
             let (mock, mut handle) = mock::pair::<Req, _>();
             let call = tokio::spawn(subject(boxed(mock)).oneshot(at("POST", "/hello")));
             let mut seen = Vec::new();
-            while !call.is_finished() {
-                tokio::select! {
-                    Some((req, reply)) = handle.next_request() => {
-                        seen.push((req.method().clone(), req.uri().clone(), req.headers().clone()));
-                        reply.send_response(answer(503));
-                    }
-                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                }
-            }
-            assert_eq!(call.await.unwrap().unwrap(), 503, "{name}: the last answer");
+            let last = until_ended(&mut handle, call, |req, reply| {
+                seen.push((
+                    req.method().clone(),
+                    req.uri().clone(),
+                    req.headers().clone(),
+                ));
+                reply.send_response(answer(503));
+            })
+            .await;
+            assert_eq!(last.unwrap(), 503, "{name}: the last answer");
             assert!(seen.len() >= 2, "{name}: retried ({} attempts)", seen.len());
             assert!(
                 seen.windows(2).all(|w| w[0] == w[1]),
@@ -288,13 +296,9 @@ async fn timeout_passes_an_answer_in_time_and_cuts_a_late_one() {
             let started = tokio::time::Instant::now();
             let call = tokio::spawn(svc.oneshot(get("/late")));
             let mut unanswered = Vec::new();
-            while !call.is_finished() {
-                tokio::select! {
-                    Some((_, reply)) = handle.next_request() => unanswered.push(reply),
-                    () = tokio::time::sleep(Duration::from_millis(100)) => {}
-                }
-            }
-            let err = call.await.unwrap().unwrap_err();
+            let err = until_ended(&mut handle, call, |_, reply| unanswered.push(reply))
+                .await
+                .unwrap_err();
             assert!(
                 names(&err, "did not reply within") || names(&err, "deadline"),
                 "{name}: {err}"
@@ -532,13 +536,11 @@ async fn limit_response_error_releases_capacity() {
             let mut s1 = subject(boxed(ConcurrencyLimit::new(mock, 1)));
             let mut s2 = s1.clone();
             let call = tokio::spawn(s1.ready().await.unwrap().call(get("/hello")));
-            while !call.is_finished() {
-                tokio::select! {
-                    next = handle.next_request() => next.unwrap().1.send_error(reset("boom")),
-                    () = tokio::time::sleep(Duration::from_secs(5)) => {}
-                }
-            }
-            call.await.unwrap().unwrap_err();
+            until_ended(&mut handle, call, |_, reply| {
+                reply.send_error(reset("boom"))
+            })
+            .await
+            .unwrap_err();
             assert!(task::spawn(s2.ready()).poll().is_ready(), "{name}");
         }
     })
@@ -591,7 +593,7 @@ async fn load_shed_when_ready() {
 
 /// The composed stack with hedged reads, its latency record taught 10 ms answers, so that a
 /// copy goes out when the first is unanswered past that.
-async fn hedged() -> (Subject, Handle<Req, http::Response<Full<Bytes>>>) {
+async fn hedged() -> (Subject, Handle<Req, Res>) {
     let (mock, mut handle) = mock::pair::<Req, _>();
     let learned = LatencyConfig::default()
         .min_samples(1)

@@ -105,6 +105,45 @@ mod netsim {
         }
     }
 
+    /// A seed printed by a failing run replays exactly in a process of its own, as a developer
+    /// replays it: this test runs itself again as a child process with `NETSIM_REPORT_OF` set,
+    /// and the child's report of that seed is this process's, to the last field.
+    #[test]
+    fn a_seed_replays_exactly_in_another_process() {
+        const MARK: &str = "netsim report: ";
+        let config = Config::default();
+        if let Some(seed) = std::env::var("NETSIM_REPORT_OF")
+            .ok()
+            .and_then(|s| s.parse().ok())
+        {
+            println!("{MARK}{:?}", run(seed, &config));
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "netsim::a_seed_replays_exactly_in_another_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("NETSIM_REPORT_OF", "11")
+            .output()
+            .expect("the test binary runs again");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let theirs = stdout
+            .lines()
+            .find_map(|l| l.split_once(MARK).map(|(_, report)| report))
+            .unwrap_or_else(|| panic!("the child printed no report: {stdout}"));
+        let ours = format!("{:?}", run(11, &config));
+        assert!(ours.len() > 100, "a report with its figures: {ours}");
+        assert_eq!(theirs, ours);
+    }
+
     /// The checker is not blind: with a claim lease shorter than the caller's deadline (the
     /// documented limit), a claim left by a killed server or an unrenewed lease expires while
     /// the call still retries, and some seed runs a refund twice.
