@@ -136,5 +136,12 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .body(Full::from("{}"))
         .unwrap();
     assert_eq!(svc.oneshot(plain).await.unwrap().status(), 201);
-    assert_eq!(journal.runs(10).await.unwrap().len(), 3);
+    assert_eq!(
+        journal
+            .runs(&backstop::journal::RunFilter::latest(10))
+            .await
+            .unwrap()
+            .len(),
+        3
+    );
 }

@@ -54,6 +54,9 @@ pub(crate) enum JournalCommand {
         /// Only runs in this state: pending, succeeded, failed, cancelled, needs_human.
         #[arg(long, value_parser = parse_run_state)]
         state: Option<RunState>,
+        /// Only runs of this workflow.
+        #[arg(long)]
+        workflow: Option<String>,
     },
     /// One run's steps: state, attempts, key, last error, time in each state.
     Show {

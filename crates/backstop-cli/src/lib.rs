@@ -2,7 +2,8 @@
 //! library ([`run`]) for programs that show the same tables.
 //!
 //! ```text
-//! backstop journal runs [--state STATE]      recent runs, their state, steps needing attention
+//! backstop journal runs [--state STATE] [--workflow NAME]
+//!                                            recent runs, their state, steps needing attention
 //! backstop journal show RUN                  the run's record, its steps and what happened to it
 //! backstop journal stuck                     steps waiting for a person, parked steps
 //! backstop journal resolve RUN STEP --succeeded|--failed|--retry --by WHO --why WHY
@@ -126,7 +127,16 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
     let now = j.now_ms();
     let json = args.json;
     match args.command {
-        JournalCommand::Runs { limit, state } => reads::runs(&j, json, now, limit, state).await,
+        JournalCommand::Runs {
+            limit,
+            state,
+            workflow,
+        } => {
+            let mut filter = backstop_journal::RunFilter::latest(limit);
+            filter.state = state;
+            filter.workflow = workflow;
+            reads::runs(&j, json, now, &filter).await
+        }
         JournalCommand::Show { run } => reads::show(&j, json, now, &run).await,
         JournalCommand::Stuck { fail_if_any } => reads::stuck(&j, json, now, fail_if_any).await,
         JournalCommand::Resolve(r) => actions::resolve(&j, json, r).await,

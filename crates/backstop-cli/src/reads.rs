@@ -5,21 +5,17 @@ use crate::render::{
     ago, event_json, human, print_json, run_json, run_record_json, short_key, step_json, table,
     time_in_states, transition_json, when,
 };
-use backstop_journal::{Journal, RunState, Step, StepTransition};
+use backstop_journal::{Journal, RunFilter, Step, StepTransition};
 use serde_json::{Value, json};
 
-/// `runs`: the most recently changed runs, in `state` when given.
+/// `runs`: the most recently changed runs that `filter` selects.
 pub(crate) async fn runs(
     j: &Journal,
     json: bool,
     now: i64,
-    limit: u32,
-    state: Option<RunState>,
+    filter: &RunFilter,
 ) -> Result<u8, Failure> {
-    let runs = match state {
-        Some(state) => j.runs_in(state, limit).await?,
-        None => j.runs(limit).await?,
-    };
+    let runs = j.runs(filter).await?;
     if json {
         print_json(&Value::Array(runs.iter().map(run_json).collect()));
     } else if runs.is_empty() {

@@ -107,6 +107,12 @@ fn steer(db: &str) {
     let (code, out, err) = backstop(db, &["runs", "--state", "failed"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("run-2") && !out.contains("run-1"), "{out}");
+    let (code, out, err) = backstop(db, &["runs", "--workflow", "charge"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("run-2") && !out.contains("run-1"), "{out}");
+    let (code, out, err) = backstop(db, &["runs", "--workflow", "charge", "--state", "pending"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("no runs"), "{out}");
     let (code, _, err) = backstop(db, &["runs", "--state", "done"]);
     assert_eq!(code, 2, "{err}");
     assert!(

@@ -77,7 +77,7 @@ pub use model::{
     UnknownState, digest,
 };
 pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
-pub use run::{ForkPoint, RunEvent, RunOutcome, RunRecord, RunState};
+pub use run::{ForkPoint, RunEvent, RunFilter, RunOutcome, RunRecord, RunState};
 pub use runner::CallResult;
 pub use steps::Change;
 pub use worker::Worker;

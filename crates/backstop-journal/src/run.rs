@@ -295,25 +295,27 @@ impl Journal {
             .collect())
     }
 
-    /// The most recently changed runs, at most `limit`, in one query.
-    pub async fn runs(&self, limit: u32) -> Result<Vec<RunSummary>, JournalError> {
-        self.summaries(None, limit).await
+    /// The most recently changed runs that `filter` selects (in a state, of a workflow), at
+    /// most its limit, in one query: the filter is applied before the limit, so a workflow's
+    /// runs are found however many runs of other workflows changed since.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use backstop_journal::{Journal, RunFilter, RunState};
+    ///
+    /// let journal = Journal::in_memory().await.unwrap();
+    /// let failed_refunds = RunFilter::latest(20)
+    ///     .state(RunState::Failed)
+    ///     .workflow("refund");
+    /// assert!(journal.runs(&failed_refunds).await.unwrap().is_empty());
+    /// # }
+    /// ```
+    pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
+        self.summaries(filter).await
     }
 
-    /// The most recently changed runs in `state`, at most `limit`, in one query.
-    pub async fn runs_in(
-        &self,
-        state: RunState,
-        limit: u32,
-    ) -> Result<Vec<RunSummary>, JournalError> {
-        self.summaries(Some(state), limit).await
-    }
-
-    async fn summaries(
-        &self,
-        state: Option<RunState>,
-        limit: u32,
-    ) -> Result<Vec<RunSummary>, JournalError> {
+    async fn summaries(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
         type Row = (
             String,
             Option<String>,
@@ -328,10 +330,18 @@ impl Journal {
             i64,
             i64,
         );
-        let filter = if state.is_some() {
-            "WHERE r.state = $2"
+        // `$1` is the limit; each condition asked for takes the next parameter.
+        let mut conditions = Vec::new();
+        if filter.state.is_some() {
+            conditions.push(format!("r.state = ${}", conditions.len() + 2));
+        }
+        if filter.workflow.is_some() {
+            conditions.push(format!("r.workflow = ${}", conditions.len() + 2));
+        }
+        let filter_sql = if conditions.is_empty() {
+            String::new()
         } else {
-            ""
+            format!("WHERE {}", conditions.join(" AND "))
         };
         let query = format!(
             "SELECT r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error,
@@ -343,15 +353,18 @@ impl Journal {
                     THEN 1 ELSE 0 END), 0)
              FROM backstop_journal_runs r
              LEFT JOIN backstop_journal_steps s ON s.run_id = r.run_id
-             {filter}
+             {filter_sql}
              GROUP BY r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error
              ORDER BY r.updated_ms DESC, r.run_id LIMIT $1"
         );
         let rows: Vec<Row> = with_pool!(self, |pool, sql| {
             let statement = sql(&query);
-            let mut q = sqlx::query_as(&statement).bind(i64::from(limit));
-            if let Some(state) = state {
+            let mut q = sqlx::query_as(&statement).bind(i64::from(filter.limit));
+            if let Some(state) = filter.state {
                 q = q.bind(state.as_str());
+            }
+            if let Some(workflow) = &filter.workflow {
+                q = q.bind(workflow.as_str());
             }
             q.fetch_all(pool).await?
         });
@@ -391,6 +404,44 @@ impl Journal {
                 },
             )
             .collect()
+    }
+}
+
+/// Which runs [`Journal::runs`] lists: the most recently changed first, at most `limit`, in a
+/// state and of a workflow when asked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunFilter {
+    /// At most this many runs.
+    pub limit: u32,
+    /// Only runs in this state.
+    pub state: Option<RunState>,
+    /// Only runs of this workflow.
+    pub workflow: Option<String>,
+}
+
+impl RunFilter {
+    /// The `limit` most recently changed runs, whatever their state and workflow.
+    pub fn latest(limit: u32) -> Self {
+        RunFilter {
+            limit,
+            state: None,
+            workflow: None,
+        }
+    }
+
+    /// Only runs in `state`.
+    #[must_use]
+    pub fn state(mut self, state: RunState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Only runs of `workflow`.
+    #[must_use]
+    pub fn workflow(mut self, workflow: impl Into<String>) -> Self {
+        self.workflow = Some(workflow.into());
+        self
     }
 }
 

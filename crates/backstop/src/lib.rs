@@ -475,8 +475,9 @@ pub mod journal {
         ByOutcome, CallArgs, CallIdentity, CallResult, Change, Clock, Journal, JournalError,
         JournalLayer, Journaled, JournaledError, Judge, NewStep, Next, Reconcile, Reconciled,
         Reconcilers, RequestLine, Resolution, ResumeReport, RunContext, RunEnd, RunError, RunEvent,
-        RunOutcome, RunRecord, RunReport, RunState, RunSummary, StatedArgs, Step, StepArgs, StepId,
-        StepKind, StepState, StepTransition, UnknownState, Worker, WorkflowResult, digest,
+        RunFilter, RunOutcome, RunRecord, RunReport, RunState, RunSummary, StatedArgs, Step,
+        StepArgs, StepId, StepKind, StepState, StepTransition, UnknownState, Worker,
+        WorkflowResult, digest,
     };
 }
 

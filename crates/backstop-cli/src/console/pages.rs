@@ -8,7 +8,7 @@ use axum::{
     http::StatusCode,
     response::{Html, IntoResponse, Response},
 };
-use backstop_journal::{RunState, Step, StepTransition};
+use backstop_journal::{RunFilter, RunState, Step, StepTransition};
 use maud::{DOCTYPE, Markup, html};
 use serde::Deserialize;
 use std::sync::Arc;
@@ -77,18 +77,14 @@ pub(crate) async fn runs(State(c): State<Arc<Console>>, Query(q): Query<RunsQuer
             }
         },
     };
-    let listed = match state {
-        Some(st) => c.journal.runs_in(st, 500).await,
-        None => c.journal.runs(500).await,
-    };
-    let mut runs = match listed {
+    let workflow = q.workflow.filter(|w| !w.is_empty());
+    let mut filter = RunFilter::latest(500);
+    filter.state = state;
+    filter.workflow = workflow.clone();
+    let runs = match c.journal.runs(&filter).await {
         Ok(r) => r,
         Err(e) => return journal_failed(e),
     };
-    let workflow = q.workflow.filter(|w| !w.is_empty());
-    if let Some(w) = &workflow {
-        runs.retain(|r| r.workflow.as_deref() == Some(w.as_str()));
-    }
     let now = c.journal.now_ms();
     let body = html! {
         form method="get" action="/" {

@@ -104,6 +104,10 @@ async fn write_runs(db: &Path) {
     j.start_run("run-pending", "invoice", Some("{}"))
         .await
         .unwrap();
+    // pending, of another workflow
+    j.start_run("run-shipping", "ship", Some("{}"))
+        .await
+        .unwrap();
 }
 
 /// A process the test started, killed when the test ends however it ends.
@@ -276,6 +280,20 @@ async fn the_console_in_a_headless_browser() {
     let text = text_of(&b, "table").await;
     assert!(
         text.contains("run-failed") && !text.contains("run-done"),
+        "{text}"
+    );
+    b.goto(&format!("{base}/?workflow=ship")).await.unwrap();
+    let text = text_of(&b, "table").await;
+    assert!(
+        text.contains("run-shipping") && !text.contains("run-pending"),
+        "{text}"
+    );
+    b.goto(&format!("{base}/?state=pending&workflow=invoice"))
+        .await
+        .unwrap();
+    let text = text_of(&b, "table").await;
+    assert!(
+        text.contains("run-pending") && !text.contains("run-shipping"),
         "{text}"
     );
 

@@ -5,7 +5,7 @@
 use backstop_core::Outcome;
 use backstop_journal::{
     CallResult, Change, Journal, JournalError, JournalLayer, NewStep, Next, Reconciled,
-    Reconcilers, Resolution, Step, StepId, StepState,
+    Reconcilers, Resolution, RunFilter, RunState, Step, StepId, StepState,
 };
 #[cfg(feature = "postgres")]
 use backstop_testkit::PostgresServer;
@@ -214,7 +214,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         j.plan("r-human").await.unwrap()[0].1,
         Next::Human { .. }
     ));
-    let summary = j.runs(100).await.unwrap();
+    let summary = j.runs(&RunFilter::latest(100)).await.unwrap();
     let run = summary.iter().find(|r| r.run == "r-human").unwrap();
     assert_eq!(run.state, backstop_journal::RunState::NeedsHuman);
 
@@ -485,7 +485,53 @@ async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
     );
 }
 
+/// Runs listed by workflow and state: the filter applies before the limit, so the two most
+/// recent runs of a workflow are found behind five newer runs of another, most recent first.
+async fn runs_are_listed_by_workflow_and_state_before_the_limit(j: &Journal, clock: &ManualClock) {
+    for i in 0..3 {
+        j.start_run(&format!("listed-refund-{i}"), "listed-refund", None)
+            .await
+            .unwrap();
+        clock.advance(Duration::from_millis(10));
+    }
+    for i in 0..5 {
+        j.start_run(&format!("listed-ship-{i}"), "listed-ship", None)
+            .await
+            .unwrap();
+        clock.advance(Duration::from_millis(10));
+    }
+    let ids = |runs: Vec<backstop_journal::RunSummary>| -> Vec<String> {
+        runs.into_iter().map(|r| r.run).collect()
+    };
+    let refunds = j
+        .runs(&RunFilter::latest(2).workflow("listed-refund"))
+        .await
+        .unwrap();
+    assert_eq!(ids(refunds), ["listed-refund-2", "listed-refund-1"]);
+    j.cancel_run("listed-refund-0", "ops", "listed apart")
+        .await
+        .unwrap();
+    clock.advance(Duration::from_millis(10));
+    let cancelled = j
+        .runs(
+            &RunFilter::latest(5)
+                .workflow("listed-refund")
+                .state(RunState::Cancelled),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ids(cancelled), ["listed-refund-0"]);
+    let latest = j.runs(&RunFilter::latest(5)).await.unwrap();
+    assert_eq!(ids(latest)[0], "listed-refund-0", "the latest change first");
+    let none = j
+        .runs(&RunFilter::latest(5).workflow("listed-nothing"))
+        .await
+        .unwrap();
+    assert!(none.is_empty());
+}
+
 async fn all(j: Journal, clock: ManualClock) {
+    runs_are_listed_by_workflow_and_state_before_the_limit(&j, &clock).await;
     a_compensation_is_a_journaled_step_of_its_own(&j).await;
     a_done_step_is_not_called_again(&j, &clock).await;
     an_unknown_step_is_reconciled_before_it_is_sent_again(&j).await;

@@ -6,7 +6,7 @@
 use backstop_core::Outcome;
 use backstop_journal::{
     CallResult, Journal, JournalError, NewStep, Reconciled, Reconcilers, Resolution, RunContext,
-    RunEnd, RunState, Step, StepId, StepState, Worker,
+    RunEnd, RunFilter, RunState, Step, StepId, StepState, Worker,
 };
 use backstop_testkit::{ManualClock, fresh_dir};
 use std::{
@@ -147,7 +147,10 @@ async fn a_run_killed_anywhere_is_pending_and_recovered(j: &Journal, clock: &Man
         let record = j.run_record(run).await.unwrap().unwrap();
         assert_eq!(record.state, RunState::Pending, "{run}");
         assert_eq!(record.claimed_by.as_deref(), Some("dead"));
-        let pending = j.runs_in(RunState::Pending, 50).await.unwrap();
+        let pending = j
+            .runs(&RunFilter::latest(50).state(RunState::Pending))
+            .await
+            .unwrap();
         assert!(pending.iter().any(|r| r.run == run), "{run}");
         // The dead worker's lease still holds: nobody takes it yet.
         assert!(w.run_once().await.unwrap().is_none(), "{run}");
@@ -247,7 +250,10 @@ async fn a_step_left_sent_is_reconciled_before_the_workflow_runs_again(
         "{report:?}"
     );
     assert_eq!(calls.of("in-doubt", "label"), 0);
-    let human = j.runs_in(RunState::NeedsHuman, 10).await.unwrap();
+    let human = j
+        .runs(&RunFilter::latest(10).state(RunState::NeedsHuman))
+        .await
+        .unwrap();
     assert!(human.iter().any(|r| r.run == "in-doubt"));
     clock.advance(LEASE * 2);
     assert!(
@@ -486,7 +492,10 @@ async fn the_operator_retries_and_stubs_failed_steps(j: &Journal) {
             matches!(&report.end, RunEnd::Failed { error } if error.contains("card declined")),
             "{report:?}"
         );
-        let failed = j.runs_in(RunState::Failed, 10).await.unwrap();
+        let failed = j
+            .runs(&RunFilter::latest(10).state(RunState::Failed))
+            .await
+            .unwrap();
         assert!(failed.iter().any(|r| r.run == run));
         assert!(
             w.run_once().await.unwrap().is_none(),
