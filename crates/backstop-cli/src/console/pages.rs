@@ -63,7 +63,8 @@ pub(crate) struct RunsQuery {
     workflow: Option<String>,
 }
 
-/// `/`: the most recently changed runs, by state and workflow.
+/// `/`: the 500 most recently changed runs of the state and workflow asked for (the journal
+/// filters before it counts).
 pub(crate) async fn runs(State(c): State<Arc<Console>>, Query(q): Query<RunsQuery>) -> Response {
     let state = match q.state.as_deref().filter(|s| !s.is_empty()) {
         None => None,
