@@ -97,6 +97,8 @@ mod netsim {
         }
     }
 
+    /// Two seeds whose runs repeat to the last field (most seeds do; some interleave otherwise
+    /// from run to run: ARCHITECTURE.md, "The whole path, simulated").
     #[test]
     fn a_seed_replays_exactly() {
         let config = Config::default();
