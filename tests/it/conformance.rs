@@ -53,7 +53,7 @@ pub(crate) type Subject = BoxCloneService<Req, StatusCode, BoxError>;
 pub(crate) type Wrap = fn(Inner) -> Subject;
 
 /// The services under test, by name.
-pub(crate) fn subjects() -> Vec<(&'static str, Wrap)> {
+fn subjects() -> Vec<(&'static str, Wrap)> {
     vec![
         ("the composed stack", |inner| {
             let layer = stack_builder("conformance-stack").build().unwrap();
@@ -225,6 +225,23 @@ pub(crate) async fn within<F: std::future::Future>(case: F) -> F::Output {
         .expect("the case never ended: a request or an answer it waited for never came")
 }
 
+/// Runs `case` once for each subject that `keep` selects, each over a mock of its own (the
+/// mock to wrap and the handle to answer through), the whole bounded as [`within`] bounds it.
+pub(crate) async fn each_subject(
+    keep: fn(&str) -> bool,
+    case: impl AsyncFn(&'static str, Wrap, Mock<Req, Res>, Handle<Req, Res>),
+) {
+    within(async {
+        for (name, subject) in subjects() {
+            if keep(name) {
+                let (mock, handle) = mock::pair::<Req, Res>();
+                case(name, subject, mock, handle).await;
+            }
+        }
+    })
+    .await;
+}
+
 /// Subjects that finish a request's handler after its caller has gone (the replay layer runs a
 /// claimed request to its end, so that its result is stored): what the handler holds is freed
 /// when it ends, not when the caller drops its future.
@@ -273,7 +290,7 @@ where
     BoxCloneService::new(svc.map_err(Into::into))
 }
 
-pub(crate) fn get() -> Req {
+fn get() -> Req {
     Request::get("http://conformance.local/item")
         .body(Full::default())
         .unwrap()
@@ -287,7 +304,7 @@ pub(crate) fn answer(status: u16) -> Res {
 }
 
 /// A mock and a task answering every request it receives with `status`, counting them.
-pub(crate) fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
+fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
     let (mock, handle) = mock::pair::<Req, Res>();
     let seen = Arc::new(AtomicUsize::new(0));
     tokio::spawn(respond(handle, Arc::clone(&seen), move |_| status));
@@ -295,7 +312,7 @@ pub(crate) fn answered(status: u16) -> (Mock<Req, Res>, Arc<AtomicUsize>) {
 }
 
 /// Answers each request with what `status` says for its number (0 for the first).
-pub(crate) async fn respond(
+async fn respond(
     mut handle: Handle<Req, Res>,
     seen: Arc<AtomicUsize>,
     status: impl Fn(usize) -> u16 + Send + 'static,

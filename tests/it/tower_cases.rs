@@ -8,8 +8,8 @@
 //! paused clock keeps time.
 
 use super::conformance::{
-    Inner, Req, Res, Subject, answer, boxed, finishes_after_the_caller_leaves, retries,
-    stack_builder, status_of, subjects, within,
+    Inner, Req, Res, Subject, answer, boxed, each_subject, finishes_after_the_caller_leaves,
+    retries, stack_builder, status_of, within,
 };
 use backstop::{
     BoxError,
@@ -115,9 +115,9 @@ fn nothing_waiting(handle: &mut Handle<Req, Res>) -> bool {
 /// Subjects that do not retry hand the error back.
 #[tokio::test(start_paused = true)]
 async fn retry_errors() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, mut handle| {
             let call = tokio::spawn(subject(boxed(mock)).oneshot(get("/hello")));
             expect(&mut handle, "/hello")
                 .await
@@ -128,8 +128,8 @@ async fn retry_errors() {
                 let err = call.await.unwrap().unwrap_err();
                 assert!(names(&err, "retry me"), "{name}: {err}");
             }
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -137,27 +137,21 @@ async fn retry_errors() {
 /// attempt's error, and no further request is sent.
 #[tokio::test(start_paused = true)]
 async fn retry_limit() {
-    within(async {
-        for (name, subject) in subjects() {
-            if !retries(name) {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
-            let call = tokio::spawn(subject(boxed(mock)).oneshot(get("/hello")));
-            let mut sent = 0;
-            let err = until_ended(&mut handle, call, |_, reply| {
-                sent += 1;
-                reply.send_error(reset(&format!("retry {sent}")));
-            })
-            .await
-            .unwrap_err();
-            assert_eq!(sent, 3, "{name}: three attempts, the stack's limit");
-            assert!(
-                names(&err, "retry 3"),
-                "{name}: the last attempt's error: {err}"
-            );
-            assert!(nothing_waiting(&mut handle), "{name}");
-        }
+    each_subject(retries, async |name, subject, mock, mut handle| {
+        let call = tokio::spawn(subject(boxed(mock)).oneshot(get("/hello")));
+        let mut sent = 0;
+        let err = until_ended(&mut handle, call, |_, reply| {
+            sent += 1;
+            reply.send_error(reset(&format!("retry {sent}")));
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(sent, 3, "{name}: three attempts, the stack's limit");
+        assert!(
+            names(&err, "retry 3"),
+            "{name}: the last attempt's error: {err}"
+        );
+        assert!(nothing_waiting(&mut handle), "{name}");
     })
     .await;
 }
@@ -166,23 +160,17 @@ async fn retry_limit() {
 /// call at once with that error.
 #[tokio::test(start_paused = true)]
 async fn retry_error_inspection() {
-    within(async {
-        for (name, subject) in subjects() {
-            if !retries(name) {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
-            let call = tokio::spawn(subject(boxed(mock)).oneshot(get("/hello")));
-            expect(&mut handle, "/hello")
-                .await
-                .send_error(reset("retry 1"));
-            expect(&mut handle, "/hello")
-                .await
-                .send_error(fatal("reject"));
-            let err = call.await.unwrap().unwrap_err();
-            assert!(names(&err, "reject"), "{name}: {err}");
-            assert!(nothing_waiting(&mut handle), "{name}: not retried");
-        }
+    each_subject(retries, async |name, subject, mock, mut handle| {
+        let call = tokio::spawn(subject(boxed(mock)).oneshot(get("/hello")));
+        expect(&mut handle, "/hello")
+            .await
+            .send_error(reset("retry 1"));
+        expect(&mut handle, "/hello")
+            .await
+            .send_error(fatal("reject"));
+        let err = call.await.unwrap().unwrap_err();
+        assert!(names(&err, "reject"), "{name}: {err}");
+        assert!(nothing_waiting(&mut handle), "{name}: not retried");
     })
     .await;
 }
@@ -243,30 +231,24 @@ async fn success_with_cannot_clone() {
 /// spent the call ends with the last answer.
 #[tokio::test(start_paused = true)]
 async fn retry_mutating_policy() {
-    within(async {
-        for (name, subject) in subjects() {
-            if !retries(name) {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
-            let call = tokio::spawn(subject(boxed(mock)).oneshot(at("POST", "/hello")));
-            let mut seen = Vec::new();
-            let last = until_ended(&mut handle, call, |req, reply| {
-                seen.push((
-                    req.method().clone(),
-                    req.uri().clone(),
-                    req.headers().clone(),
-                ));
-                reply.send_response(answer(503));
-            })
-            .await;
-            assert_eq!(last.unwrap(), 503, "{name}: the last answer");
-            assert!(seen.len() >= 2, "{name}: retried ({} attempts)", seen.len());
-            assert!(
-                seen.windows(2).all(|w| w[0] == w[1]),
-                "{name}: every attempt the same request: {seen:?}"
-            );
-        }
+    each_subject(retries, async |name, subject, mock, mut handle| {
+        let call = tokio::spawn(subject(boxed(mock)).oneshot(at("POST", "/hello")));
+        let mut seen = Vec::new();
+        let last = until_ended(&mut handle, call, |req, reply| {
+            seen.push((
+                req.method().clone(),
+                req.uri().clone(),
+                req.headers().clone(),
+            ));
+            reply.send_response(answer(503));
+        })
+        .await;
+        assert_eq!(last.unwrap(), 503, "{name}: the last answer");
+        assert!(seen.len() >= 2, "{name}: retried ({} attempts)", seen.len());
+        assert!(
+            seen.windows(2).all(|w| w[0] == w[1]),
+            "{name}: every attempt the same request: {seen:?}"
+        );
     })
     .await;
 }
@@ -277,15 +259,14 @@ async fn retry_mutating_policy() {
 /// call with a timeout error, and the late answer is not waited for.
 #[tokio::test(start_paused = true)]
 async fn timeout_passes_an_answer_in_time_and_cuts_a_late_one() {
-    within(async {
-        for (name, subject) in subjects() {
-            let timed = name.starts_with("the composed stack")
+    each_subject(
+        |name| {
+            (name.starts_with("the composed stack")
                 || name.contains("timeout")
-                || name == "the deadline";
-            if !timed || name == "the body timeout" {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
+                || name == "the deadline")
+                && name != "the body timeout"
+        },
+        async |name, subject, mock, mut handle| {
             let svc = subject(boxed(mock));
             let call = tokio::spawn(svc.clone().oneshot(get("/in-time")));
             let reply = expect(&mut handle, "/in-time").await;
@@ -307,8 +288,8 @@ async fn timeout_passes_an_answer_in_time_and_cuts_a_late_one() {
                 started.elapsed() <= Duration::from_secs(3),
                 "{name}: cut at its limit"
             );
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -317,14 +298,14 @@ async fn timeout_passes_an_answer_in_time_and_cuts_a_late_one() {
 /// `req_and_res`: a request through the buffer is answered.
 #[tokio::test(start_paused = true)]
 async fn buffer_req_and_res() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, mut handle| {
             let mut svc = Buffer::new(subject(boxed(mock)), 10);
             let call = tokio::spawn(svc.ready().await.unwrap().call(get("/hello")));
             serve(&mut handle, "/hello", 200, call, name).await;
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -332,9 +313,9 @@ async fn buffer_req_and_res() {
 /// never sent; the ones around it are.
 #[tokio::test(start_paused = true)]
 async fn buffer_clears_canceled_requests() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, mut handle| {
             handle.allow(1);
             let mut svc = Buffer::new(subject(boxed(mock)), 10);
             let first = tokio::spawn(svc.ready().await.unwrap().call(get("/hello")));
@@ -352,8 +333,8 @@ async fn buffer_clears_canceled_requests() {
             assert_eq!(first.await.unwrap().unwrap(), 200, "{name}");
             handle.allow(1);
             serve(&mut handle, "/hello3", 201, third, name).await;
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -361,9 +342,9 @@ async fn buffer_clears_canceled_requests() {
 /// caller waits; once it is, the request goes out and is answered.
 #[tokio::test(start_paused = true)]
 async fn buffer_when_inner_is_not_ready() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, mut handle| {
             handle.allow(0);
             let mut svc = Buffer::new(subject(boxed(mock)), 10);
             let call = tokio::spawn(svc.ready().await.unwrap().call(get("/hello")));
@@ -372,8 +353,8 @@ async fn buffer_when_inner_is_not_ready() {
             assert!(nothing_waiting(&mut handle), "{name}: nothing sent");
             handle.allow(1);
             serve(&mut handle, "/hello", 200, call, name).await;
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -381,9 +362,9 @@ async fn buffer_when_inner_is_not_ready() {
 /// carries the service's own.
 #[tokio::test(start_paused = true)]
 async fn buffer_when_inner_fails() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, mut handle| {
             handle.allow(0);
             handle.send_error("foobar");
             let mut svc = Buffer::new(subject(boxed(mock)), 10);
@@ -392,8 +373,8 @@ async fn buffer_when_inner_fails() {
                 Err(err) => err,
             };
             assert!(names(&err, "foobar"), "{name}: {err}");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -402,9 +383,9 @@ async fn buffer_when_inner_fails() {
 /// `Closed` in its error, at once, and does not wait for its deadline.
 #[tokio::test(start_paused = true)]
 async fn buffer_inside_whose_worker_is_dropped_ends_the_call() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, _handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, _handle| {
             let (buffer, worker) = Buffer::pair(boxed(mock), 1);
             drop(worker);
             let started = tokio::time::Instant::now();
@@ -414,8 +395,8 @@ async fn buffer_inside_whose_worker_is_dropped_ends_the_call() {
             };
             assert!(names(&err, "closed"), "{name}: {err}");
             assert_eq!(started.elapsed(), Duration::ZERO, "{name}: at once");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -423,12 +404,9 @@ async fn buffer_inside_whose_worker_is_dropped_ends_the_call() {
 /// permit; two handles hold both, a third waits until one is spent and answered.
 #[tokio::test(start_paused = true)]
 async fn readiness_polled_again_holds_one_permit() {
-    within(async {
-        for (name, subject) in subjects() {
-            if finishes_after_the_caller_leaves(name) {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |name| !finishes_after_the_caller_leaves(name),
+        async |name, subject, mock, mut handle| {
             let mut s1 = subject(boxed(ConcurrencyLimit::new(mock, 2)));
             let mut s2 = s1.clone();
             let mut s3 = s1.clone();
@@ -444,8 +422,8 @@ async fn readiness_polled_again_holds_one_permit() {
             serve(&mut handle, "/hello", 200, call, name).await;
             assert!(ready3.is_woken(), "{name}");
             assert!(ready3.poll().is_ready(), "{name}: the spent permit is free");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -454,13 +432,13 @@ async fn readiness_polled_again_holds_one_permit() {
 /// `request_without_capacity`: with no capacity inside, the subject is not ready.
 #[tokio::test(start_paused = true)]
 async fn limit_request_without_capacity() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, _handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, _handle| {
             let mut svc = subject(boxed(ConcurrencyLimit::new(mock, 0)));
             assert!(task::spawn(svc.ready()).poll().is_pending(), "{name}");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -468,12 +446,9 @@ async fn limit_request_without_capacity() {
 /// the clone gets it when the first call has ended, not when its answer was merely sent.
 #[tokio::test(start_paused = true)]
 async fn limit_reserve_capacity_without_sending_request() {
-    within(async {
-        for (name, subject) in subjects() {
-            if finishes_after_the_caller_leaves(name) {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |name| !finishes_after_the_caller_leaves(name),
+        async |name, subject, mock, mut handle| {
             let mut s1 = subject(boxed(ConcurrencyLimit::new(mock, 1)));
             let mut s2 = s1.clone();
             assert!(task::spawn(s1.ready()).poll().is_ready(), "{name}");
@@ -490,8 +465,8 @@ async fn limit_reserve_capacity_without_sending_request() {
             );
             r1.await.unwrap();
             assert!(ready2.poll().is_ready(), "{name}");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -499,9 +474,9 @@ async fn limit_reserve_capacity_without_sending_request() {
 /// dropped frees it for one waiting clone (woken), and the next waits for that one.
 #[tokio::test(start_paused = true)]
 async fn limit_service_drop_frees_capacity_for_one_waiter() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, _handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, _handle| {
             let mut s1 = subject(boxed(ConcurrencyLimit::new(mock, 1)));
             let mut s2 = s1.clone();
             let mut s3 = s1.clone();
@@ -518,8 +493,8 @@ async fn limit_service_drop_frees_capacity_for_one_waiter() {
             drop(s2);
             assert!(ready3.is_woken(), "{name}: then the second");
             assert!(ready3.poll().is_ready(), "{name}");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -527,12 +502,9 @@ async fn limit_service_drop_frees_capacity_for_one_waiter() {
 /// retries) frees the permit.
 #[tokio::test(start_paused = true)]
 async fn limit_response_error_releases_capacity() {
-    within(async {
-        for (name, subject) in subjects() {
-            if finishes_after_the_caller_leaves(name) {
-                continue;
-            }
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |name| !finishes_after_the_caller_leaves(name),
+        async |name, subject, mock, mut handle| {
             let mut s1 = subject(boxed(ConcurrencyLimit::new(mock, 1)));
             let mut s2 = s1.clone();
             let call = tokio::spawn(s1.ready().await.unwrap().call(get("/hello")));
@@ -542,8 +514,8 @@ async fn limit_response_error_releases_capacity() {
             .await
             .unwrap_err();
             assert!(task::spawn(s2.ready()).poll().is_ready(), "{name}");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -551,12 +523,9 @@ async fn limit_response_error_releases_capacity() {
 /// the permit its handle had reserved.
 #[tokio::test(start_paused = true)]
 async fn limit_response_future_drop_releases_capacity() {
-    within(async {
-        for (name, subject) in subjects() {
-            if finishes_after_the_caller_leaves(name) {
-                continue;
-            }
-            let (mock, _handle) = mock::pair::<Req, _>();
+    each_subject(
+        |name| !finishes_after_the_caller_leaves(name),
+        async |name, subject, mock, _handle| {
             let mut s1 = subject(boxed(ConcurrencyLimit::new(mock, 1)));
             let mut s2 = s1.clone();
             assert!(task::spawn(s1.ready()).poll().is_ready(), "{name}");
@@ -565,8 +534,8 @@ async fn limit_response_future_drop_releases_capacity() {
             assert!(ready2.poll().is_pending(), "{name}");
             drop(r1);
             assert!(ready2.poll().is_ready(), "{name}");
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -577,15 +546,15 @@ async fn limit_response_future_drop_releases_capacity() {
 /// `load_shed_outside_sheds_when_the_service_inside_is_not_ready`.)
 #[tokio::test(start_paused = true)]
 async fn load_shed_when_ready() {
-    within(async {
-        for (name, subject) in subjects() {
-            let (mock, mut handle) = mock::pair::<Req, _>();
+    each_subject(
+        |_| true,
+        async |name, subject, mock, mut handle| {
             let mut svc = LoadShed::new(subject(boxed(mock)));
             assert!(task::spawn(svc.ready()).poll().is_ready(), "{name}");
             let call = tokio::spawn(svc.call(get("/hello")));
             serve(&mut handle, "/hello", 200, call, name).await;
-        }
-    })
+        },
+    )
     .await;
 }
 

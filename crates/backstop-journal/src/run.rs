@@ -312,10 +312,6 @@ impl Journal {
     /// # }
     /// ```
     pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
-        self.summaries(filter).await
-    }
-
-    async fn summaries(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
         type Row = (
             String,
             Option<String>,

@@ -41,7 +41,7 @@ mod netsim {
     }
 
     /// Runs every seed, on as many threads as the machine has cores (each seed's simulation is
-    /// a world of its own, deterministic whichever thread runs it), in seed order.
+    /// a world of its own, which no other run shares), and gives the reports in seed order.
     fn run_all(seeds: Vec<u64>, config: &Config) -> Vec<Report> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let chunk = seeds.len().div_ceil(threads).max(1);
