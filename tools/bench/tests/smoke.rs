@@ -97,49 +97,71 @@ mod netsim {
         }
     }
 
-    /// Two seeds whose runs repeat to the last field (most seeds do; some interleave otherwise
-    /// from run to run: ARCHITECTURE.md, "The whole path, simulated").
+    /// Runs `f` while another thread spawns tokio tasks as fast as it can (a core's worth, for
+    /// the few seconds of the runs it is used for): tokio counts task ids per process and a
+    /// runtime drops its tasks in their ids' order, so the ids `f`'s runtimes get are spread as
+    /// a busy process spreads them.
+    fn beside_other_tasks<T>(f: impl FnOnce() -> T) -> T {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let done = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    while !done.load(Ordering::Relaxed) {
+                        tokio::spawn(async {}).await.unwrap();
+                    }
+                });
+            });
+            let out = f();
+            done.store(true, Ordering::Relaxed);
+            out
+        })
+    }
+
+    /// A seed's run repeats to the last field, whatever else the process runs: seeds whose
+    /// server is killed mid-run (its tasks dropped with its runtime; in 1623 two kills overlap),
+    /// each run alone and then twice beside a thread that spawns tasks.
     #[test]
     fn a_seed_replays_exactly() {
         let config = Config::default();
-        for seed in [3, 11] {
-            assert_eq!(run(seed, &config), run(seed, &config));
+        for seed in [9, 12, 13, 22, 39, 64, 67, 80, 85, 1623] {
+            let alone = run(seed, &config);
+            assert!(
+                alone.faults.iter().any(|(_, f)| f.starts_with("Kill")),
+                "{seed}"
+            );
+            for _ in 0..2 {
+                let beside = beside_other_tasks(|| run(seed, &config));
+                assert_eq!(alone, beside, "seed {seed}");
+            }
         }
     }
 
-    /// A seed printed by a failing run, rerun in a process of its own as a developer reruns it,
-    /// repeats its faults and its workload (every call, its action and whether it is nested):
-    /// this test runs itself again as a child process with `NETSIM_RERUN_OF` set and compares
-    /// the child's with its own. (How each call ends can differ in a few interleavings between
-    /// processes: ARCHITECTURE.md, "The whole path, simulated".)
+    /// A seed printed by a failing run, rerun in a process of its own as a developer reruns it
+    /// (`NETSIM_SEED`), repeats the run to the last field: this test runs itself again as a
+    /// child process with `NETSIM_RERUN_OF` set and compares the child's report with its own.
     #[test]
-    fn a_seed_reruns_its_faults_and_workload_in_another_process() {
+    fn a_seed_replays_exactly_in_another_process() {
         const MARK: &str = "netsim rerun: ";
-        fn rerun(seed: u64) -> String {
-            let report = run(seed, &Config::default());
-            let mut calls: Vec<_> = report
-                .calls
-                .iter()
-                .map(|c| (c.id.clone(), c.action.clone(), c.nested))
-                .collect();
-            calls.sort();
-            format!("faults {:?} calls {calls:?}", report.faults)
-        }
+        const SEED: u64 = 39;
         if let Some(seed) = std::env::var("NETSIM_RERUN_OF")
             .ok()
             .and_then(|s| s.parse().ok())
         {
-            println!("{MARK}{}", rerun(seed));
+            println!("{MARK}{:?}", run(seed, &Config::default()));
             return;
         }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "netsim::a_seed_reruns_its_faults_and_workload_in_another_process",
+                "netsim::a_seed_replays_exactly_in_another_process",
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env("NETSIM_RERUN_OF", "11")
+            .env("NETSIM_RERUN_OF", SEED.to_string())
             .output()
             .expect("the test binary runs again");
         assert!(
@@ -152,7 +174,7 @@ mod netsim {
             .lines()
             .find_map(|l| l.split_once(MARK).map(|(_, rerun)| rerun))
             .unwrap_or_else(|| panic!("the child printed nothing: {stdout}"));
-        let ours = rerun(11);
+        let ours = format!("{:?}", beside_other_tasks(|| run(SEED, &Config::default())));
         assert!(ours.contains("Kill") && ours.contains("refund"), "{ours}");
         assert_eq!(theirs, ours);
     }

@@ -8,7 +8,8 @@
 //! Backstop's replay layer over a handler that commits refunds to a ledger kept outside the
 //! simulation (the bank's books survive the server), and `store` keeps the replay entries. The
 //! faults come from a schedule drawn from the seed, so a seed names one run:
-//! [`run`] twice with one seed in one process gives the same [`Report`], trace included.
+//! [`run`] with one seed gives the same [`Report`] in any process, whatever ran before it
+//! (the kill, which would otherwise depend on that, says how).
 
 mod check;
 mod store;
@@ -214,13 +215,14 @@ enum Fault {
     PartitionStore(Duration),
     /// Messages between the agent and the server are held, then delivered at once.
     Hold(Duration),
-    /// The server is killed (every task dropped) and started again after a while.
+    /// The server is killed (every task dropped, nothing more sent: [`kill`]) and started again
+    /// after a while.
     Kill(Duration),
 }
 
 impl Fault {
-    /// Applies the fault; returns how long it lasts.
-    fn start(self, sim: &mut turmoil::Sim<'_>) -> Duration {
+    /// Applies the fault, with the faults still in force beside it; returns how long it lasts.
+    fn start(self, sim: &mut turmoil::Sim<'_>, active: &[Fault]) -> Duration {
         match self {
             Fault::PartitionClient(d) => {
                 sim.partition("agent", wire::API.0);
@@ -235,7 +237,7 @@ impl Fault {
                 d
             }
             Fault::Kill(d) => {
-                sim.crash(wire::API.0);
+                kill(sim, active);
                 d
             }
         }
@@ -256,11 +258,48 @@ impl Fault {
                 sim.release("agent", wire::API.0);
                 "release agent-api"
             }
+            // A server that an earlier kill's end started again is left running: starting it
+            // again would kill it without [`kill`].
+            Fault::Kill(_) if sim.is_host_running(wire::API.0) => "api running already",
             Fault::Kill(_) => {
                 sim.bounce(wire::API.0);
                 "start api"
             }
         }
+    }
+}
+
+/// Kills the server as a machine that loses its power stops: every task dropped, and nothing
+/// leaves it any more, not even what it had sent that is still on the wire; its peers find out
+/// by their own timeouts. (A process killed on a live machine would have its sockets' closing
+/// segments sent as its tasks drop; tokio drops them in an order it keeps per process, by task
+/// ids no run controls, and each segment would draw its latency from the seed's generator in
+/// that order: the rest of the run would then depend on the process it ran in.) The links of
+/// faults still in force stay as those faults left them.
+fn kill(sim: &mut turmoil::Sim<'_>, active: &[Fault]) {
+    let peers = ["agent", store::STORE.0];
+    for peer in peers {
+        sim.partition_oneway(wire::API.0, peer);
+    }
+    sim.crash(wire::API.0);
+    for peer in peers {
+        let on_link: Vec<_> = active.iter().filter(|f| peer_of(f) == Some(peer)).collect();
+        if on_link.iter().any(|f| !matches!(f, Fault::Hold(_))) {
+            continue;
+        }
+        sim.repair_oneway(wire::API.0, peer);
+        if !on_link.is_empty() {
+            sim.hold(peer, wire::API.0);
+        }
+    }
+}
+
+/// The server's peer whose link the fault cuts or holds.
+fn peer_of(fault: &Fault) -> Option<&'static str> {
+    match fault {
+        Fault::PartitionClient(_) | Fault::Hold(_) => Some("agent"),
+        Fault::PartitionStore(_) => Some(store::STORE.0),
+        Fault::Kill(_) => None,
     }
 }
 
@@ -316,7 +355,8 @@ pub fn run(seed: u64, config: &Config) -> Report {
         while pending.first().is_some_and(|(at, _)| *at <= now) {
             let (_, fault) = pending.remove(0);
             applied.push((now, format!("{fault:?}")));
-            ends.push((now + fault.start(&mut sim), fault));
+            let active: Vec<Fault> = ends.iter().map(|(_, f)| *f).collect();
+            ends.push((now + fault.start(&mut sim, &active), fault));
         }
         ends.sort_by_key(|(at, _)| *at);
         while ends.first().is_some_and(|(at, _)| *at <= now) {
