@@ -67,7 +67,7 @@ pub(crate) struct Call<T: Retryable> {
     pub(crate) learned: bool,
     pub(crate) ticket: Option<Ticket>,
     pub(crate) cutoff: Option<AttemptCutoff>,
-    pub(crate) span: Span,
+    pub(crate) span: AttemptSpan,
     pub(crate) history: Vec<AttemptRecord>,
     /// The backoff and its random source, boxed at the first wait they decide: only a call
     /// that retries pays for them, and the future every call moves stays smaller.
@@ -135,7 +135,7 @@ impl<T: Retryable> Call<T> {
             learned,
             ticket: None,
             cutoff: None,
-            span: Span::none(),
+            span: AttemptSpan::default(),
             history: Vec::new(),
             schedule: None,
         }
@@ -159,7 +159,7 @@ impl<T: Retryable> Call<T> {
         req: impl FnOnce(&mut Template<T::Req>) -> T::Req,
     ) -> State<Fut<T>> {
         self.begin_attempt(now);
-        self.span = attempt_span(&self.dependency, self.attempt);
+        self.span = AttemptSpan::new(&self.dependency, self.attempt);
         let limit = if policy.settings.attempt_hooks {
             match self.before_attempt(policy) {
                 Ok(limit) => limit,
@@ -200,14 +200,14 @@ impl<T: Retryable> Call<T> {
             crate::obs::retry(&self.dependency);
         }
         self.sent = true;
-        if !self.span.is_disabled()
+        if let Some(span) = self.span.get()
             && let Some(name) = policy.resend.attempt_name(&req)
         {
             // Before the span is first entered, while OpenTelemetry's span can still be named.
-            self.span.record("otel.name", &*name);
+            span.record("otel.name", &*name);
         }
         // A span the service makes in its own `call` is the attempt's child.
-        let _entered = self.span.enter();
+        let _entered = self.span.get().map(Span::enter);
         State::Called {
             fut: self.svc.call(req),
             timer: None,
@@ -225,7 +225,7 @@ impl<T: Retryable> Call<T> {
         cx: &mut Context<'_>,
     ) -> Poll<EndOf<T>> {
         let polled = {
-            let _entered = self.span.enter();
+            let _entered = self.span.get().map(Span::enter);
             fut.poll(cx)
         };
         if let Poll::Ready(result) = polled {
@@ -327,8 +327,9 @@ impl<T: Retryable> Call<T> {
         };
         let limit = latency.timeout(&self.dependency, self.attempt);
         crate::obs::attempt_timeout(&self.dependency, limit);
-        self.span
-            .record("attempt_timeout_ms", limit.as_millis() as u64);
+        if let Some(span) = self.span.get() {
+            span.record("attempt_timeout_ms", limit.as_millis() as u64);
+        }
         Ok(Some(limit))
     }
 
@@ -450,6 +451,25 @@ fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
             d.kind,
             Some(ErrorKind::Unavailable | ErrorKind::Throttled | ErrorKind::DeadlineExceeded)
         )
+}
+
+/// The attempt's span when a subscriber records it, boxed: the future every call moves keeps 8
+/// bytes for it, against a `Span`'s 40, and a call no subscriber traces allocates nothing for it.
+#[derive(Default)]
+pub(crate) struct AttemptSpan(Option<Box<Span>>);
+
+impl AttemptSpan {
+    #[inline]
+    fn new(dependency: &Dependency, attempt: u32) -> Self {
+        let span = attempt_span(dependency, attempt);
+        AttemptSpan((!span.is_disabled()).then(|| Box::new(span)))
+    }
+
+    /// The span, when it is recorded.
+    #[inline]
+    fn get(&self) -> Option<&Span> {
+        self.0.as_deref()
+    }
 }
 
 /// The attempt's span, inside whatever span is current (the call's). A resend carries

@@ -63,7 +63,9 @@ struct Letterhead {
 
 /// What one call keeps from its start to its end: its span, and what a dead letter would need.
 pub(crate) struct CallState {
-    pub(crate) span: tracing::Span,
+    /// The call's span when a subscriber records it, boxed: the future every call moves keeps
+    /// 8 bytes for it, against a `Span`'s 40, and a call no subscriber traces allocates nothing.
+    span: Option<Box<tracing::Span>>,
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.
     letterhead: Option<Box<Letterhead>>,
@@ -154,7 +156,7 @@ impl<I> CallWork<I> {
         }
         let otel = self.otel.begin(&self.dependency, || grpc(req));
         Ok(CallState {
-            span,
+            span: (!span.is_disabled()).then(|| Box::new(span)),
             letterhead,
             otel,
         })
@@ -169,20 +171,27 @@ impl<I> CallWork<I> {
 }
 
 impl CallState {
+    /// Enters the call's span, when it is recorded.
+    pub(crate) fn enter(&self) -> Option<tracing::span::Entered<'_>> {
+        self.span.as_deref().map(tracing::Span::enter)
+    }
+
     /// After the call, once: the span's fields, the one [`Error`], the dead letter and the
     /// reconciliation of a failed mutating call.
     pub(crate) fn end<Res: HasExtensions>(
         &mut self,
         result: Result<Res, BoxError>,
     ) -> Result<Res, Error> {
-        let span = &self.span;
+        let span = self.span.as_deref();
         let e = match result {
             Ok(res) => {
-                if !span.is_disabled() || self.otel.is_some() {
+                if span.is_some() || self.otel.is_some() {
                     let history = RetryHistory::of(&res);
                     let attempts = history.map_or(1, RetryHistory::sent);
-                    span.record("attempts", attempts);
-                    span.record("outcome", Outcome::Completed.as_str());
+                    if let Some(span) = span {
+                        span.record("attempts", attempts);
+                        span.record("outcome", Outcome::Completed.as_str());
+                    }
                     if let Some(otel) = self.otel.take() {
                         otel.end(attempts, history, Outcome::Completed, None);
                     }
@@ -196,9 +205,11 @@ impl CallState {
             let kind = err.kind().as_str();
             otel.end(err.attempts(), err.history(), err.outcome(), Some(kind));
         }
-        span.record("attempts", err.attempts());
-        span.record("outcome", err.outcome().as_str());
-        span.record("error", err.kind().as_str());
+        if let Some(span) = span {
+            span.record("attempts", err.attempts());
+            span.record("outcome", err.outcome().as_str());
+            span.record("error", err.kind().as_str());
+        }
         if let Some(head) = self.letterhead.take() {
             let head = *head;
             let letter = DeadLetter::new(&err, head.run_id, head.call_id, head.key);
@@ -206,7 +217,7 @@ impl CallState {
                 hook(&letter);
             }
             if let Some(sink) = &head.sink {
-                let _entered = span.enter();
+                let _entered = span.map(tracing::Span::enter);
                 tracing::warn!(
                     target: "backstop::dead_letter",
                     dependency = ?letter.dependency,

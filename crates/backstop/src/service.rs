@@ -103,7 +103,7 @@ where
             Ok(state) => {
                 // The first attempt is sent from here: its span is the call's child.
                 let inner = {
-                    let _entered = state.span.enter();
+                    let _entered = state.enter();
                     self.inner.call(req)
                 };
                 BackstopFuture(Calling::Owned { inner, state })
@@ -167,7 +167,7 @@ where
         let (result, end) = match self.project().0.project() {
             CallingProj::Owned { mut inner, state } => {
                 let result = {
-                    let _entered = state.span.enter();
+                    let _entered = state.enter();
                     ready!(inner.as_mut().poll(cx))
                 };
                 (state.end(result), inner.attempt_end())
