@@ -284,10 +284,12 @@ fn kill(sim: &mut turmoil::Sim<'_>, active: &[Fault]) {
     sim.crash(wire::API.0);
     for peer in peers {
         let on_link: Vec<_> = active.iter().filter(|f| peer_of(f) == Some(peer)).collect();
+        // A partition in force keeps the link cut both ways.
         if on_link.iter().any(|f| !matches!(f, Fault::Hold(_))) {
             continue;
         }
         sim.repair_oneway(wire::API.0, peer);
+        // A hold in force holds it again.
         if !on_link.is_empty() {
             sim.hold(peer, wire::API.0);
         }
