@@ -88,17 +88,24 @@ impl<Req> Template<Req> {
     /// copied, keeps why and returns `req` itself.
     #[inline]
     pub(crate) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
-        let req = resend.prepare(req);
-        match resend.copy(&req) {
-            Ok(copy) => {
-                *self = Template::Kept(req);
-                copy
-            }
-            Err(why) => {
-                *self = Template::Uncopyable(why);
-                req
-            }
+        // Kept in place first and copied from there: the request is moved once, not twice.
+        let Template::Kept(kept) = self.insert(resend.prepare(req)) else {
+            unreachable!("kept above")
+        };
+        match resend.copy(kept) {
+            Ok(copy) => copy,
+            Err(why) => match std::mem::replace(self, Template::Uncopyable(why)) {
+                Template::Kept(req) => req,
+                _ => unreachable!("kept above"),
+            },
         }
+    }
+
+    /// Keeps `req`, in place.
+    #[inline(always)]
+    fn insert(&mut self, req: Req) -> &mut Self {
+        *self = Template::Kept(req);
+        self
     }
 
     /// The kept request, or why there is none.
