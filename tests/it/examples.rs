@@ -59,10 +59,10 @@ fn reqwest_client_runs() {
 
 #[test]
 fn invoice_workflow_runs() {
-    let dir = std::env::temp_dir().join(format!("backstop-invoice-example-{}", std::process::id()));
+    let dir = backstop_testkit::scratch_dir("invoice-example");
     invoice_workflow::run_demo(
         std::path::Path::new(env!("CARGO_BIN_EXE_invoice_worker")),
-        &dir,
+        dir.path(),
     )
     .unwrap();
 }

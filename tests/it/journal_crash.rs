@@ -35,14 +35,14 @@ async fn crash_and_resume(
 ) -> (usize, bool, bool) {
     let worker = Path::new(env!("CARGO_BIN_EXE_invoice_worker"));
     let world = World::start().await;
-    let dir = std::env::temp_dir().join(format!(
-        "backstop-journal-crash-{}-{n}-{}",
-        std::process::id(),
+    let scratch = backstop_testkit::scratch_dir(&format!(
+        "journal-crash-{n}-{}",
         if naive { "naive" } else { "journal" }
     ));
+    let dir = scratch.path();
     let db = match pg {
         Some(url) => url.to_owned(),
-        None => invoice::fresh_db(&dir).to_string_lossy().into_owned(),
+        None => invoice::fresh_db(dir).to_string_lossy().into_owned(),
     };
     let run = format!("run-{n}-{}", if naive { "naive" } else { "journal" });
     let mut first = invoice::spawn_worker(worker, &db, &world.url(), &run, Some(kill_at), false);
@@ -130,11 +130,10 @@ async fn a_resume_that_does_not_reconcile_acts_twice() {
 async fn what_the_provider_cannot_tell_goes_to_a_person_not_out_again() {
     let worker = Path::new(env!("CARGO_BIN_EXE_invoice_worker"));
     let world = World::start().await;
-    let dir = std::env::temp_dir().join(format!(
-        "backstop-journal-crash-{}-human",
-        std::process::id()
-    ));
-    let db = invoice::fresh_db(&dir).to_string_lossy().into_owned();
+    let scratch = backstop_testkit::scratch_dir("journal-crash-human");
+    let db = invoice::fresh_db(scratch.path())
+        .to_string_lossy()
+        .into_owned();
     let mut first = invoice::spawn_worker(worker, &db, &world.url(), "run-h", None, false);
     world.kill_after_effect("send-email", first.id());
     world.take_mailer_lookup_down();
@@ -252,8 +251,10 @@ async fn killed_during_a_parked_wait(db: &str, run: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_while_recovering_or_waiting_the_run_still_converges() {
-    let dir = std::env::temp_dir().join(format!("backstop-crash-{}-recovery", std::process::id()));
-    let db = invoice::fresh_db(&dir).to_string_lossy().into_owned();
+    let scratch = backstop_testkit::scratch_dir("crash-recovery");
+    let db = invoice::fresh_db(scratch.path())
+        .to_string_lossy()
+        .into_owned();
     killed_during_recovery(&db, "run-recovery").await;
     killed_during_a_parked_wait(&db, "run-parked").await;
 }
@@ -335,8 +336,10 @@ async fn a_failed_run_forked_at_its_failed_step_finishes(db: &str, run: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_run_forked_at_its_failed_step_finishes_on_sqlite() {
-    let dir = std::env::temp_dir().join(format!("backstop-crash-{}-fork", std::process::id()));
-    let db = invoice::fresh_db(&dir).to_string_lossy().into_owned();
+    let scratch = backstop_testkit::scratch_dir("crash-fork");
+    let db = invoice::fresh_db(scratch.path())
+        .to_string_lossy()
+        .into_owned();
     a_failed_run_forked_at_its_failed_step_finishes(&db, "run-refused").await;
 }
 

@@ -382,10 +382,8 @@ async fn presets_follow_the_tool_policy_table() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_json_lines_sink_writes_one_object_per_line() {
-    let dir = std::env::temp_dir().join(format!("backstop-dlq-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("dead-letters.jsonl");
-    let _ = std::fs::remove_file(&path);
+    let dir = backstop_testkit::scratch_dir("dlq");
+    let path = dir.path().join("dead-letters.jsonl");
     let sink = Arc::new(JsonLinesSink::open(&path).unwrap());
     let server = TestServer::start(|_: &Seen| Action::DropReply).await;
     let svc = stack(

@@ -345,10 +345,8 @@ fn operate(db: &str) {
 
 #[tokio::test]
 async fn the_operator_reads_and_repairs_a_sqlite_journal() {
-    let dir = std::env::temp_dir().join(format!("backstop-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let db = dir.join("journal.db");
+    let dir = backstop_testkit::scratch_dir("cli");
+    let db = dir.path().join("journal.db");
     let j = Journal::sqlite(&db).await.unwrap();
     write_a_run(&j).await;
     write_a_failed_run(&j).await;

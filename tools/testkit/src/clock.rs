@@ -1,7 +1,6 @@
-//! A wall clock a test moves by hand, and a fresh directory per test.
+//! A wall clock a test moves by hand, and a scratch directory per test.
 
 use std::{
-    path::PathBuf,
     sync::{
         Arc,
         atomic::{AtomicI64, Ordering},
@@ -44,11 +43,11 @@ impl ManualClock {
     }
 }
 
-/// A fresh, empty directory for this process and `name` under the system's temporary
-/// directory.
-pub fn fresh_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("backstop-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a temporary directory");
-    dir
+/// A fresh, empty directory under the system's temporary directory, named after `name`; it
+/// and what it holds are removed when the returned guard drops, however the test ends.
+pub fn scratch_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("backstop-{name}-"))
+        .tempdir()
+        .expect("a temporary directory")
 }

@@ -25,7 +25,7 @@ mod redis;
 mod redis_cluster;
 mod redis_sentinel;
 
-pub use clock::{ManualClock, fresh_dir};
+pub use clock::{ManualClock, scratch_dir};
 pub use pg_wire::PgWireCounter;
 pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};
@@ -33,6 +33,8 @@ pub use redis::RedisServer;
 pub(crate) use redis::Role;
 pub use redis_cluster::RedisCluster;
 pub use redis_sentinel::RedisSentinel;
+/// A scratch directory, removed with what it holds when dropped ([`scratch_dir`]).
+pub use tempfile::TempDir;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Response, StatusCode};

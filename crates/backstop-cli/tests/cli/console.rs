@@ -155,10 +155,11 @@ fn free_port() -> u16 {
 }
 
 /// ChromeDriver on a free port, once it answers.
-async fn chromedriver() -> (Running, String) {
+async fn chromedriver(tmp: &Path) -> (Running, String) {
     let port = free_port();
     let child = Command::new("chromedriver")
         .arg(format!("--port={port}"))
+        .env("TMPDIR", tmp)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -251,13 +252,13 @@ fn post(base: &str, path: &str, body: &str, from: &str) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_in_a_headless_browser() {
-    let dir = std::env::temp_dir().join(format!("backstop-console-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let db = dir.join("journal.db");
+    let dir = backstop_testkit::scratch_dir("console");
+    let db = dir.path().join("journal.db");
     write_runs(&db).await;
     let (_server, base) = console(&db, true);
-    let (_driver, webdriver) = chromedriver().await;
+    // Chromium keeps its profile and scoped directories under TMPDIR: this test's own.
+    let browser_tmp = backstop_testkit::scratch_dir("console-chromium");
+    let (_driver, webdriver) = chromedriver(browser_tmp.path()).await;
     let b = browser(&webdriver).await;
 
     // The runs, one in each state.

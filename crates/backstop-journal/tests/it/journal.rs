@@ -9,7 +9,7 @@ use backstop_journal::{
 };
 #[cfg(feature = "postgres")]
 use backstop_testkit::PostgresServer;
-use backstop_testkit::{ManualClock, fresh_dir};
+use backstop_testkit::{ManualClock, TempDir, scratch_dir};
 use std::{
     future::Future,
     path::PathBuf,
@@ -21,15 +21,21 @@ use std::{
 };
 use tower::{Service, ServiceExt, service_fn};
 
-fn temp_db(name: &str) -> PathBuf {
-    fresh_dir(&format!("journal-{name}")).join("journal.db")
+/// A journal file's path in a scratch directory, removed when the guard drops.
+fn temp_db(name: &str) -> (TempDir, PathBuf) {
+    let dir = scratch_dir(&format!("journal-{name}"));
+    let path = dir.path().join("journal.db");
+    (dir, path)
 }
 
-async fn sqlite(name: &str, clock: &ManualClock) -> Journal {
-    Journal::sqlite(temp_db(name))
+/// A journal on a fresh SQLite file, and the guard of its directory.
+async fn sqlite(name: &str, clock: &ManualClock) -> (TempDir, Journal) {
+    let (dir, path) = temp_db(name);
+    let j = Journal::sqlite(path)
         .await
         .unwrap()
-        .with_clock(clock.reader())
+        .with_clock(clock.reader());
+    (dir, j)
 }
 
 fn ok(result: &str) -> CallResult {
@@ -546,7 +552,8 @@ async fn all(j: Journal, clock: ManualClock) {
 #[tokio::test]
 async fn every_scenario_on_sqlite() {
     let clock = ManualClock::new();
-    all(sqlite("all", &clock).await, clock).await;
+    let (_dir, j) = sqlite("all", &clock).await;
+    all(j, clock).await;
 }
 
 // The PostgreSQL tests need the `postgres` feature: `cargo test --workspace` has it (the
@@ -567,7 +574,7 @@ async fn every_scenario_on_postgres() {
 #[tokio::test]
 async fn the_sqlite_file_keeps_everything_across_reopening() {
     let clock = ManualClock::new();
-    let path = temp_db("reopen");
+    let (_dir, path) = temp_db("reopen");
     let j = Journal::sqlite(&path)
         .await
         .unwrap()
@@ -630,7 +637,7 @@ async fn postgres_workers_claiming_together_take_different_runs() {
 #[tokio::test]
 async fn sqlite_claim_next_takes_each_run_once() {
     let clock = ManualClock::new();
-    let j = sqlite("claim-next", &clock).await;
+    let (_dir, j) = sqlite("claim-next", &clock).await;
     for i in 0..5 {
         j.begin(&NewStep::tool_call(&format!("run-{i}"), "s", "c", "t", b""))
             .await
@@ -695,5 +702,6 @@ async fn postgres_racing_moves_let_exactly_one_through() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_racing_moves_let_exactly_one_through() {
     let clock = ManualClock::new();
-    racing_moves_let_exactly_one_through(sqlite("race", &clock).await).await;
+    let (_dir, j) = sqlite("race", &clock).await;
+    racing_moves_let_exactly_one_through(j).await;
 }

@@ -8,7 +8,7 @@ use backstop_journal::{
     CallResult, Journal, JournalError, NewStep, Reconciled, Reconcilers, Resolution, RunContext,
     RunEnd, RunFilter, RunState, Step, StepId, StepState, Worker,
 };
-use backstop_testkit::{ManualClock, fresh_dir};
+use backstop_testkit::{ManualClock, TempDir, scratch_dir};
 use std::{
     collections::HashMap,
     path::PathBuf,
@@ -20,8 +20,11 @@ use std::{
 };
 use tokio::sync::Notify;
 
-fn temp_db(name: &str) -> PathBuf {
-    fresh_dir(&format!("worker-{name}")).join("journal.db")
+/// A journal file's path in a scratch directory, removed when the guard drops.
+fn temp_db(name: &str) -> (TempDir, PathBuf) {
+    let dir = scratch_dir(&format!("worker-{name}"));
+    let path = dir.path().join("journal.db");
+    (dir, path)
 }
 
 /// How many times each (run, step) was called.
@@ -627,12 +630,14 @@ async fn all_in_real_time(j: Journal) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_scenario_on_sqlite() {
     let clock = ManualClock::new();
-    let j = Journal::sqlite(temp_db("scenarios"))
+    let (_scenarios, path) = temp_db("scenarios");
+    let j = Journal::sqlite(path)
         .await
         .unwrap()
         .with_clock(clock.reader());
     all(j, clock).await;
-    all_in_real_time(Journal::sqlite(temp_db("real-time")).await.unwrap()).await;
+    let (_real_time, path) = temp_db("real-time");
+    all_in_real_time(Journal::sqlite(path).await.unwrap()).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -669,14 +674,27 @@ async fn workers_on_one_postgres_share_the_runs() {
     for w in 0..4 {
         // Each worker its own pool, as separate processes would have.
         let own = Journal::postgres(&pg.url()).await.unwrap();
-        let worker = worker(&own, &format!("w{w}"), &calls);
+        // Sharing, not taking over: a lease long enough that no renewal a loaded machine
+        // delays lets it lapse (at 300 ms, one did, and the run was handed on mid-step).
+        // Takeovers after a lease lapses are tested on the manual clock above.
+        let worker = worker(&own, &format!("w{w}"), &calls).lease(Duration::from_secs(30));
         workers.push(tokio::spawn(async move { worker.run_until_idle().await }));
     }
-    let mut handled = 0;
+    // Each run finished, by one worker, and nothing else reported.
+    let mut finished = std::collections::BTreeMap::new();
     for w in workers {
-        handled += w.await.unwrap().unwrap().len();
+        for report in w.await.unwrap().unwrap() {
+            match report.end {
+                RunEnd::Succeeded { .. } => *finished.entry(report.run).or_insert(0) += 1,
+                other => panic!("{}: {other:?}", report.run),
+            }
+        }
     }
-    assert_eq!(handled, 24, "each run handled once");
+    assert_eq!(finished.len(), 24, "every run finished: {finished:?}");
+    assert!(
+        finished.values().all(|&n| n == 1),
+        "each once: {finished:?}"
+    );
     for n in 0..24 {
         let run = format!("run-{n}");
         assert_eq!(calls.of(&run, "label"), 1, "{run}");
