@@ -306,11 +306,36 @@ pub async fn refused_addr() -> SocketAddr {
     addr
 }
 
-/// A loopback port that was free a moment ago, for a server started in another process (which
-/// must bind it itself). Another test may take it first: the caller retries on a bind failure.
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind loopback")
-        .port()
+/// A free loopback port for a server started in another process (which binds it itself), one
+/// that a test may kill and start again on the same port (and,
+/// with `bus`, a Redis Cluster node's bus port, `port + 10000`, free too). Both are below
+/// the range the kernel hands out for outgoing connections and `bind(:0)`: while the server is
+/// down, nothing else takes its port by chance (a client's ephemeral port, another test's
+/// listener), so the restart finds it free.
+pub(crate) fn restartable_port(bus: bool) -> u16 {
+    use std::hash::{BuildHasher, RandomState};
+    let low = ephemeral_low();
+    let top = if bus { low.saturating_sub(10_000) } else { low };
+    assert!(
+        top > 10_500,
+        "the kernel's ephemeral range starts too low ({low}) for a fixed port"
+    );
+    let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    for _ in 0..200 {
+        let span = u64::from(top - 10_000);
+        let port = 10_000 + (RandomState::new().hash_one(std::process::id()) % span) as u16;
+        if free(port) && (!bus || free(port + 10_000)) {
+            return port;
+        }
+    }
+    panic!("no free loopback port below {top} for a server that restarts");
+}
+
+/// Where the kernel's ephemeral ports start (Linux's `ip_local_port_range`; 32768 when it
+/// cannot be read).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }

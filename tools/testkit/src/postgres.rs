@@ -105,7 +105,7 @@ impl PostgresServer {
     /// Creates a cluster in a fresh temporary directory and starts it (fsync off: a test's
     /// data does not need to survive the machine, only the server's own crashes).
     pub async fn start() -> PostgresServer {
-        let port = crate::free_port();
+        let port = crate::restartable_port(false);
         let bin = bin_dir();
         let dir = std::env::temp_dir().join(format!("backstop-pg-{}-{port}", std::process::id()));
         let as_postgres = is_root();
@@ -124,7 +124,7 @@ impl PostgresServer {
             match server.launch() {
                 Ok(()) => return server,
                 Err(log) if log.contains("Address already in use") => {
-                    server.port = crate::free_port();
+                    server.port = crate::restartable_port(false);
                 }
                 Err(log) => panic!("PostgreSQL did not start: {log}"),
             }

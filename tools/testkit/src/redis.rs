@@ -1,18 +1,7 @@
 //! A `redis-server` of a test's own, as one Redis, a cluster node, a replica or a Sentinel.
 
-use crate::free_port;
+use crate::restartable_port;
 use std::time::Duration;
-
-/// A loopback port free a moment ago whose cluster bus port (`port + 10000`) is free too.
-fn free_cluster_port() -> u16 {
-    for _ in 0..100 {
-        let port = free_port();
-        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free loopback port pair for a Redis Cluster node");
-}
 
 /// A `redis-server` of the test's own on a free loopback port, stopped when dropped.
 ///
@@ -46,7 +35,7 @@ impl RedisServer {
     pub async fn start() -> RedisServer {
         let mut server = RedisServer {
             child: None,
-            port: free_port(),
+            port: restartable_port(false),
             dir: None,
             role: Role::Alone,
         };
@@ -61,13 +50,7 @@ impl RedisServer {
 
     /// A persistent server in `role`, on a free port (and, for a cluster node, a free bus port).
     pub(crate) async fn start_as(role: Role) -> RedisServer {
-        let pick = || {
-            if role == Role::ClusterNode {
-                free_cluster_port()
-            } else {
-                free_port()
-            }
-        };
+        let pick = || restartable_port(role == Role::ClusterNode);
         let port = pick();
         let dir =
             std::env::temp_dir().join(format!("backstop-redis-{}-{port}", std::process::id()));
@@ -107,7 +90,7 @@ impl RedisServer {
             if self.launch().await {
                 return;
             }
-            self.port = free_port();
+            self.port = restartable_port(false);
         }
         panic!("redis-server found no free loopback port in 5 tries");
     }
