@@ -89,7 +89,8 @@ impl<Req> Template<Req> {
     #[inline]
     pub(crate) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
         // Kept in place first and copied from there: the request is moved once, not twice.
-        let Template::Kept(kept) = self.insert(resend.prepare(req)) else {
+        *self = Template::Kept(resend.prepare(req));
+        let Template::Kept(kept) = &*self else {
             unreachable!("kept above")
         };
         match resend.copy(kept) {
@@ -99,13 +100,6 @@ impl<Req> Template<Req> {
                 _ => unreachable!("kept above"),
             },
         }
-    }
-
-    /// Keeps `req`, in place.
-    #[inline(always)]
-    fn insert(&mut self, req: Req) -> &mut Self {
-        *self = Template::Kept(req);
-        self
     }
 
     /// The kept request, or why there is none.

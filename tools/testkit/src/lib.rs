@@ -306,12 +306,11 @@ pub async fn refused_addr() -> SocketAddr {
     addr
 }
 
-/// A free loopback port for a server started in another process (which binds it itself), one
-/// that a test may kill and start again on the same port (and,
-/// with `bus`, a Redis Cluster node's bus port, `port + 10000`, free too). Both are below
-/// the range the kernel hands out for outgoing connections and `bind(:0)`: while the server is
-/// down, nothing else takes its port by chance (a client's ephemeral port, another test's
-/// listener), so the restart finds it free.
+/// A free loopback port for a server started in another process (which binds it itself) and
+/// that a test may kill and start again on the same port; with `bus`, a Redis Cluster node's
+/// bus port (`port + 10000`) is free too. Both are below the range the kernel hands out for
+/// outgoing connections and `bind(:0)`: while the server is down, nothing takes its port by
+/// chance (a client's ephemeral port, another test's listener), so the restart finds it free.
 pub(crate) fn restartable_port(bus: bool) -> u16 {
     use std::hash::{BuildHasher, RandomState};
     let low = ephemeral_low();

@@ -675,8 +675,9 @@ async fn workers_on_one_postgres_share_the_runs() {
         // Each worker its own pool, as separate processes would have.
         let own = Journal::postgres(&pg.url()).await.unwrap();
         // Sharing, not taking over: a lease long enough that no renewal a loaded machine
-        // delays lets it lapse (at 300 ms, one did, and the run was handed on mid-step).
-        // Takeovers after a lease lapses are tested on the manual clock above.
+        // delays lets it lapse (at the other tests' 300 ms, one can, and another worker takes
+        // the run over mid-step). Takeovers after a lease lapses are tested on the manual
+        // clock above.
         let worker = worker(&own, &format!("w{w}"), &calls).lease(Duration::from_secs(30));
         workers.push(tokio::spawn(async move { worker.run_until_idle().await }));
     }
