@@ -1,5 +1,5 @@
-use crate::NotCopyable;
 use crate::error_kind::{Diagnosis, ErrorKind, Told};
+use crate::{NotCopyable, parts::Ended};
 use backstop_classify::Verdict;
 use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
 use std::{error::Error, fmt, time::Duration};
@@ -123,6 +123,23 @@ impl RetryHistory {
     /// The history recorded on a response, if any.
     pub fn of<R: backstop_core::HasExtensions + ?Sized>(res: &R) -> Option<&RetryHistory> {
         res.extensions().get::<RetryHistory>()
+    }
+
+    /// The call's result with this history: on the response, or in the [`RetryError`] of the
+    /// attempt that ended it with `verdict`.
+    pub(crate) fn attach<R, E>(self, ended: Ended<R, E>, verdict: Verdict) -> Result<R, BoxError>
+    where
+        R: backstop_core::HasExtensions,
+        E: Into<BoxError>,
+    {
+        let cause = match ended.into_result() {
+            Ok(mut res) => {
+                res.extensions_mut().insert(self);
+                return Ok(res);
+            }
+            Err(e) => e,
+        };
+        Err(Box::new(RetryError::new(self, verdict, cause)))
     }
 }
 

@@ -1,6 +1,8 @@
 //! The one voice of Backstop's errors: what a failed call is called and how it is told, shared
 //! by [`RetryError`](crate::RetryError) and the facade's `backstop::Error`.
 
+use backstop_classify::Verdict;
+use backstop_core::BoxError;
 use backstop_core::{
     AttemptTimedOut, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, DeadlineWords,
     Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
@@ -287,4 +289,23 @@ fn lost_reply<'a>(error: &'a (dyn Error + 'static)) -> Option<&'a (dyn Error + '
         next = e.source();
     }
     None
+}
+
+/// The verdict the classifiers give this layer's own error (timed out, no time left): one rule
+/// for the layer and the layers further in.
+pub(crate) fn own_verdict(error: &BoxError) -> Verdict {
+    backstop_classify::classify_error(&**error).unwrap_or(Verdict::Fatal {
+        outcome: Outcome::Unknown,
+    })
+}
+
+/// Whether a Backstop layer further in refused the attempt before sending it (an open circuit,
+/// a deadline already passed).
+pub(crate) fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
+    let d = Diagnosis::of(error);
+    d.outcome == Some(Outcome::NotSent)
+        && matches!(
+            d.kind,
+            Some(ErrorKind::Unavailable | ErrorKind::Throttled | ErrorKind::DeadlineExceeded)
+        )
 }

@@ -1,8 +1,10 @@
 //! Future types: the retry layer's [`ResponseFuture`], the hedge's and the body buffer's.
 //!
-//! The retry layer's future is in tower's shape: an attempt in flight, a wait before the next,
-//! the service getting ready for it. Every attempt, the first included, is begun by
-//! `Call::begin`; every end of a call passes `Call::finish` (`call.rs`).
+//! The retry layer's future in tower's shape: an attempt in flight (`Called`), a wait before
+//! the next (`Waiting`), the service getting ready for it (`Readying`). Every attempt, the
+//! first included, is begun by [`Call::begin`]; after each, one decision ([`Call::decide`],
+//! the policy's rules in `policy.rs`); every end of a call passes [`Call::finish`]. The policy
+//! decides (what an attempt may be, whether another follows); this future only drives.
 
 pub use crate::body::BufferBodyFuture;
 pub use crate::hedge::HedgeFuture;
@@ -10,12 +12,15 @@ pub use crate::hedge::HedgeFuture;
 pub use crate::parts::Retryable;
 
 use crate::{
-    Resend, StopReason,
-    call::{Call, State, StateProj},
-    parts::{Ended, Fut, NOT_SENT, PolicyOf, Res},
+    AttemptRecord, Resend, RetryHistory, StopReason, Ticket,
+    error_kind::{own_verdict, refused_before_sending},
+    obs::AttemptSpan,
+    parts::{EndOf, Ended, Err, Fut, NOT_SENT, PolicyOf, Res, Schedule},
+    resend::Template,
 };
-use backstop_core::{BoxError, Dependency};
-use backstop_timeout::AttemptCutoff;
+use backstop_classify::{Classify, Verdict};
+use backstop_core::{BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome};
+use backstop_timeout::{AttemptCutoff, Expiry};
 use pin_project::{pin_project, pinned_drop};
 use std::{
     fmt,
@@ -24,7 +29,9 @@ use std::{
     sync::Arc,
     task::{Context, Poll, ready},
 };
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, Sleep, sleep, sleep_until};
+use tower_service::Service;
+use tracing::Span;
 
 const POLLED_AFTER: &str = "ResponseFuture polled after completion";
 
@@ -48,6 +55,56 @@ pub struct AttemptEnd {
     pub dependency: Dependency,
 }
 
+#[pin_project(project = StateProj)]
+enum State<F> {
+    /// An attempt in flight, and its timer (created at its first `Pending`).
+    Called {
+        #[pin]
+        fut: F,
+        #[pin]
+        timer: Option<Sleep>,
+    },
+    /// Waiting before the next attempt.
+    Waiting {
+        #[pin]
+        sleep: Sleep,
+    },
+    /// The service getting ready for the next attempt, never past the deadline (`timer`).
+    Readying {
+        #[pin]
+        timer: Option<Sleep>,
+    },
+    /// The attempt ended before it was sent; its error is taken at the next poll.
+    Unsent(Option<(BoxError, Verdict)>),
+    Done,
+}
+
+/// One call: the service whose readiness it holds, the caller's request, and its attempts.
+pub(crate) struct Call<T: Retryable> {
+    svc: T::Svc,
+    pub(crate) template: Template<T::Req>,
+    pub(crate) dependency: Dependency,
+    pub(crate) deadline: Option<Deadline>,
+    started: Instant,
+    /// Attempts begun so far, the one in flight included.
+    pub(crate) attempt: u32,
+    pub(crate) attempt_started: Instant,
+    /// Whether the current attempt was handed to the service.
+    pub(crate) sent: bool,
+    /// An outer retry layer owns retrying: one attempt, its raw result handed back.
+    pub(crate) nested: bool,
+    /// The attempts are planned from, and recorded in, the learned latency record: a layer
+    /// with one, and a request that is replay-safe (a cut one may be sent again).
+    pub(crate) learned: bool,
+    pub(crate) ticket: Option<Ticket>,
+    cutoff: Option<AttemptCutoff>,
+    pub(crate) span: AttemptSpan,
+    pub(crate) history: Vec<AttemptRecord>,
+    /// The backoff and its random source, boxed at the first wait they decide: only a call
+    /// that retries pays for them, and the future every call moves stays smaller.
+    pub(crate) schedule: Option<Box<Schedule>>,
+}
+
 impl<T: Retryable> ResponseFuture<T> {
     /// Starts `call` with its first attempt, `req` (`ready`: false when the service's
     /// readiness wait outlasted the deadline, and the call ends at once, not sent).
@@ -58,14 +115,12 @@ impl<T: Retryable> ResponseFuture<T> {
         req: T::Req,
         ready: bool,
     ) -> Self {
-        let nested = call.nested;
-        let now = call.started;
-        if !nested {
+        if !call.nested {
             crate::obs::call(&call.dependency);
         }
         let state = if ready {
-            let copies = !nested && policy.settings.max_attempts > 1;
-            call.begin(&policy, now, |template| {
+            let copies = !call.nested && policy.settings.max_attempts > 1;
+            call.begin(&policy, call.started, |template| {
                 if copies {
                     template.keep(&policy.resend, req)
                 } else {
@@ -73,7 +128,7 @@ impl<T: Retryable> ResponseFuture<T> {
                 }
             })
         } else {
-            call.begin_attempt(now);
+            call.begin_attempt(call.started);
             State::Unsent(Some((call.not_ready(), NOT_SENT)))
         };
         ResponseFuture {
@@ -112,21 +167,21 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                     continue;
                 }
                 StateProj::Readying { timer } => match ready!(call.poll_ready(timer, cx)) {
-                    Ok(()) => {
-                        let copy = call.template.kept().and_then(|t| policy.resend.copy(t));
-                        let next = match copy {
-                            Ok(req) => call.begin(policy, Instant::now(), |_| req),
-                            Err(why) => {
-                                let verdict = call.history.last().map_or(NOT_SENT, |a| a.verdict);
-                                let error = Ended::Own(Box::new(why.clone()));
-                                this.state.set(State::Done);
-                                let stopped = Some(StopReason::NotCopyable(why));
-                                return Poll::Ready(call.finish(error, verdict, stopped));
-                            }
-                        };
-                        this.state.set(next);
-                        continue;
-                    }
+                    Ok(()) => match call.template.kept().and_then(|t| policy.resend.copy(t)) {
+                        Ok(req) => {
+                            let next = call.begin(policy, Instant::now(), |_| req);
+                            this.state.set(next);
+                            continue;
+                        }
+                        // The copy failed after the rules passed: the last attempt's end stands.
+                        Err(why) => {
+                            let verdict = call.history.last().map_or(NOT_SENT, |a| a.verdict);
+                            this.state.set(State::Done);
+                            let error = Ended::Own(Box::new(why.clone()));
+                            let stopped = Some(StopReason::NotCopyable(why));
+                            return Poll::Ready(call.finish(error, verdict, stopped));
+                        }
+                    },
                     Err(error) => {
                         call.begin_attempt(Instant::now());
                         (Ended::Own(error), NOT_SENT)
@@ -166,5 +221,224 @@ impl<T: Retryable> fmt::Debug for ResponseFuture<T> {
             .field("dependency", &self.call.dependency.as_str())
             .field("attempt", &self.call.attempt)
             .finish_non_exhaustive()
+    }
+}
+
+impl<T: Retryable> Call<T> {
+    /// A call begun at `now`, to `dependency` on `svc`, the service polled ready for it.
+    #[inline]
+    pub(crate) fn new(
+        svc: T::Svc,
+        dependency: Dependency,
+        deadline: Option<Deadline>,
+        nested: bool,
+        learned: bool,
+        now: Instant,
+    ) -> Self {
+        Call {
+            svc,
+            template: Template::Unneeded,
+            dependency,
+            deadline,
+            started: now,
+            attempt: 0,
+            attempt_started: now,
+            sent: false,
+            nested,
+            learned,
+            ticket: None,
+            cutoff: None,
+            span: AttemptSpan::default(),
+            history: Vec::new(),
+            schedule: None,
+        }
+    }
+
+    /// Counts the next attempt, begun at `now` and not sent yet.
+    fn begin_attempt(&mut self, now: Instant) {
+        self.attempt += 1;
+        self.attempt_started = now;
+        self.sent = false;
+    }
+
+    /// Begins the next attempt at `now` on the ready service: what the policy asks before an
+    /// attempt (the budget's admission, the learned limit), its cutoff within the deadline, the
+    /// gate, and only then the request (`req`, so a refused attempt copies nothing), sent.
+    #[inline]
+    fn begin(
+        &mut self,
+        policy: &PolicyOf<T>,
+        now: Instant,
+        req: impl FnOnce(&mut Template<T::Req>) -> T::Req,
+    ) -> State<Fut<T>> {
+        self.begin_attempt(now);
+        self.span = AttemptSpan::new(&self.dependency, self.attempt);
+        let limit = if policy.settings.attempt_hooks {
+            match self.before_attempt(policy) {
+                Ok(limit) => limit,
+                Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
+            }
+        } else {
+            policy.settings.attempt_timeout
+        };
+        self.cutoff = match AttemptCutoff::plan(now, limit, self.deadline) {
+            Ok(cutoff) => cutoff,
+            Err(passed) => {
+                let error = passed.error(Some(self.dependency.clone()));
+                let verdict = own_verdict(&error);
+                return State::Unsent(Some((error, verdict)));
+            }
+        };
+        if let Some(gate) = &policy.settings.gate {
+            match gate.admit(&self.dependency) {
+                Ok(ticket) => self.ticket = Some(ticket),
+                Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
+            }
+        }
+        let mut req = req(&mut self.template);
+        // The call's context travels with each attempt's copy, across tasks and futures; a leaf
+        // client reads none of it. A nested layer leaves the outer layer's attempt number.
+        if !policy.settings.leaf {
+            let attempt = (!self.nested).then_some(self.attempt);
+            let end = self.cutoff.map(|c| c.at);
+            let dependency = self.dependency.clone();
+            CallContext::claim(
+                &mut req,
+                crate::owner(),
+                dependency,
+                self.deadline,
+                attempt,
+                end,
+            );
+        }
+        if self.attempt > 1 {
+            crate::obs::retry(&self.dependency);
+        }
+        self.sent = true;
+        // Named before the span is first entered, while OpenTelemetry's span can still be named.
+        self.span.name_after(|| policy.resend.attempt_name(&req));
+        // A span the service makes in its own `call` is the attempt's child.
+        let _entered = self.span.get().map(Span::enter);
+        State::Called {
+            fut: self.svc.call(req),
+            timer: None,
+        }
+    }
+
+    /// Polls the attempt in flight to its end: the service's result, or this layer's own
+    /// timeout once the cutoff passes (the response wins a tie: it is polled first).
+    #[inline]
+    fn poll_attempt(
+        &mut self,
+        policy: &PolicyOf<T>,
+        fut: Pin<&mut Fut<T>>,
+        mut timer: Pin<&mut Option<Sleep>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<EndOf<T>> {
+        let polled = {
+            let _entered = self.span.get().map(Span::enter);
+            fut.poll(cx)
+        };
+        if let Poll::Ready(result) = polled {
+            let verdict = policy.classifier.classify(result.as_ref());
+            self.end_attempt(policy, Some(verdict));
+            let ended = match result {
+                // A Backstop layer further in refused the attempt: it was not sent.
+                Err(e) if verdict == NOT_SENT => {
+                    let e: BoxError = e.into();
+                    self.sent &= !refused_before_sending(&*e);
+                    Ended::Own(e)
+                }
+                r => Ended::Inner(r),
+            };
+            return Poll::Ready((ended, verdict));
+        }
+        let Some(cutoff) = self.cutoff else {
+            return Poll::Pending;
+        };
+        if timer.is_none() {
+            timer.set(Some(sleep_until(cutoff.at)));
+        }
+        ready!(timer.as_pin_mut().expect("set above").poll(cx));
+        // A learned timeout counts the attempts it cut (each took at least its limit).
+        if let (true, Some(latency), Expiry::Attempt { .. }) =
+            (self.learned, &policy.settings.latency, cutoff.expiry)
+        {
+            latency.record_cut(&self.dependency);
+        }
+        let error = cutoff.error(Some(self.dependency.clone()));
+        let verdict = own_verdict(&error);
+        self.end_attempt(policy, Some(verdict));
+        Poll::Ready((Ended::Own(error), verdict))
+    }
+
+    /// Polls the service's readiness for the next attempt; the deadline ends the wait, not sent.
+    fn poll_ready(
+        &mut self,
+        mut timer: Pin<&mut Option<Sleep>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), BoxError>> {
+        if let Poll::Ready(ready) = self.svc.poll_ready(cx) {
+            return Poll::Ready(ready.map_err(Into::into));
+        }
+        let Some(deadline) = self.deadline else {
+            return Poll::Pending;
+        };
+        if timer.is_none() {
+            timer.set(Some(sleep_until(deadline.instant())));
+        }
+        ready!(timer.as_pin_mut().expect("set above").poll(cx));
+        Poll::Ready(Err(self.not_ready()))
+    }
+
+    /// The error of a service that did not become ready within the deadline: not sent.
+    fn not_ready(&self) -> BoxError {
+        let length = self.deadline.and_then(Deadline::length);
+        let error = DeadlineExceeded::new(Some(self.dependency.clone()), Outcome::NotSent);
+        Box::new(error.with_length(length))
+    }
+
+    /// The one exit of every call: its metrics, once, and its result with the history of its
+    /// attempts, on the response or in the [`RetryError`](crate::RetryError) (`stopped` is
+    /// `None` for a nested call: its raw result goes to the layer outside).
+    #[inline]
+    fn finish(
+        &mut self,
+        ended: Ended<Res<T>, Err<T>>,
+        verdict: Verdict,
+        stopped: Option<StopReason>,
+    ) -> Result<Res<T>, BoxError> {
+        let Some(stopped) = stopped else {
+            return ended.into_result();
+        };
+        // A first attempt that succeeded: no history to keep, the response as it is.
+        if self.history.is_empty()
+            && let Ended::Inner(Ok(res)) = ended
+        {
+            crate::obs::finished(&self.dependency, self.attempt, true, false);
+            return Ok(res);
+        }
+        self.finish_with_history(ended, verdict, stopped)
+    }
+
+    /// [`finish`](Self::finish) for every other end: the history goes on the response or into
+    /// the error.
+    #[cold]
+    #[inline(never)]
+    fn finish_with_history(
+        &mut self,
+        ended: Ended<Res<T>, Err<T>>,
+        verdict: Verdict,
+        stopped: StopReason,
+    ) -> Result<Res<T>, BoxError> {
+        let history = RetryHistory {
+            dependency: self.dependency.clone(),
+            attempts: std::mem::take(&mut self.history),
+            elapsed: self.started.elapsed(),
+            deadline: self.deadline.and_then(Deadline::length),
+            stopped,
+        };
+        crate::obs::stopped(&history, self.attempt, verdict);
+        history.attach(ended, verdict)
     }
 }

@@ -1,7 +1,6 @@
 use crate::{
     AttemptGate, CloneResend, HttpResend, NoBudget, Resend, RetryBudget,
-    call::Call,
-    future::ResponseFuture,
+    future::{Call, ResponseFuture},
     parts::{Policy, Settings},
 };
 use backstop_backoff::{Backoff, RngSource};

@@ -82,7 +82,6 @@
 #![deny(missing_docs)]
 
 mod body;
-mod call;
 mod error;
 mod error_kind;
 pub mod future;

@@ -45,6 +45,16 @@ pub(crate) enum Ended<T, E> {
     Own(BoxError),
 }
 
+impl<T, E: Into<BoxError>> Ended<T, E> {
+    /// The result as it came, every error boxed.
+    pub(crate) fn into_result(self) -> Result<T, BoxError> {
+        match self {
+            Ended::Inner(r) => r.map_err(Into::into),
+            Ended::Own(e) => Err(e),
+        }
+    }
+}
+
 /// A call's backoff, created at its first retry.
 pub(crate) type Schedule = (backstop_backoff::Schedule, SmallRng);
 

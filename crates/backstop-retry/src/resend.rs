@@ -124,3 +124,41 @@ impl<B> ResendableBody for BufferedBody<B> {
         self.try_clone()
     }
 }
+
+/// The caller's request, kept as the caller sent it: every attempt sends a copy.
+pub(crate) enum Template<Req> {
+    /// One attempt only (`max_attempts` is 1, or an outer layer retries): nothing is kept.
+    Unneeded,
+    Kept(Req),
+    /// It could not be copied, for this reason: the call has one attempt.
+    Uncopyable(NotCopyable),
+}
+
+impl<Req> Template<Req> {
+    /// Keeps `req` (prepared for copying) and returns a copy to send, or, when it cannot be
+    /// copied, keeps why and returns `req` itself.
+    #[inline]
+    pub(crate) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
+        // Kept in place first and copied from there: the request is moved once, not twice.
+        *self = Template::Kept(resend.prepare(req));
+        let Template::Kept(kept) = &*self else {
+            unreachable!("kept above")
+        };
+        match resend.copy(kept) {
+            Ok(copy) => copy,
+            Err(why) => match std::mem::replace(self, Template::Uncopyable(why)) {
+                Template::Kept(req) => req,
+                _ => unreachable!("kept above"),
+            },
+        }
+    }
+
+    /// The kept request, or why there is none.
+    pub(crate) fn kept(&self) -> Result<&Req, NotCopyable> {
+        match self {
+            Template::Kept(req) => Ok(req),
+            Template::Uncopyable(why) => Err(why.clone()),
+            Template::Unneeded => Err(NotCopyable::new("the request was not kept for a retry")),
+        }
+    }
+}
