@@ -2,8 +2,8 @@
 //!
 //! The retry layer's future in tower's shape: an attempt in flight (`Called`), a wait before
 //! the next (`Waiting`), the service getting ready for it (`Readying`). Every attempt, the
-//! first included, is begun by [`Call::begin`]; after each, one decision ([`Call::decide`],
-//! the policy's rules in `policy.rs`); every end of a call passes [`Call::finish`]. The policy
+//! first included, is begun by `Call::begin`; after each, one decision (`Call::decide`,
+//! the policy's rules in `policy.rs`); every end of a call passes `Call::finish`. The policy
 //! decides (what an attempt may be, whether another follows); this future only drives.
 
 pub use crate::body::BufferBodyFuture;
