@@ -25,14 +25,38 @@ struct Tally {
     human: usize,
 }
 
-/// Kills the worker at `kill_at` and resumes the run; `pg`: the journal on this PostgreSQL
-/// instead of a SQLite file.
-async fn crash_and_resume(
+/// A new, empty database for kill point `n` on the PostgreSQL server at `url`: its URL.
+async fn database_of_its_own(url: &str, n: usize) -> String {
+    use sqlx::Executor as _;
+    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(url)
+        .await
+        .unwrap();
+    let name = format!("kill_point_{n}");
+    conn.execute(&*format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let (server, _) = url.rsplit_once('/').unwrap();
+    format!("{server}/{name}")
+}
+
+/// Kills the worker at `kill_at` and resumes the run; `pg`: the journal in this PostgreSQL
+/// database instead of a SQLite file. The future owns what it is given, so each point can be a task.
+fn crash_and_resume(
     kill_at: &str,
     naive: bool,
     n: usize,
     pg: Option<&str>,
-) -> (usize, bool, bool) {
+) -> impl Future<Output = (String, usize, bool, bool)> + Send + 'static {
+    let (kill_at, pg) = (kill_at.to_owned(), pg.map(str::to_owned));
+    async move { crash_and_resume_at(&kill_at, naive, n, pg.as_deref()).await }
+}
+
+async fn crash_and_resume_at(
+    kill_at: &str,
+    naive: bool,
+    n: usize,
+    pg: Option<&str>,
+) -> (String, usize, bool, bool) {
     let worker = Path::new(env!("CARGO_BIN_EXE_invoice_worker"));
     let world = World::start().await;
     let scratch = backstop_testkit::scratch_dir(&format!(
@@ -86,13 +110,27 @@ async fn crash_and_resume(
             "{kill_at}: resume ended {code} with {steps:?}"
         );
     }
-    (effects.duplicates(), converged, human)
+    (kill_at.to_owned(), effects.duplicates(), converged, human)
 }
 
 async fn every_kill_point(naive: bool, pg: Option<&str>) -> Tally {
-    let mut tally = Tally::default();
+    // Each point has services, a run and a journal of its own (a SQLite file, or a database of
+    // its own on the PostgreSQL server: a worker takes any pending run in its journal), so the
+    // points run side by side.
+    let mut tasks = tokio::task::JoinSet::new();
     for (n, point) in invoice::kill_points().iter().enumerate() {
-        let (duplicates, converged, human) = crash_and_resume(point, naive, n, pg).await;
+        let db = match pg {
+            Some(url) => Some(database_of_its_own(url, n).await),
+            None => None,
+        };
+        tasks.spawn(crash_and_resume(point, naive, n, db.as_deref()));
+    }
+    let mut ends = Vec::new();
+    while let Some(end) = tasks.join_next().await {
+        ends.push(end.unwrap());
+    }
+    let mut tally = Tally::default();
+    for (point, duplicates, converged, human) in ends {
         println!("{point}: {duplicates} duplicates, converged {converged}, human {human}");
         tally.points += 1;
         tally.duplicates += duplicates;
