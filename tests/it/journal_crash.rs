@@ -1,9 +1,10 @@
-//! The invoice workflow's worker, a real child process, killed with SIGKILL at every point in
-//! turn (`examples/support/invoice.rs`: before the first step; for each of the three steps after `pending`
+//! The invoice workflow's worker, a real child process, killed with SIGKILL at every point
+//! (`examples/support/invoice.rs`: before the first step; for each of the three steps after `pending`
 //! is written, after `sent` is written, in the service after it acted and before it answers,
 //! after the outcome is written, which is between two steps or after the last one), then
 //! recovered by a second worker process whose worker loop is the only recovery there is; also
-//! killed while it recovers another's run, and while the run waits for a parked step. Counted:
+//! killed while it recovers another's run, and while the run waits for a parked step. Each
+//! point has services, a run and a journal of its own, so the points run side by side. Counted:
 //! duplicate effects (must be 0), runs that converged to a known state, runs handed to a
 //! person.
 //!

@@ -25,15 +25,15 @@ def group(path, function):
         return "moves and fills (libc memcpy/memset)"
     if "malloc" in path or re.search(r"\b(free|malloc|realloc)\b", function):
         return "allocator (libc)"
-    m = re.search(r"/crates/(backstop[\w-]*)/src/(.*)", path)
+    m = re.search(r"(?:^|/)crates/(backstop[\w-]*)/src/(.*)", path)
     if m:
         return f"{m.group(1)}: {m.group(2)}"
-    m = re.search(r"/(tower|tokio|http|bytes|tracing[\w-]*|tower-resilience)-\d[^/]*/src/(\w+)", path)
+    m = re.search(r"/(tower-resilience|tower|tokio|http|bytes|tracing[\w-]*)-\d[^/]*/src/(\w+)", path)
     if m:
         return f"{m.group(1)}: {m.group(2)}"
     if "/library/" in path:
         return "drops (drop glue)" if "drop_in_place" in function else "std, inlined"
-    if "/tools/bench/" in path:
+    if re.search(r"(?:^|/)tools/bench/", path):
         return "the bench's loop and service"
     return "other: " + os.path.basename(path)
 
@@ -45,7 +45,7 @@ def self_costs(stack, calls, realistic):
         args = [BIN, stack, str(calls)] + (["realistic"] if realistic else [])
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"] + args,
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        text = subprocess.run(["callgrind_annotate", "--threshold=100", out],
+        text = subprocess.run(["callgrind_annotate", "--auto=no", "--threshold=100", out],
                               check=True, capture_output=True, text=True).stdout
     finally:
         os.unlink(out)
