@@ -2,10 +2,9 @@
 //! by [`RetryError`](crate::RetryError) and the facade's `backstop::Error`.
 
 use backstop_classify::Verdict;
-use backstop_core::BoxError;
 use backstop_core::{
-    AttemptTimedOut, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, DeadlineWords,
-    Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
+    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
+    DeadlineWords, Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
 };
 use std::{error::Error, fmt, time::Duration};
 
@@ -301,7 +300,7 @@ pub(crate) fn own_verdict(error: &BoxError) -> Verdict {
 
 /// Whether a Backstop layer further in refused the attempt before sending it (an open circuit,
 /// a deadline already passed).
-pub(crate) fn refused_before_sending(error: &(dyn std::error::Error + 'static)) -> bool {
+pub(crate) fn refused_before_sending(error: &(dyn Error + 'static)) -> bool {
     let d = Diagnosis::of(error);
     d.outcome == Some(Outcome::NotSent)
         && matches!(

@@ -1,4 +1,6 @@
-//! Metrics, through the `metrics` facade when the `metrics` feature is on; no-ops otherwise.
+//! What the layer tells of its calls: each attempt's `tracing` span, a `stopped` event for a call
+//! that failed, and metrics, through the `metrics` facade when the `metrics` feature is on
+//! (no-ops otherwise).
 //!
 //! Logical calls and attempts are counted apart (as Finagle and Polly do), per dependency:
 //! `backstop_calls_total`, `backstop_attempts_total`, `backstop_retries_total`,
