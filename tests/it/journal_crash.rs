@@ -117,14 +117,26 @@ async fn crash_and_resume_at(
 async fn every_kill_point(naive: bool, pg: Option<&str>) -> Tally {
     // Each point has services, a run and a journal of its own (a SQLite file, or a database of
     // its own on the PostgreSQL server: a worker takes any pending run in its journal), so the
-    // points run side by side.
+    // points run side by side; on PostgreSQL four at a time, so that the pools in use (one a
+    // point at a time, the worker's or the test's: up to 8 connections and a step's own) stay
+    // within the test server's 50 connections.
+    let points = invoice::kill_points();
+    let at_once = if pg.is_some() { 4 } else { points.len() };
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(at_once));
     let mut tasks = tokio::task::JoinSet::new();
-    for (n, point) in invoice::kill_points().iter().enumerate() {
+    for (n, point) in points.iter().enumerate() {
         let db = match pg {
             Some(url) => Some(database_of_its_own(url, n).await),
             None => None,
         };
-        tasks.spawn(crash_and_resume(point, naive, n, db.as_deref()));
+        let (slots, run) = (
+            slots.clone(),
+            crash_and_resume(point, naive, n, db.as_deref()),
+        );
+        tasks.spawn(async move {
+            let _slot = slots.acquire_owned().await.unwrap();
+            run.await
+        });
     }
     let mut ends = Vec::new();
     while let Some(end) = tasks.join_next().await {
