@@ -15,6 +15,9 @@ pub struct RedisServer {
     dir: Option<std::path::PathBuf>,
     /// What it runs as.
     role: Role,
+    /// What it prints (its log), appended at every start, removed with it: a server that does
+    /// not start, or does not start again, says why in the test's panic.
+    log: tempfile::NamedTempFile,
 }
 
 /// What a [`RedisServer`] runs as.
@@ -38,6 +41,7 @@ impl RedisServer {
             port: restartable_port(false),
             dir: None,
             role: Role::Alone,
+            log: new_log(),
         };
         server.launch_on_a_free_port().await;
         server
@@ -61,6 +65,7 @@ impl RedisServer {
             port,
             dir: Some(dir),
             role,
+            log: new_log(),
         };
         for _ in 0..5 {
             if server.launch().await {
@@ -68,7 +73,10 @@ impl RedisServer {
             }
             server.port = pick();
         }
-        panic!("redis-server found no free loopback port for a {role:?} in 5 tries");
+        panic!(
+            "redis-server found no free loopback port for a {role:?} in 5 tries; it said:\n{}",
+            server.log_tail()
+        );
     }
 
     /// The port it listens on.
@@ -92,7 +100,10 @@ impl RedisServer {
             }
             self.port = restartable_port(false);
         }
-        panic!("redis-server found no free loopback port in 5 tries");
+        panic!(
+            "redis-server found no free loopback port in 5 tries; it said:\n{}",
+            self.log_tail()
+        );
     }
 
     /// Starts redis-server on `self.port` and waits until it answers; `false`: it exited at
@@ -143,16 +154,24 @@ impl RedisServer {
                     &format!("nodes-{}.conf", self.port),
                 ]);
         }
+        let log = || {
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(self.log.path())
+                .expect("redis-server's log file")
+        };
         let child = cmd
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stdout(log())
+            .stderr(log())
             .spawn()
             .expect("redis-server must be installed to run the Redis tests: `apt-get install redis-server` (Debian, Ubuntu), or run `bash .ci/run`, which installs it");
         let pid = child.id();
         self.child = Some(child);
         for _ in 0..200 {
-            // Our own server, not another test's on the same port.
-            if self.process_id().await == Some(pid) {
+            // Our own server, not another test's on the same port (nor a listener of another
+            // kind there, which may never answer).
+            let answer = tokio::time::timeout(Duration::from_millis(500), self.process_id());
+            if answer.await.ok().flatten() == Some(pid) {
                 return true;
             }
             if let Some(child) = &mut self.child
@@ -164,8 +183,9 @@ impl RedisServer {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         panic!(
-            "redis-server on port {} did not start within 5 s",
-            self.port
+            "redis-server on port {} did not start within 5 s; it said:\n{}",
+            self.port,
+            self.log_tail()
         );
     }
 
@@ -221,10 +241,26 @@ impl RedisServer {
         self.stop();
         assert!(
             self.launch().await,
-            "redis-server did not restart on port {}",
-            self.port
+            "redis-server did not restart on port {}; it said:\n{}",
+            self.port,
+            self.log_tail()
         );
     }
+
+    /// The last lines it printed, over all its starts.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.log.path()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+/// A log file for a server, removed when the server is dropped.
+fn new_log() -> tempfile::NamedTempFile {
+    tempfile::Builder::new()
+        .prefix("backstop-redis-log-")
+        .tempfile()
+        .expect("a temporary file for redis-server's log")
 }
 
 impl Drop for RedisServer {
