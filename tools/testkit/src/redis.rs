@@ -167,7 +167,8 @@ impl RedisServer {
             .expect("redis-server must be installed to run the Redis tests: `apt-get install redis-server` (Debian, Ubuntu), or run `bash .ci/run`, which installs it");
         let pid = child.id();
         self.child = Some(child);
-        for _ in 0..200 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while tokio::time::Instant::now() < deadline {
             // Our own server, not another test's on the same port (nor a listener of another
             // kind there, which may never answer).
             let answer = tokio::time::timeout(Duration::from_millis(500), self.process_id());
