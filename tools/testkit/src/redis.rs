@@ -164,7 +164,7 @@ impl RedisServer {
             .stdout(log())
             .stderr(log())
             .spawn()
-            .expect("redis-server must be installed to run the Redis tests: `apt-get install redis-server` (Debian, Ubuntu), or run `bash .ci/run`, which installs it");
+            .expect("redis-server must be installed to run the Redis tests: `apt-get install redis-server` (Debian, Ubuntu), or run `scripts/test`, which installs it");
         let pid = child.id();
         self.child = Some(child);
         // A bound a loaded machine does not reach: redis-server answers within milliseconds.

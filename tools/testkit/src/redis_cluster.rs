@@ -35,7 +35,7 @@ impl RedisCluster {
             .args(&addresses)
             .args(["--cluster-replicas", "0", "--cluster-yes"])
             .output()
-            .expect("redis-cli must be installed to run the Redis Cluster tests: `apt-get install redis-tools` (Debian, Ubuntu), or run `bash .ci/run`, which installs it");
+            .expect("redis-cli must be installed to run the Redis Cluster tests: `apt-get install redis-tools` (Debian, Ubuntu), or run `scripts/test`, which installs it");
         assert!(
             out.status.success(),
             "redis-cli --cluster create failed: {}{}",

@@ -97,6 +97,6 @@ fn cli(port: u16, args: &[&str]) -> String {
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
         .output()
-        .expect("redis-cli must be installed to run the Redis Sentinel tests: `apt-get install redis-tools` (Debian, Ubuntu), or run `bash .ci/run`, which installs it");
+        .expect("redis-cli must be installed to run the Redis Sentinel tests: `apt-get install redis-tools` (Debian, Ubuntu), or run `scripts/test`, which installs it");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }

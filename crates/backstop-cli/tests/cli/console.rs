@@ -163,7 +163,7 @@ async fn chromedriver(tmp: &Path) -> (Running, String) {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("chromedriver is installed (.ci/install-test-deps installs it)");
+        .expect("chromedriver is installed (`scripts/test` installs it)");
     let running = Running(child);
     for _ in 0..200 {
         if TcpStream::connect(("127.0.0.1", port)).is_ok() {
