@@ -2,7 +2,7 @@ use crate::error_kind::{Diagnosis, ErrorKind, Told};
 use crate::{NotCopyable, parts::Ended};
 use backstop_classify::Verdict;
 use backstop_core::{BoxError, Dependency, HumanDuration, Outcome};
-use std::{error::Error, fmt, time::Duration};
+use std::{borrow::Cow, error::Error, fmt, time::Duration};
 
 /// Why the retry layer made no further attempt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +34,8 @@ pub enum StopReason {
         /// The run's budget.
         retries: u32,
     },
+    /// A [`Policy`](crate::Policy) of one's own stopped the call, for the reason it gives.
+    Policy(Cow<'static, str>),
     /// The wait before the next attempt would end at or after the deadline.
     DeadlineTooClose {
         /// The wait that was needed.
@@ -60,6 +62,7 @@ impl fmt::Display for StopReason {
                  key the stack attached",
             ),
             StopReason::NotCopyable(r) => write!(f, "not retried because {r}"),
+            StopReason::Policy(why) => write!(f, "not retried because {why}"),
             StopReason::BudgetExhausted => f.write_str("the retry budget is exhausted"),
             StopReason::RunBudgetExhausted { retries } => write!(
                 f,
@@ -265,8 +268,9 @@ impl RetryError {
                 StopReason::RunBudgetExhausted { retries } => Some(retries),
                 _ => None,
             },
-            not_replayable: match &self.history.stopped {
-                StopReason::NotCopyable(why) => Some(why),
+            not_retried: match &self.history.stopped {
+                StopReason::NotCopyable(why) => Some(why.reason()),
+                StopReason::Policy(why) => Some(why),
                 _ => None,
             },
         }

@@ -170,9 +170,9 @@ pub struct Told<'a> {
     /// For [`ErrorKind::BudgetExhausted`]: the run's budget (of this many retries) refused the
     /// retry, not the dependency's.
     pub run_budget: Option<u32>,
-    /// For [`ErrorKind::Failed`]: why the request could not be sent again, when that was what
-    /// stopped the retries.
-    pub not_replayable: Option<&'a crate::NotCopyable>,
+    /// For [`ErrorKind::Failed`]: why the request was not sent again, when that was what stopped
+    /// the retries (it could not be copied, or the policy said why).
+    pub not_retried: Option<&'a str>,
 }
 
 struct Tries(u32, Duration);
@@ -265,7 +265,7 @@ impl fmt::Display for Told<'_> {
             }
             ErrorKind::Failed => {
                 write!(f, "the call to {dep} failed ({tries}): {cause}; ")?;
-                if let Some(why) = self.not_replayable {
+                if let Some(why) = self.not_retried {
                     write!(f, "it was not retried because {why}; ")?;
                 }
                 f.write_str(guidance)

@@ -2,9 +2,9 @@
 //!
 //! The retry layer's future in tower's shape: an attempt in flight (`Called`), a wait before
 //! the next (`Waiting`), the service getting ready for it (`Readying`). Every attempt, the
-//! first included, is begun by `Call::begin`; after each, one decision (`Call::decide`,
-//! the policy's rules in `policy.rs`); every end of a call passes `Call::finish`. The policy
-//! decides (what an attempt may be, whether another follows); this future only drives.
+//! first included, is begun by `Call::begin`; after each, one decision (`Call::decide`, which
+//! asks the call's [`Policy`](crate::Policy)); every end of a call passes `Call::finish`. The
+//! policy decides whether another attempt follows and after how long; this future drives.
 
 pub use crate::body::BufferBodyFuture;
 pub use crate::hedge::HedgeFuture;
@@ -12,14 +12,16 @@ pub use crate::hedge::HedgeFuture;
 pub use crate::parts::Retryable;
 
 use crate::{
-    AttemptRecord, Resend, RetryHistory, StopReason, Ticket,
+    Attempt, AttemptRecord, NotCopyable, Policy, Resend, RetryHistory, StopReason, Ticket,
     error_kind::{own_verdict, refused_before_sending},
     obs::AttemptSpan,
-    parts::{EndOf, Ended, Err, Fut, NOT_SENT, PolicyOf, Res, Schedule},
+    parts::{EndOf, Ended, Err, Fut, NOT_SENT, Res, SharedOf},
     resend::Template,
 };
 use backstop_classify::{Classify, Verdict};
-use backstop_core::{BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome};
+use backstop_core::{
+    BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome, ReplaySafe, Run,
+};
 use backstop_timeout::{AttemptCutoff, Expiry};
 use pin_project::{pin_project, pinned_drop};
 use std::{
@@ -28,6 +30,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
+    time::Duration,
 };
 use tokio::time::{Instant, Sleep, sleep, sleep_until};
 use tower_service::Service;
@@ -38,7 +41,6 @@ const POLLED_AFTER: &str = "ResponseFuture polled after completion";
 /// Response future of [`Retry`](crate::Retry).
 #[pin_project(PinnedDrop)]
 pub struct ResponseFuture<T: Retryable> {
-    policy: Arc<PolicyOf<T>>,
     call: Call<T>,
     #[pin]
     state: State<Fut<T>>,
@@ -82,6 +84,9 @@ enum State<F> {
 /// One call: the service whose readiness it holds, the caller's request, and its attempts.
 pub(crate) struct Call<T: Retryable> {
     svc: T::Svc,
+    pub(crate) shared: Arc<SharedOf<T>>,
+    /// The layer's policy, cloned for this call.
+    policy: T::Policy,
     pub(crate) template: Template<T::Req>,
     pub(crate) dependency: Dependency,
     pub(crate) deadline: Option<Deadline>,
@@ -100,29 +105,22 @@ pub(crate) struct Call<T: Retryable> {
     cutoff: Option<AttemptCutoff>,
     pub(crate) span: AttemptSpan,
     pub(crate) history: Vec<AttemptRecord>,
-    /// The backoff and its random source, boxed at the first wait they decide: only a call
-    /// that retries pays for them, and the future every call moves stays smaller.
-    pub(crate) schedule: Option<Box<Schedule>>,
 }
 
 impl<T: Retryable> ResponseFuture<T> {
     /// Starts `call` with its first attempt, `req` (`ready`: false when the service's
     /// readiness wait outlasted the deadline, and the call ends at once, not sent).
     #[inline]
-    pub(crate) fn new(
-        policy: Arc<PolicyOf<T>>,
-        mut call: Call<T>,
-        req: T::Req,
-        ready: bool,
-    ) -> Self {
+    pub(crate) fn new(mut call: Call<T>, req: T::Req, ready: bool) -> Self {
         if !call.nested {
             crate::obs::call(&call.dependency);
         }
         let state = if ready {
-            let copies = !call.nested && policy.settings.max_attempts > 1;
-            call.begin(&policy, call.started, |template| {
+            let copies = !call.nested && call.policy.may_retry(&req);
+            let started = call.started;
+            call.begin(started, |template, resend| {
                 if copies {
-                    template.keep(&policy.resend, req)
+                    template.keep(resend, req)
                 } else {
                     req
                 }
@@ -131,11 +129,7 @@ impl<T: Retryable> ResponseFuture<T> {
             call.begin_attempt(call.started);
             State::Unsent(Some((call.not_ready(), NOT_SENT)))
         };
-        ResponseFuture {
-            policy,
-            call,
-            state,
-        }
+        ResponseFuture { call, state }
     }
 
     /// When the attempt that answered the call is cut, and its dependency: for a timer on the
@@ -155,11 +149,11 @@ impl<T: Retryable> Future for ResponseFuture<T> {
     #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        let (policy, call) = (&**this.policy, &mut *this.call);
+        let call = &mut *this.call;
         loop {
             let (ended, verdict) = match this.state.as_mut().project() {
                 StateProj::Called { fut, timer } => {
-                    ready!(call.poll_attempt(policy, fut, timer, cx))
+                    ready!(call.poll_attempt(fut, timer, cx))
                 }
                 StateProj::Waiting { sleep } => {
                     ready!(sleep.poll(cx));
@@ -167,9 +161,9 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                     continue;
                 }
                 StateProj::Readying { timer } => match ready!(call.poll_ready(timer, cx)) {
-                    Ok(()) => match call.template.kept().and_then(|t| policy.resend.copy(t)) {
+                    Ok(()) => match call.copy() {
                         Ok(req) => {
-                            let next = call.begin(policy, Instant::now(), |_| req);
+                            let next = call.begin(Instant::now(), |_, _| req);
                             this.state.set(next);
                             continue;
                         }
@@ -193,7 +187,7 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                 }
                 StateProj::Done => panic!("{POLLED_AFTER}"),
             };
-            match call.decide(policy, verdict) {
+            match call.decide(&ended, verdict) {
                 Ok(wait) => this.state.set(State::Waiting { sleep: sleep(wait) }),
                 Err(stopped) => {
                     this.state.set(State::Done);
@@ -210,7 +204,7 @@ impl<T: Retryable> PinnedDrop for ResponseFuture<T> {
     fn drop(self: Pin<&mut Self>) {
         let this = self.project();
         if let StateProj::Called { .. } = this.state.project() {
-            this.call.end_attempt(this.policy, None);
+            this.call.end_attempt(None);
         }
     }
 }
@@ -227,8 +221,11 @@ impl<T: Retryable> fmt::Debug for ResponseFuture<T> {
 impl<T: Retryable> Call<T> {
     /// A call begun at `now`, to `dependency` on `svc`, the service polled ready for it.
     #[inline]
+    #[allow(clippy::too_many_arguments)] // The call's parts, each named once, here.
     pub(crate) fn new(
         svc: T::Svc,
+        shared: Arc<SharedOf<T>>,
+        policy: T::Policy,
         dependency: Dependency,
         deadline: Option<Deadline>,
         nested: bool,
@@ -237,6 +234,8 @@ impl<T: Retryable> Call<T> {
     ) -> Self {
         Call {
             svc,
+            shared,
+            policy,
             template: Template::Unneeded,
             dependency,
             deadline,
@@ -250,7 +249,6 @@ impl<T: Retryable> Call<T> {
             cutoff: None,
             span: AttemptSpan::default(),
             history: Vec::new(),
-            schedule: None,
         }
     }
 
@@ -267,19 +265,14 @@ impl<T: Retryable> Call<T> {
     #[inline]
     fn begin(
         &mut self,
-        policy: &PolicyOf<T>,
         now: Instant,
-        req: impl FnOnce(&mut Template<T::Req>) -> T::Req,
+        req: impl FnOnce(&mut Template<T::Req>, &T::Resend) -> T::Req,
     ) -> State<Fut<T>> {
         self.begin_attempt(now);
         self.span = AttemptSpan::new(&self.dependency, self.attempt);
-        let limit = if policy.settings.attempt_hooks {
-            match self.before_attempt(policy) {
-                Ok(limit) => limit,
-                Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
-            }
-        } else {
-            policy.settings.attempt_timeout
+        let limit = match self.before_attempt() {
+            Ok(limit) => limit,
+            Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
         };
         self.cutoff = match AttemptCutoff::plan(now, limit, self.deadline) {
             Ok(cutoff) => cutoff,
@@ -289,16 +282,17 @@ impl<T: Retryable> Call<T> {
                 return State::Unsent(Some((error, verdict)));
             }
         };
-        if let Some(gate) = &policy.settings.gate {
+        let shared = self.shared.clone();
+        if let Some(gate) = &shared.settings.gate {
             match gate.admit(&self.dependency) {
                 Ok(ticket) => self.ticket = Some(ticket),
                 Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
             }
         }
-        let mut req = req(&mut self.template);
+        let mut req = req(&mut self.template, &shared.resend);
         // The call's context travels with each attempt's copy, across tasks and futures; a leaf
         // client reads none of it. A nested layer leaves the outer layer's attempt number.
-        if !policy.settings.leaf {
+        if !shared.settings.leaf {
             let attempt = (!self.nested).then_some(self.attempt);
             let end = self.cutoff.map(|c| c.at);
             let dependency = self.dependency.clone();
@@ -316,7 +310,7 @@ impl<T: Retryable> Call<T> {
         }
         self.sent = true;
         // Named before the span is first entered, while OpenTelemetry's span can still be named.
-        self.span.name_after(|| policy.resend.attempt_name(&req));
+        self.span.name_after(|| shared.resend.attempt_name(&req));
         // A span the service makes in its own `call` is the attempt's child.
         let _entered = self.span.get().map(Span::enter);
         State::Called {
@@ -330,7 +324,6 @@ impl<T: Retryable> Call<T> {
     #[inline]
     fn poll_attempt(
         &mut self,
-        policy: &PolicyOf<T>,
         fut: Pin<&mut Fut<T>>,
         mut timer: Pin<&mut Option<Sleep>>,
         cx: &mut Context<'_>,
@@ -340,8 +333,8 @@ impl<T: Retryable> Call<T> {
             fut.poll(cx)
         };
         if let Poll::Ready(result) = polled {
-            let verdict = policy.classifier.classify(result.as_ref());
-            self.end_attempt(policy, Some(verdict));
+            let verdict = self.shared.classifier.classify(result.as_ref());
+            self.end_attempt(Some(verdict));
             let ended = match result {
                 // A Backstop layer further in refused the attempt: it was not sent.
                 Err(e) if verdict == NOT_SENT => {
@@ -362,13 +355,13 @@ impl<T: Retryable> Call<T> {
         ready!(timer.as_pin_mut().expect("set above").poll(cx));
         // A learned timeout counts the attempts it cut (each took at least its limit).
         if let (true, Some(latency), Expiry::Attempt { .. }) =
-            (self.learned, &policy.settings.latency, cutoff.expiry)
+            (self.learned, &self.shared.settings.latency, cutoff.expiry)
         {
             latency.record_cut(&self.dependency);
         }
         let error = cutoff.error(Some(self.dependency.clone()));
         let verdict = own_verdict(&error);
-        self.end_attempt(policy, Some(verdict));
+        self.end_attempt(Some(verdict));
         Poll::Ready((Ended::Own(error), verdict))
     }
 
@@ -389,6 +382,58 @@ impl<T: Retryable> Call<T> {
         }
         ready!(timer.as_pin_mut().expect("set above").poll(cx));
         Poll::Ready(Err(self.not_ready()))
+    }
+
+    /// The next attempt's copy of the kept request.
+    fn copy(&self) -> Result<T::Req, NotCopyable> {
+        (self.template.kept()).and_then(|req| self.shared.resend.copy(req))
+    }
+
+    /// Records the attempt that ended (`ended`, judged `verdict`) and asks the policy: another
+    /// after a wait, or a stop (`None`: an outer layer owns the call, and decides). The one
+    /// place a decision is told (the `retrying` event, the budgets' metrics).
+    fn decide(
+        &mut self,
+        ended: &Ended<Res<T>, Err<T>>,
+        verdict: Verdict,
+    ) -> Result<Duration, Option<StopReason>> {
+        if self.nested {
+            return Err(None);
+        }
+        let resend = &self.shared.resend;
+        let (request, copyable) = match &self.template {
+            Template::Kept(req) => (Some(req), resend.check(req)),
+            Template::Uncopyable(why) => (None, Err(why.clone())),
+            Template::Unneeded => (None, Err(NotCopyable::new(Template::<T::Req>::NOT_KEPT))),
+        };
+        let classifier = &self.shared.classifier;
+        let replay_safe =
+            |req: &T::Req| ReplaySafe::is_marked(req) || classifier.is_replay_safe(req);
+        let attempt = Attempt {
+            request,
+            copyable,
+            response: ended.response(),
+            verdict,
+            number: self.attempt,
+            deadline: self.deadline,
+            dependency: &self.dependency,
+            started: self.started,
+            replay_safe: &replay_safe,
+        };
+        let decision = self.policy.retry(&attempt);
+        let run = request.and_then(Run::of);
+        crate::obs::decided(&self.dependency, &decision, self.attempt, verdict, run);
+        // A call that succeeds at once keeps no history.
+        if !(self.history.is_empty() && decision == Err(StopReason::Succeeded)) {
+            self.history.push(AttemptRecord {
+                attempt: self.attempt,
+                sent: self.sent,
+                verdict,
+                took: self.attempt_started.elapsed(),
+                wait: decision.as_ref().ok().copied(),
+            });
+        }
+        decision.map_err(Some)
     }
 
     /// The error of a service that did not become ready within the deadline: not sent.

@@ -1,7 +1,7 @@
 use crate::{
-    AttemptGate, CloneResend, HttpResend, NoBudget, Resend, RetryBudget,
+    AttemptGate, CloneResend, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
     future::{Call, ResponseFuture},
-    parts::{Policy, Settings},
+    parts::{Settings, Shared},
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -26,7 +26,12 @@ use tower_service::Service;
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
-/// shares the RNG source, the budget and the gate.
+/// shares the policy's parts (the RNG source, the budget) and the gate.
+///
+/// What the layer does is fixed (it copies the request, waits, polls readiness again, ends the
+/// call once); whether and when it retries is its [`Policy`]'s: [`StandardPolicy`] unless
+/// [`policy`](Self::policy) replaces it. `max_attempts`, `backoff`, `rng` and `budget` configure
+/// the standard policy.
 ///
 /// ```
 /// use backstop_core::BoxError;
@@ -52,23 +57,24 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct RetryLayer<C, P = CloneResend, K = Dependency> {
+pub struct RetryLayer<C, P = CloneResend, K = Dependency, Pol = StandardPolicy> {
     classifier: C,
     resend: P,
     key: K,
+    policy: Pol,
     settings: Settings,
 }
 
-impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug> fmt::Debug for RetryLayer<C, P, K> {
+impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, Pol: fmt::Debug> fmt::Debug
+    for RetryLayer<C, P, K, Pol>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.settings;
         f.debug_struct("RetryLayer")
             .field("classifier", &self.classifier)
             .field("resend", &self.resend)
             .field("dependency", &self.key)
-            .field("max_attempts", &s.max_attempts)
-            .field("backoff", &s.backoff)
-            .field("budget", &s.budget)
+            .field("policy", &self.policy)
             .field("deadline", &s.deadline)
             .field("attempt_timeout", &s.attempt_timeout)
             .field("latency", &s.latency)
@@ -81,25 +87,14 @@ impl<C> RetryLayer<C> {
     /// Retries with `classifier`, copying requests by `Clone`, for one dependency:
     /// a dependency of its own ([`Dependency::unnamed`]) until
     /// [`dependency`](Self::dependency) names it. Three attempts, full
-    /// jitter from 200 ms up to 5 s, no budget.
+    /// jitter from 200 ms up to 5 s, no budget: the [`StandardPolicy`].
     pub fn new(classifier: C) -> Self {
         RetryLayer {
             classifier,
             resend: CloneResend,
             key: Dependency::unnamed(),
-            settings: Settings {
-                max_attempts: DEFAULT_MAX_ATTEMPTS,
-                backoff: Backoff::default(),
-                rng: RngSource::from_entropy(),
-                budget: Arc::new(NoBudget),
-                budget_admits: false,
-                attempt_hooks: false,
-                deadline: None,
-                attempt_timeout: None,
-                latency: None,
-                gate: None,
-                leaf: false,
-            },
+            policy: StandardPolicy::new(),
+            settings: Settings::default(),
         }
     }
 }
@@ -114,78 +109,98 @@ impl RetryLayer<HttpClassifier, HttpResend, ByAuthority> {
     }
 }
 
-impl<C, P, K> RetryLayer<C, P, K> {
-    /// Replaces the classifier.
-    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K> {
-        RetryLayer {
-            classifier,
-            resend: self.resend,
-            key: self.key,
-            settings: self.settings,
-        }
-    }
-
-    /// Replaces how requests are copied for each attempt ([`Resend`]).
-    pub fn resend<P2>(self, resend: P2) -> RetryLayer<C, P2, K> {
-        RetryLayer {
-            classifier: self.classifier,
-            resend,
-            key: self.key,
-            settings: self.settings,
-        }
-    }
-
-    /// Names the one dependency every request goes to.
-    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency> {
-        self.dependency_key(name.into())
-    }
-
-    /// Derives the dependency from each request. A [`Dependency`] already in the request's
-    /// extensions (put there by the caller) wins.
-    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2> {
-        RetryLayer {
-            classifier: self.classifier,
-            resend: self.resend,
-            key,
-            settings: self.settings,
-        }
-    }
-
+impl<C, P, K> RetryLayer<C, P, K, StandardPolicy> {
     /// The most attempts per logical call, the first one included (3 by default). Zero is
     /// rejected: a call is always attempted once.
     pub fn max_attempts(mut self, n: u32) -> Result<Self, InvalidConfig> {
-        if n == 0 {
-            return Err(InvalidConfig::new(
-                "max_attempts must be at least 1 (the first attempt counts)",
-            ));
-        }
-        self.settings.max_attempts = n;
+        self.policy = self.policy.max_attempts(n)?;
         Ok(self)
     }
 
     /// The backoff between attempts when the dependency gives no `Retry-After`.
     #[must_use]
     pub fn backoff(mut self, backoff: Backoff) -> Self {
-        self.settings.backoff = backoff;
+        self.policy = self.policy.backoff(backoff);
         self
     }
 
     /// Where the jitter comes from; seed it for reproducible tests and simulations.
     #[must_use]
     pub fn rng(mut self, rng: RngSource) -> Self {
-        self.settings.rng = rng;
+        self.policy = self.policy.rng(rng);
         self
     }
 
-    /// The per-dependency retry budget. One that also admits attempts (client-side adaptive
-    /// throttling) is asked before every attempt and told how each ended.
+    /// The per-dependency retry budget: paid into once per call and asked for every retry by
+    /// the standard policy. One that also admits attempts (client-side adaptive throttling) is
+    /// asked before every attempt and told how each ended.
     #[must_use]
     pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
-        self.settings.budget_admits = budget.admits();
-        self.settings.attempt_hooks =
-            self.settings.budget_admits || self.settings.latency.is_some();
-        self.settings.budget = budget;
+        self.settings.throttle = budget.admits().then(|| budget.clone());
+        self.policy = self.policy.budget(budget);
         self
+    }
+
+    /// What the layer is configured to allow a call: attempts, attempt timeout, deadline.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_attempts: self.policy.attempts().get(),
+            attempt_timeout: self.settings.attempt_timeout,
+            deadline: self.settings.deadline,
+        }
+    }
+}
+
+impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
+    /// Replaces the classifier.
+    pub fn classifier<C2>(self, classifier: C2) -> RetryLayer<C2, P, K, Pol> {
+        RetryLayer {
+            classifier,
+            resend: self.resend,
+            key: self.key,
+            policy: self.policy,
+            settings: self.settings,
+        }
+    }
+
+    /// Replaces how requests are copied for each attempt ([`Resend`]).
+    pub fn resend<P2>(self, resend: P2) -> RetryLayer<C, P2, K, Pol> {
+        RetryLayer {
+            classifier: self.classifier,
+            resend,
+            key: self.key,
+            policy: self.policy,
+            settings: self.settings,
+        }
+    }
+
+    /// Names the one dependency every request goes to.
+    pub fn dependency(self, name: impl Into<Dependency>) -> RetryLayer<C, P, Dependency, Pol> {
+        self.dependency_key(name.into())
+    }
+
+    /// Derives the dependency from each request. A [`Dependency`] already in the request's
+    /// extensions (put there by the caller) wins.
+    pub fn dependency_key<K2>(self, key: K2) -> RetryLayer<C, P, K2, Pol> {
+        RetryLayer {
+            classifier: self.classifier,
+            resend: self.resend,
+            key,
+            policy: self.policy,
+            settings: self.settings,
+        }
+    }
+
+    /// Replaces the policy that decides after each attempt whether and when to retry (see
+    /// [`Policy`] for one of one's own).
+    pub fn policy<Pol2>(self, policy: Pol2) -> RetryLayer<C, P, K, Pol2> {
+        RetryLayer {
+            classifier: self.classifier,
+            resend: self.resend,
+            key: self.key,
+            policy,
+            settings: self.settings,
+        }
     }
 
     /// An overall deadline for each call, attempts and waits included, kept by this layer
@@ -223,7 +238,6 @@ impl<C, P, K> RetryLayer<C, P, K> {
     #[must_use]
     pub fn attempt_timeout_from_latency(mut self, latency: BoundLatency) -> Self {
         self.settings.latency = Some(latency);
-        self.settings.attempt_hooks = true;
         self
     }
 
@@ -251,15 +265,6 @@ impl<C, P, K> RetryLayer<C, P, K> {
         self.settings.leaf = true;
         self
     }
-
-    /// What the layer is configured to allow a call: attempts, attempt timeout, deadline.
-    pub fn limits(&self) -> Limits {
-        Limits {
-            max_attempts: self.settings.max_attempts,
-            attempt_timeout: self.settings.attempt_timeout,
-            deadline: self.settings.deadline,
-        }
-    }
 }
 
 /// What a [`RetryLayer`] allows each call, from [`RetryLayer::limits`].
@@ -274,14 +279,15 @@ pub struct Limits {
     pub deadline: Option<Duration>,
 }
 
-impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
-    type Service = Retry<S, C, P, K>;
+impl<S, C: Clone, P: Clone, K: Clone, Pol: Clone> Layer<S> for RetryLayer<C, P, K, Pol> {
+    type Service = Retry<S, C, P, K, Pol>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Retry {
             inner,
             key: self.key.clone(),
-            policy: Arc::new(Policy {
+            policy: self.policy.clone(),
+            shared: Arc::new(Shared {
                 classifier: self.classifier.clone(),
                 resend: self.resend.clone(),
                 settings: self.settings.clone(),
@@ -299,12 +305,14 @@ impl<S, C: Clone, P: Clone, K: Clone> Layer<S> for RetryLayer<C, P, K> {
 /// future, and a fresh clone stays here for the next call). Each retry polls that handle's
 /// readiness again before it is sent, within the deadline.
 ///
-/// `Clone`: clones share the policy, the RNG source and the budget.
-pub struct Retry<S, C, P = CloneResend, K = Dependency> {
+/// `Clone`: clones share the classifier, the copier and the policy's parts.
+pub struct Retry<S, C, P = CloneResend, K = Dependency, Pol = StandardPolicy> {
     inner: S,
     /// How each request's dependency is found.
     key: K,
-    policy: Arc<Policy<C, P>>,
+    /// Cloned for each call.
+    policy: Pol,
+    shared: Arc<Shared<C, P>>,
     /// The layer's deadline, running since the inner service first answered `Pending` in this
     /// wait for readiness.
     unready: Option<Pin<Box<Sleep>>>,
@@ -313,29 +321,29 @@ pub struct Retry<S, C, P = CloneResend, K = Dependency> {
     expired: Option<Instant>,
 }
 
-impl<S: Clone, C, P, K: Clone> Clone for Retry<S, C, P, K> {
+impl<S: Clone, C, P, K: Clone, Pol: Clone> Clone for Retry<S, C, P, K, Pol> {
     fn clone(&self) -> Self {
         Retry {
             inner: self.inner.clone(),
             key: self.key.clone(),
             policy: self.policy.clone(),
+            shared: self.shared.clone(),
             unready: None,
             expired: None,
         }
     }
 }
 
-impl<S: fmt::Debug, C, P, K> fmt::Debug for Retry<S, C, P, K> {
+impl<S: fmt::Debug, C, P, K, Pol: fmt::Debug> fmt::Debug for Retry<S, C, P, K, Pol> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Retry")
             .field("inner", &self.inner)
-            .field("max_attempts", &self.policy.settings.max_attempts)
-            .field("backoff", &self.policy.settings.backoff)
+            .field("policy", &self.policy)
             .finish()
     }
 }
 
-impl<S, C, P, K> Retry<S, C, P, K> {
+impl<S, C, P, K, Pol> Retry<S, C, P, K, Pol> {
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -350,17 +358,18 @@ impl<S, C, P, K> Retry<S, C, P, K> {
     }
 }
 
-impl<S, Req, C, P, K> Service<Req> for Retry<S, C, P, K>
+impl<S, Req, C, P, K, Pol> Service<Req> for Retry<S, C, P, K, Pol>
 where
     S: Service<Req, Error: Into<BoxError>, Response: HasExtensions> + Clone,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
     P: Resend<Req>,
     K: DependencyKey<Req>,
+    Pol: Policy<Req, S::Response>,
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = ResponseFuture<(S, Req, C, P)>;
+    type Future = ResponseFuture<(S, Req, C, P, Pol)>;
 
     /// What the inner service answers: `Pending` while it is not ready. With a
     /// [`deadline`](RetryLayer::deadline), a wait longer than the deadline answers `Ready`
@@ -378,7 +387,7 @@ where
         if self.expired.is_some() {
             return Poll::Ready(Ok(()));
         }
-        let Some(limit) = self.policy.settings.deadline else {
+        let Some(limit) = self.shared.settings.deadline else {
             return Poll::Pending;
         };
         let timer = self
@@ -395,7 +404,7 @@ where
         // An outer retry layer owns retrying: one attempt here (still gated and timed), under
         // this layer's own dependency name, and none of the call-level work.
         let nested = RetryScope::is_owned_by(&req, crate::owner());
-        let policy = self.policy.clone();
+        let shared = self.shared.clone();
         let dependency = match Dependency::on(&req) {
             Some(d) if !nested => d.clone(),
             _ => self.key.dependency(&req),
@@ -404,12 +413,9 @@ where
         // whose service never became ready started when the wait for it did.
         let expired = self.expired.take();
         let now = expired.unwrap_or_else(Instant::now);
-        if !nested {
-            policy.settings.budget.deposit(&dependency, now);
-        }
         // The earlier of the request's deadline (the caller's, or an outer layer's) and this
         // layer's own.
-        let own = policy
+        let own = shared
             .settings
             .deadline
             .map(|budget| Deadline::after_from(now, budget));
@@ -422,9 +428,12 @@ where
         let svc = std::mem::replace(&mut self.inner, clone);
         let ready = expired.is_none();
         // A learned limit plans only attempts that may be sent again once cut.
-        let learned = policy.settings.latency.is_some()
-            && (ReplaySafe::is_marked(&req) || policy.classifier.is_replay_safe(&req));
-        let call = Call::new(svc, dependency, deadline, nested, learned, now);
-        ResponseFuture::new(policy, call, req, ready)
+        let learned = shared.settings.latency.is_some()
+            && (ReplaySafe::is_marked(&req) || shared.classifier.is_replay_safe(&req));
+        let policy = self.policy.clone();
+        let call = Call::new(
+            svc, shared, policy, dependency, deadline, nested, learned, now,
+        );
+        ResponseFuture::new(call, req, ready)
     }
 }

@@ -86,6 +86,7 @@ mod error;
 mod error_kind;
 pub mod future;
 mod hedge;
+mod hooks;
 mod layer;
 mod obs;
 mod parts;
@@ -108,6 +109,10 @@ pub mod plumbing {
 }
 pub use hedge::{Hedge, HedgeLayer, Hedging};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
+pub use policy::{
+    Attempt, Budgets, CallWaits, DeadlineFit, MaxAttempts, Policy, ReplaySafety, StandardPolicy,
+    Waits,
+};
 pub use resend::{CloneResend, HttpResend, NotCopyable, Resend, ResendableBody};
 pub use stream_body::{BodyTee, StreamingResend, TeeReader, TeeableBody};
 

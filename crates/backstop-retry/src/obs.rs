@@ -12,8 +12,9 @@
 
 use crate::{RetryHistory, StopReason};
 use backstop_classify::Verdict;
-use backstop_core::{Dependency, Outcome};
+use backstop_core::{Dependency, Outcome, Run};
 use std::borrow::Cow;
+use std::time::Duration;
 use tracing::Span;
 
 #[cfg(feature = "metrics")]
@@ -41,25 +42,46 @@ pub(crate) fn retry(d: &Dependency) {
     let _ = d;
 }
 
-#[inline]
-pub(crate) fn budget_refused(d: &Dependency) {
+/// The policy's decision after an attempt: a `retrying` event for a retry, and the budgets'
+/// metrics (`run` is the call's run, when it belongs to one).
+pub(crate) fn decided(
+    d: &Dependency,
+    decision: &Result<Duration, StopReason>,
+    attempt: u32,
+    verdict: Verdict,
+    run: Option<&Run>,
+) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("backstop_budget_refusals_total", "dependency" => label(d)).increment(1);
-    let _ = d;
-}
-
-#[inline]
-pub(crate) fn run_budget_refused(d: &Dependency) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("backstop_run_budget_refusals_total", "dependency" => label(d)).increment(1);
-    let _ = d;
-}
-
-#[inline]
-pub(crate) fn run_retry(d: &Dependency) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("backstop_run_retries_total", "dependency" => label(d)).increment(1);
-    let _ = d;
+    match decision {
+        Ok(_) if run.is_some() => {
+            metrics::counter!("backstop_run_retries_total", "dependency" => label(d)).increment(1);
+        }
+        Err(StopReason::BudgetExhausted) => {
+            metrics::counter!("backstop_budget_refusals_total", "dependency" => label(d))
+                .increment(1);
+        }
+        Err(StopReason::RunBudgetExhausted { .. }) => {
+            metrics::counter!("backstop_run_budget_refusals_total", "dependency" => label(d))
+                .increment(1);
+        }
+        _ => {}
+    }
+    if let Ok(wait) = decision {
+        let (outcome, server_asked) = match verdict {
+            Verdict::Retryable { outcome, after } => (outcome, after == Some(*wait)),
+            verdict => (verdict.outcome(), false),
+        };
+        tracing::debug!(
+            target: "backstop::retry",
+            dependency = %d,
+            run = run.map_or("", Run::id),
+            attempt,
+            outcome = outcome.as_str(),
+            wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            server_asked,
+            "retrying"
+        );
+    }
 }
 
 #[inline]

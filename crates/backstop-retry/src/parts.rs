@@ -1,35 +1,25 @@
-//! What every call of a layer shares, and the bounds on the layer's parts, written once:
-//! [`Policy`] (the classifier, the copier and the [`Settings`]), the sealed [`Retryable`] with
-//! its aliases, and a call's backoff schedule.
+//! What every call of a layer shares, written once: [`Shared`] (the classifier, the copier and
+//! the [`Settings`]), and the sealed [`Retryable`] with its aliases.
 
-use crate::{AttemptGate, Resend, RetryBudget};
-use backstop_backoff::{Backoff, RngSource};
+use crate::{AttemptGate, Policy, Resend, RetryBudget};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions, Outcome};
 use backstop_timeout::BoundLatency;
-use rand::rngs::SmallRng;
 use std::{sync::Arc, time::Duration};
 use tower_service::Service;
 
 /// What every call's future reads: shared by the layer's services through one `Arc`.
-pub(crate) struct Policy<C, P> {
+pub(crate) struct Shared<C, P> {
     pub(crate) classifier: C,
     pub(crate) resend: P,
     pub(crate) settings: Settings,
 }
 
 /// The settings that do not depend on the layer's type parameters.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub(crate) struct Settings {
-    pub(crate) max_attempts: u32,
-    pub(crate) backoff: Backoff,
-    pub(crate) rng: RngSource,
-    pub(crate) budget: Arc<dyn RetryBudget>,
-    /// The budget admits each attempt too ([`RetryBudget::admits`]).
-    pub(crate) budget_admits: bool,
-    /// Something is asked before and told after every attempt (`budget_admits`, or a latency
-    /// record): one check on the path of an attempt when nothing is.
-    pub(crate) attempt_hooks: bool,
+    /// A budget that also admits each attempt (client-side adaptive throttling).
+    pub(crate) throttle: Option<Arc<dyn RetryBudget>>,
     pub(crate) deadline: Option<Duration>,
     pub(crate) attempt_timeout: Option<Duration>,
     /// Attempt timeouts learned from observed latency, instead of `attempt_timeout`.
@@ -53,15 +43,21 @@ impl<T, E: Into<BoxError>> Ended<T, E> {
             Ended::Own(e) => Err(e),
         }
     }
+
+    /// The response, when the attempt answered one.
+    pub(crate) fn response(&self) -> Option<&T> {
+        match self {
+            Ended::Inner(Ok(res)) => Some(res),
+            _ => None,
+        }
+    }
 }
 
-/// A call's backoff, created at its first retry.
-pub(crate) type Schedule = (backstop_backoff::Schedule, SmallRng);
-
 /// What the retry layer asks of the service it wraps (`Svc`), the request (`Req`), the
-/// classifier and the copier: the bounds, written once. Implemented for the tuple
-/// `(S, Req, C, P)` whenever they hold, and sealed: a layer wrapping [`ResponseFuture`](crate::future::ResponseFuture) names
-/// its parts through it, and nothing else implements it.
+/// classifier, the copier and the policy: the bounds, written once. Implemented for the tuple
+/// `(S, Req, C, P, Pol)` whenever they hold, and sealed: a layer wrapping
+/// [`ResponseFuture`](crate::future::ResponseFuture) names its parts through it, and nothing
+/// else implements it.
 pub trait Retryable: sealed::Sealed {
     /// The request.
     type Req: HasExtensions;
@@ -71,31 +67,35 @@ pub trait Retryable: sealed::Sealed {
     type Classifier: Classify<Self::Req, Res<Self>, Err<Self>>;
     /// Copies the request for each attempt.
     type Resend: Resend<Self::Req>;
+    /// Decides after each attempt.
+    type Policy: Policy<Self::Req, Res<Self>>;
 }
 
 mod sealed {
     #[allow(unreachable_pub)] // Public in name only: no one outside can implement `Retryable`.
     pub trait Sealed {}
-    impl<S, Req, C, P> Sealed for (S, Req, C, P) {}
+    impl<S, Req, C, P, Pol> Sealed for (S, Req, C, P, Pol) {}
 }
 
-impl<S, Req, C, P> Retryable for (S, Req, C, P)
+impl<S, Req, C, P, Pol> Retryable for (S, Req, C, P, Pol)
 where
     S: Service<Req, Error: Into<BoxError>, Response: HasExtensions>,
     Req: HasExtensions,
     C: Classify<Req, S::Response, S::Error>,
     P: Resend<Req>,
+    Pol: Policy<Req, S::Response>,
 {
     type Req = Req;
     type Svc = S;
     type Classifier = C;
     type Resend = P;
+    type Policy = Pol;
 }
 
 pub(crate) type Res<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Response;
 pub(crate) type Err<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Error;
 pub(crate) type Fut<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Future;
-pub(crate) type PolicyOf<T> = Policy<<T as Retryable>::Classifier, <T as Retryable>::Resend>;
+pub(crate) type SharedOf<T> = Shared<<T as Retryable>::Classifier, <T as Retryable>::Resend>;
 /// An attempt's end and its verdict.
 pub(crate) type EndOf<T> = (Ended<Res<T>, Err<T>>, Verdict);
 

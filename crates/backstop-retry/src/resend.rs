@@ -154,11 +154,14 @@ impl<Req> Template<Req> {
     }
 
     /// The kept request, or why there is none.
+    /// Why a request that was not kept cannot be sent again.
+    pub(crate) const NOT_KEPT: &'static str = "the request was not kept for a retry";
+
     pub(crate) fn kept(&self) -> Result<&Req, NotCopyable> {
         match self {
             Template::Kept(req) => Ok(req),
             Template::Uncopyable(why) => Err(why.clone()),
-            Template::Unneeded => Err(NotCopyable::new("the request was not kept for a retry")),
+            Template::Unneeded => Err(NotCopyable::new(Self::NOT_KEPT)),
         }
     }
 }

@@ -287,7 +287,7 @@ impl fmt::Display for Error {
             deadline: self.deadline,
             unvouched_key: false,
             run_budget: None,
-            not_replayable: None,
+            not_retried: None,
         }
         .fmt(f)
     }

@@ -11,7 +11,7 @@ use backstop_classify::Classify;
 use backstop_core::{BoxError, Dependency, HasExtensions, InvalidConfig, RetryBudget};
 use backstop_idempotency::Inject;
 use backstop_retry::{
-    Hedging, Resend, Retry, RetryLayer,
+    Hedging, Resend, Retry, RetryLayer, StandardPolicy,
     future::{ResponseFuture, Retryable},
 };
 use backstop_timeout::BoundLatency;
@@ -72,7 +72,7 @@ where
 /// The client's response type under the stack.
 type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
 /// The retry layer's parts under the stack.
-type Parts<S, C, P, Req> = (<P as Transport<S>>::Client, Req, C, P);
+type Parts<S, C, P, Req> = (<P as Transport<S>>::Client, Req, C, P, StandardPolicy);
 
 impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
 where
