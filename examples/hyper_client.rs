@@ -36,7 +36,7 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         .p99(Duration::from_millis(200))
         .deadline(Duration::from_secs(5))
         .build()?
-        .leaf(client); // hyper-util's client is a leaf: no call context to pass on
+        .layer(client); // hyper-util's client is a leaf: no call context to pass on
 
     // 1. A flaky read.
     let rates = TestServer::start(|s: &Seen| {
@@ -95,7 +95,7 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         .p99(Duration::from_millis(1200))
         .deadline(Duration::from_secs(30))
         .build()?
-        .leaf(client);
+        .layer(client);
     let mut req =
         Request::post(api.url("/labels")).body(Full::from(r#"{"order_id":"ORD-4812"}"#))?;
     req.extensions_mut()

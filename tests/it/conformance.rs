@@ -16,9 +16,10 @@ use backstop::{
     idempotency::IdempotencyLayer,
     mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolResult},
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
-    retry::{Hedging, RetryLayer},
+    retry::{Hedging, RetryLayer, StandardPolicy},
     timeout::{
         AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer, LatencyConfig, LatencyTimeouts,
+        LearnedTimeoutLayer,
     },
 };
 use bytes::Bytes;
@@ -59,10 +60,6 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
             let layer = stack_builder("conformance-stack").build().unwrap();
             status_of(layer.layer(inner))
         }),
-        ("the composed stack over a leaf", |inner| {
-            let layer = stack_builder("conformance-leaf").build().unwrap();
-            status_of(layer.leaf(inner))
-        }),
         (
             "the composed stack, reads hedged on learned latency",
             |inner| {
@@ -87,11 +84,37 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 .backoff(Backoff::constant(Duration::from_millis(20)));
             status_of(layer.layer(inner))
         }),
+        ("the retry layer with a policy of one's own", |inner| {
+            let policy = StandardPolicy::new()
+                .rng(RngSource::seeded(7))
+                .backoff(Backoff::constant(Duration::from_millis(20)));
+            let layer = RetryLayer::http()
+                .dependency("conformance-policy")
+                .policy(policy);
+            status_of(layer.layer(inner))
+        }),
         ("the attempt timeout", |inner| {
             status_of(AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(inner))
         }),
+        ("the learned attempt timeout", |inner| {
+            let learned = LatencyConfig::default()
+                .min_samples(1)
+                .floor(Duration::from_secs(1));
+            let latency = LatencyTimeouts::new(learned)
+                .unwrap()
+                .bind(&"conformance-learned".into());
+            let layer = LearnedTimeoutLayer::new(
+                latency,
+                HttpClassifier::default(),
+                Duration::from_secs(1),
+            );
+            status_of(layer.layer(inner))
+        }),
         ("the deadline", |inner| {
             status_of(DeadlineLayer::new(Duration::from_secs(2)).layer(inner))
+        }),
+        ("the caller's deadline alone", |inner| {
+            status_of(DeadlineLayer::inherited().layer(inner))
         }),
         ("the body timeout", |inner| {
             status_of(BodyTimeoutLayer::new(Some(Duration::from_secs(1))).layer(inner))
@@ -251,7 +274,7 @@ pub(crate) fn finishes_after_the_caller_leaves(name: &str) -> bool {
 
 /// Subjects that retry a 503 themselves.
 pub(crate) fn retries(name: &str) -> bool {
-    name.starts_with("the composed stack") || name == "the retry layer"
+    name.starts_with("the composed stack") || name.starts_with("the retry layer")
 }
 
 pub(crate) fn stack_builder(

@@ -136,7 +136,7 @@ async fn one_call_with_two_retries_gives_the_instruments_the_table_names() {
     let req = http::Request::get("http://rates.otel.test:8080/today")
         .body(String::new())
         .unwrap();
-    let res = stack.leaf(flaky).oneshot(req).await.unwrap();
+    let res = stack.layer(flaky).oneshot(req).await.unwrap();
     assert_eq!(res.status(), 200);
 
     let points = exported.points();
@@ -215,7 +215,7 @@ async fn calls_ended_by_adaptive_throttling_are_counted_as_throttled() {
         .telemetry(exported.telemetry())
         .build()
         .unwrap();
-    let svc = stack.leaf(shedding);
+    let svc = stack.layer(shedding);
     let (mut throttled, mut answered) = (0, 0);
     for _ in 0..200 {
         let req = http::Request::get("http://shedding.otel.test/items")
@@ -336,7 +336,7 @@ async fn a_failed_call_names_its_error_and_the_breaker_its_state() {
         .telemetry(telemetry)
         .build()
         .unwrap()
-        .leaf(down);
+        .layer(down);
     let req = http::Request::get("http://ledger.otel.test/balance")
         .body(String::new())
         .unwrap();

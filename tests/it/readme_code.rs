@@ -25,7 +25,7 @@ async fn one_screen() -> Result<(), BoxError> {
     use http_body_util::Full;
     use hyper_util::{client::legacy::Client, rt::TokioExecutor};
     use std::time::Duration;
-    use tower::ServiceExt;
+    use tower::{Layer, ServiceExt};
 
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let carrier = Backstop::http("carrier-api")     // one name for budget, breaker, errors, metrics
@@ -33,7 +33,7 @@ async fn one_screen() -> Result<(), BoxError> {
         .p99(Duration::from_millis(1200))          // attempt timeout 3 s
         .deadline(Duration::from_secs(30))         // the whole call, backoff included
         .build()?                                  // validated: says which setting to change
-        .leaf(client);                             // over a leaf client (`.layer` over any service)
+        .layer(client);                            // over the client: a tower Service
 
     let mut req = http::Request::post("http://carrier.local/labels")
         .body(Full::from(r#"{"order_id":"ORD-4812"}"#))?;
@@ -68,7 +68,7 @@ fn telemetry(
     // README block 3
     let telemetry = backstop::otel::Telemetry::new(&meter_provider.meter("backstop"));
     metrics::set_global_recorder(backstop::otel::OtelRecorder::new(&telemetry))?;
-    let rates = Backstop::http("rates-api").telemetry(telemetry).build()?.leaf(client);
+    let rates = Backstop::http("rates-api").telemetry(telemetry).build()?.layer(client);
     // end
     Ok(())
 }

@@ -265,7 +265,7 @@ async fn each_attempt_span_carries_the_http_conventions_attributes() {
     use backstop::{Backstop, backoff::RngSource, otel::Telemetry};
     use opentelemetry::metrics::MeterProvider;
     use std::sync::atomic::{AtomicU32, Ordering};
-    use tower::{ServiceExt, service_fn};
+    use tower::{Layer, ServiceExt, service_fn};
     let seen = Seen::default();
     let _tracing = tracing::subscriber::set_default(seen.clone());
     let provider = opentelemetry_sdk::metrics::SdkMeterProvider::builder().build();
@@ -287,7 +287,7 @@ async fn each_attempt_span_carries_the_http_conventions_attributes() {
         .telemetry(Telemetry::new(&provider.meter("backstop")))
         .build()
         .unwrap()
-        .leaf(flaky);
+        .layer(flaky);
     let req = http::Request::get("https://fx.otel.test/rates")
         .body(String::new())
         .unwrap();

@@ -1,5 +1,5 @@
 use crate::{Deadline, Dependency, HasExtensions};
-use std::any::TypeId;
+use std::{any::TypeId, time::Duration};
 use tokio::time::Instant;
 
 /// Who owns a call's retries: a retry layer names itself by a type of its own, so no other
@@ -46,7 +46,7 @@ impl ScopeOwner {
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
-/// CallContext::claim(&mut req, ScopeOwner::of::<MyRetries>(), Dependency::new("search-api"), Some(deadline), Some(1), None);
+/// CallContext::claim(&mut req, ScopeOwner::of::<MyRetries>(), Dependency::new("search-api"), Some(deadline), Some(1));
 /// assert!(RetryScope::is_marked(&req));
 /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<MyRetries>()));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
@@ -64,9 +64,9 @@ pub struct CallContext {
     pub(crate) inner_owner: Option<ScopeOwner>,
     /// The outermost retry layer's attempt number (1 for the first), 0 before any.
     pub(crate) attempt: u32,
-    /// When the retry layer that made this attempt cuts it (its attempt timeout or the
-    /// deadline, whichever ends first), if it does.
-    pub(crate) attempt_end: Option<Instant>,
+    /// When the attempt timeout that bounds this attempt cuts it (its limit or the deadline,
+    /// whichever ends first), if one does, and that limit.
+    pub(crate) attempt_end: Option<(Instant, Option<Duration>)>,
 }
 
 impl CallContext {
@@ -88,9 +88,7 @@ impl CallContext {
 
     /// Records that the retrying layer `owner` retries the call to `dependency` within
     /// `deadline`, and which attempt this request is: its number (`None` leaves the outer
-    /// layer's in place, for a nested layer) and when the retry layer cuts it, if it does (a
-    /// layer further in that keeps the same limit, the composed stack's gRPC metadata, reads
-    /// that end instead of planning again). What a retry layer does to each attempt's request
+    /// layer's in place, for a nested layer). What a retry layer does to each attempt's request
     /// before it sends it.
     ///
     /// A claim never takes the call from an owner already recorded: the first retrying layer
@@ -105,8 +103,8 @@ impl CallContext {
     /// struct Outer;
     /// struct Inner;
     /// let mut req = http::Request::new(());
-    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Outer>(), Dependency::new("search-api"), None, Some(1), None));
-    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Inner>(), Dependency::new("search-api"), None, None, None));
+    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Outer>(), Dependency::new("search-api"), None, Some(1)));
+    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Inner>(), Dependency::new("search-api"), None, None));
     /// // The outer layer still owns the call; the inner one is recorded beside it.
     /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
     /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Inner>()));
@@ -119,7 +117,6 @@ impl CallContext {
         dependency: Dependency,
         deadline: Option<Deadline>,
         attempt: Option<u32>,
-        attempt_end: Option<Instant>,
     ) -> bool {
         let ctx = CallContext::of_mut(req);
         let recorded = match (ctx.owner, ctx.inner_owner) {
@@ -136,15 +133,27 @@ impl CallContext {
         };
         ctx.dependency = Some(dependency);
         ctx.deadline = deadline;
-        ctx.attempt_end = attempt_end;
+        ctx.attempt_end = None;
         if let Some(attempt) = attempt {
             ctx.attempt = attempt;
         }
         recorded
     }
 
-    /// When the retry layer that made this attempt cuts it, if it does.
-    pub fn attempt_end(&self) -> Option<Instant> {
+    /// Records when the attempt timeout bounding this attempt cuts it, and its own limit
+    /// (`None`: the deadline cuts it first): a body timer further in ends the response's body at
+    /// the same instant.
+    pub fn set_attempt_end<R: HasExtensions + ?Sized>(
+        req: &mut R,
+        at: Instant,
+        limit: Option<Duration>,
+    ) {
+        CallContext::of_mut(req).attempt_end = Some((at, limit));
+    }
+
+    /// When the attempt timeout that bounds this attempt cuts it, and its own limit (`None`:
+    /// the deadline), if one does.
+    pub fn attempt_end(&self) -> Option<(Instant, Option<Duration>)> {
         self.attempt_end
     }
 
@@ -193,7 +202,6 @@ mod tests {
             Dependency::new("outer"),
             None,
             Some(1),
-            None,
         );
         assert!(RetryScope::is_marked(&req));
         assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
@@ -213,7 +221,7 @@ mod tests {
         struct Third;
         let mut req = http::Request::new(());
         let claim = |req: &mut http::Request<()>, owner| {
-            CallContext::claim(req, owner, Dependency::new("d"), None, None, None)
+            CallContext::claim(req, owner, Dependency::new("d"), None, None)
         };
         assert!(claim(&mut req, ScopeOwner::of::<Outer>()));
         assert!(claim(&mut req, ScopeOwner::of::<Inner>()));

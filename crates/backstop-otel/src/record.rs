@@ -47,7 +47,9 @@ impl Started {
         Started {
             telemetry,
             at: Instant::now(),
-            cut_at: CallContext::of(req).and_then(CallContext::attempt_end),
+            cut_at: CallContext::of(req)
+                .and_then(CallContext::attempt_end)
+                .map(|(at, _)| at),
             attrs,
             span,
         }

@@ -1,10 +1,9 @@
 //! The one voice of Backstop's errors: what a failed call is called and how it is told, shared
 //! by [`RetryError`](crate::RetryError) and the facade's `backstop::Error`.
 
-use backstop_classify::Verdict;
 use backstop_core::{
-    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    DeadlineWords, Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
+    AttemptTimedOut, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded, DeadlineWords,
+    Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
 };
 use std::{error::Error, fmt, time::Duration};
 
@@ -288,14 +287,6 @@ fn lost_reply<'a>(error: &'a (dyn Error + 'static)) -> Option<&'a (dyn Error + '
         next = e.source();
     }
     None
-}
-
-/// The verdict the classifiers give this layer's own error (timed out, no time left): one rule
-/// for the layer and the layers further in.
-pub(crate) fn own_verdict(error: &BoxError) -> Verdict {
-    backstop_classify::classify_error(&**error).unwrap_or(Verdict::Fatal {
-        outcome: Outcome::Unknown,
-    })
 }
 
 /// Whether a Backstop layer further in refused the attempt before sending it (an open circuit,

@@ -3,7 +3,7 @@
 //! The retry layer's future in tower's shape: an attempt in flight (`Called`), a wait before
 //! the next (`Waiting`), the service getting ready for it (`Readying`). Every attempt, the
 //! first included, is begun by `Call::begin`; after each, one decision (`Call::decide`, which
-//! asks the call's [`Policy`](crate::Policy)); every end of a call passes `Call::finish`. The
+//! asks the call's [`Policy`]); every end of a call passes `Call::finish`. The
 //! policy decides whether another attempt follows and after how long; this future drives.
 
 pub use crate::body::BufferBodyFuture;
@@ -13,7 +13,7 @@ pub use crate::parts::Retryable;
 
 use crate::{
     Attempt, AttemptRecord, NotCopyable, Policy, Resend, RetryHistory, StopReason, Ticket,
-    error_kind::{own_verdict, refused_before_sending},
+    error_kind::refused_before_sending,
     obs::AttemptSpan,
     parts::{EndOf, Ended, Err, Fut, NOT_SENT, Res, SharedOf},
     resend::Template,
@@ -22,7 +22,6 @@ use backstop_classify::{Classify, Verdict};
 use backstop_core::{
     BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome, ReplaySafe, Run,
 };
-use backstop_timeout::{AttemptCutoff, Expiry};
 use pin_project::{pin_project, pinned_drop};
 use std::{
     fmt,
@@ -46,25 +45,12 @@ pub struct ResponseFuture<T: Retryable> {
     state: State<Fut<T>>,
 }
 
-/// When the attempt that answered a call is cut, and the dependency it went to (for the error
-/// of a body still arriving then).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct AttemptEnd {
-    /// The instant and the limit: its attempt timeout, or the deadline when that comes first.
-    pub cutoff: AttemptCutoff,
-    /// The dependency the attempt went to.
-    pub dependency: Dependency,
-}
-
 #[pin_project(project = StateProj)]
 enum State<F> {
-    /// An attempt in flight, and its timer (created at its first `Pending`).
+    /// An attempt in flight.
     Called {
         #[pin]
         fut: F,
-        #[pin]
-        timer: Option<Sleep>,
     },
     /// Waiting before the next attempt.
     Waiting {
@@ -76,8 +62,8 @@ enum State<F> {
         #[pin]
         timer: Option<Sleep>,
     },
-    /// The attempt ended before it was sent; its error is taken at the next poll.
-    Unsent(Option<(BoxError, Verdict)>),
+    /// The attempt was refused before it was sent; its error is taken at the next poll.
+    Unsent(Option<BoxError>),
     Done,
 }
 
@@ -87,74 +73,49 @@ pub(crate) struct Call<T: Retryable> {
     pub(crate) shared: Arc<SharedOf<T>>,
     /// The layer's policy, cloned for this call.
     policy: T::Policy,
-    pub(crate) template: Template<T::Req>,
+    template: Template<T::Req>,
     pub(crate) dependency: Dependency,
-    pub(crate) deadline: Option<Deadline>,
+    deadline: Option<Deadline>,
     started: Instant,
     /// Attempts begun so far, the one in flight included.
-    pub(crate) attempt: u32,
+    attempt: u32,
     pub(crate) attempt_started: Instant,
     /// Whether the current attempt was handed to the service.
     pub(crate) sent: bool,
     /// An outer retry layer owns retrying: one attempt, its raw result handed back.
-    pub(crate) nested: bool,
-    /// The attempts are planned from, and recorded in, the learned latency record: a layer
-    /// with one, and a request that is replay-safe (a cut one may be sent again).
-    pub(crate) learned: bool,
+    nested: bool,
     pub(crate) ticket: Option<Ticket>,
-    cutoff: Option<AttemptCutoff>,
-    pub(crate) span: AttemptSpan,
-    pub(crate) history: Vec<AttemptRecord>,
+    span: AttemptSpan,
+    history: Vec<AttemptRecord>,
 }
 
 impl<T: Retryable> ResponseFuture<T> {
-    /// Starts `call` with its first attempt, `req` (`ready`: false when the service's
-    /// readiness wait outlasted the deadline, and the call ends at once, not sent).
-    #[inline]
-    pub(crate) fn new(mut call: Call<T>, req: T::Req, ready: bool) -> Self {
+    /// Starts `call` with its first attempt, `req`.
+    pub(crate) fn new(mut call: Call<T>, req: T::Req) -> Self {
         if !call.nested {
             crate::obs::call(&call.dependency);
         }
-        let state = if ready {
-            let copies = !call.nested && call.policy.may_retry(&req);
-            let started = call.started;
-            call.begin(started, |template, resend| {
-                if copies {
-                    template.keep(resend, req)
-                } else {
-                    req
-                }
-            })
-        } else {
-            call.begin_attempt(call.started);
-            State::Unsent(Some((call.not_ready(), NOT_SENT)))
-        };
+        let copies = !call.nested && call.policy.may_retry(&req);
+        let state = call.begin(call.started, |template, resend| {
+            if copies {
+                template.keep(resend, req)
+            } else {
+                req
+            }
+        });
         ResponseFuture { call, state }
-    }
-
-    /// When the attempt that answered the call is cut, and its dependency: for a timer on the
-    /// response's body, outside the layer (`None` when that attempt had no limit).
-    pub fn attempt_end(&self) -> Option<AttemptEnd> {
-        let call = &self.call;
-        call.cutoff.map(|cutoff| AttemptEnd {
-            cutoff,
-            dependency: call.dependency.clone(),
-        })
     }
 }
 
 impl<T: Retryable> Future for ResponseFuture<T> {
     type Output = Result<Res<T>, BoxError>;
 
-    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let call = &mut *this.call;
         loop {
             let (ended, verdict) = match this.state.as_mut().project() {
-                StateProj::Called { fut, timer } => {
-                    ready!(call.poll_attempt(fut, timer, cx))
-                }
+                StateProj::Called { fut } => ready!(call.poll_attempt(fut, cx)),
                 StateProj::Waiting { sleep } => {
                     ready!(sleep.poll(cx));
                     this.state.set(State::Readying { timer: None });
@@ -167,7 +128,8 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                             this.state.set(next);
                             continue;
                         }
-                        // The copy failed after the rules passed: the last attempt's end stands.
+                        // The copy failed after the policy allowed the retry: the last
+                        // attempt's end stands.
                         Err(why) => {
                             let verdict = call.history.last().map_or(NOT_SENT, |a| a.verdict);
                             this.state.set(State::Done);
@@ -181,9 +143,8 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                         (Ended::Own(error), NOT_SENT)
                     }
                 },
-                StateProj::Unsent(ended) => {
-                    let (error, verdict) = ended.take().expect(POLLED_AFTER);
-                    (Ended::Own(error), verdict)
+                StateProj::Unsent(error) => {
+                    (Ended::Own(error.take().expect(POLLED_AFTER)), NOT_SENT)
                 }
                 StateProj::Done => panic!("{POLLED_AFTER}"),
             };
@@ -220,8 +181,6 @@ impl<T: Retryable> fmt::Debug for ResponseFuture<T> {
 
 impl<T: Retryable> Call<T> {
     /// A call begun at `now`, to `dependency` on `svc`, the service polled ready for it.
-    #[inline]
-    #[allow(clippy::too_many_arguments)] // The call's parts, each named once, here.
     pub(crate) fn new(
         svc: T::Svc,
         shared: Arc<SharedOf<T>>,
@@ -229,9 +188,8 @@ impl<T: Retryable> Call<T> {
         dependency: Dependency,
         deadline: Option<Deadline>,
         nested: bool,
-        learned: bool,
-        now: Instant,
     ) -> Self {
+        let now = Instant::now();
         Call {
             svc,
             shared,
@@ -244,9 +202,7 @@ impl<T: Retryable> Call<T> {
             attempt_started: now,
             sent: false,
             nested,
-            learned,
             ticket: None,
-            cutoff: None,
             span: AttemptSpan::default(),
             history: Vec::new(),
         }
@@ -259,10 +215,9 @@ impl<T: Retryable> Call<T> {
         self.sent = false;
     }
 
-    /// Begins the next attempt at `now` on the ready service: what the policy asks before an
-    /// attempt (the budget's admission, the learned limit), its cutoff within the deadline, the
-    /// gate, and only then the request (`req`, so a refused attempt copies nothing), sent.
-    #[inline]
+    /// Begins the next attempt at `now` on the ready service: what is asked before an attempt
+    /// (the throttle's admission, the gate), and only then the request (`req`, so a refused
+    /// attempt copies nothing), marked with the call's context and sent.
     fn begin(
         &mut self,
         now: Instant,
@@ -270,41 +225,16 @@ impl<T: Retryable> Call<T> {
     ) -> State<Fut<T>> {
         self.begin_attempt(now);
         self.span = AttemptSpan::new(&self.dependency, self.attempt);
-        let limit = match self.before_attempt() {
-            Ok(limit) => limit,
-            Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
-        };
-        self.cutoff = match AttemptCutoff::plan(now, limit, self.deadline) {
-            Ok(cutoff) => cutoff,
-            Err(passed) => {
-                let error = passed.error(Some(self.dependency.clone()));
-                let verdict = own_verdict(&error);
-                return State::Unsent(Some((error, verdict)));
-            }
-        };
+        if let Err(refused) = self.before_attempt() {
+            return State::Unsent(Some(refused));
+        }
         let shared = self.shared.clone();
-        if let Some(gate) = &shared.settings.gate {
-            match gate.admit(&self.dependency) {
-                Ok(ticket) => self.ticket = Some(ticket),
-                Err(refused) => return State::Unsent(Some((refused, NOT_SENT))),
-            }
-        }
         let mut req = req(&mut self.template, &shared.resend);
-        // The call's context travels with each attempt's copy, across tasks and futures; a leaf
-        // client reads none of it. A nested layer leaves the outer layer's attempt number.
-        if !shared.settings.leaf {
-            let attempt = (!self.nested).then_some(self.attempt);
-            let end = self.cutoff.map(|c| c.at);
-            let dependency = self.dependency.clone();
-            CallContext::claim(
-                &mut req,
-                crate::owner(),
-                dependency,
-                self.deadline,
-                attempt,
-                end,
-            );
-        }
+        // The call's context travels with each attempt's copy, across tasks and futures. A
+        // nested layer leaves the outer layer's attempt number.
+        let attempt = (!self.nested).then_some(self.attempt);
+        let dependency = self.dependency.clone();
+        CallContext::claim(&mut req, crate::owner(), dependency, self.deadline, attempt);
         if self.attempt > 1 {
             crate::obs::retry(&self.dependency);
         }
@@ -315,54 +245,27 @@ impl<T: Retryable> Call<T> {
         let _entered = self.span.get().map(Span::enter);
         State::Called {
             fut: self.svc.call(req),
-            timer: None,
         }
     }
 
-    /// Polls the attempt in flight to its end: the service's result, or this layer's own
-    /// timeout once the cutoff passes (the response wins a tie: it is polled first).
-    #[inline]
-    fn poll_attempt(
-        &mut self,
-        fut: Pin<&mut Fut<T>>,
-        mut timer: Pin<&mut Option<Sleep>>,
-        cx: &mut Context<'_>,
-    ) -> Poll<EndOf<T>> {
-        let polled = {
+    /// Polls the attempt in flight to its end, and judges it.
+    fn poll_attempt(&mut self, fut: Pin<&mut Fut<T>>, cx: &mut Context<'_>) -> Poll<EndOf<T>> {
+        let result = {
             let _entered = self.span.get().map(Span::enter);
-            fut.poll(cx)
+            ready!(fut.poll(cx))
         };
-        if let Poll::Ready(result) = polled {
-            let verdict = self.shared.classifier.classify(result.as_ref());
-            self.end_attempt(Some(verdict));
-            let ended = match result {
-                // A Backstop layer further in refused the attempt: it was not sent.
-                Err(e) if verdict == NOT_SENT => {
-                    let e: BoxError = e.into();
-                    self.sent &= !refused_before_sending(&*e);
-                    Ended::Own(e)
-                }
-                r => Ended::Inner(r),
-            };
-            return Poll::Ready((ended, verdict));
-        }
-        let Some(cutoff) = self.cutoff else {
-            return Poll::Pending;
-        };
-        if timer.is_none() {
-            timer.set(Some(sleep_until(cutoff.at)));
-        }
-        ready!(timer.as_pin_mut().expect("set above").poll(cx));
-        // A learned timeout counts the attempts it cut (each took at least its limit).
-        if let (true, Some(latency), Expiry::Attempt { .. }) =
-            (self.learned, &self.shared.settings.latency, cutoff.expiry)
-        {
-            latency.record_cut(&self.dependency);
-        }
-        let error = cutoff.error(Some(self.dependency.clone()));
-        let verdict = own_verdict(&error);
+        let verdict = self.shared.classifier.classify(result.as_ref());
         self.end_attempt(Some(verdict));
-        Poll::Ready((Ended::Own(error), verdict))
+        let ended = match result {
+            // A Backstop layer further in refused the attempt: it was not sent.
+            Err(e) if verdict == NOT_SENT => {
+                let e: BoxError = e.into();
+                self.sent &= !refused_before_sending(&*e);
+                Ended::Own(e)
+            }
+            r => Ended::Inner(r),
+        };
+        Poll::Ready((ended, verdict))
     }
 
     /// Polls the service's readiness for the next attempt; the deadline ends the wait, not sent.
@@ -381,7 +284,8 @@ impl<T: Retryable> Call<T> {
             timer.set(Some(sleep_until(deadline.instant())));
         }
         ready!(timer.as_pin_mut().expect("set above").poll(cx));
-        Poll::Ready(Err(self.not_ready()))
+        let error = DeadlineExceeded::new(Some(self.dependency.clone()), Outcome::NotSent);
+        Poll::Ready(Err(Box::new(error.with_length(deadline.length()))))
     }
 
     /// The next attempt's copy of the kept request.
@@ -436,17 +340,9 @@ impl<T: Retryable> Call<T> {
         decision.map_err(Some)
     }
 
-    /// The error of a service that did not become ready within the deadline: not sent.
-    fn not_ready(&self) -> BoxError {
-        let length = self.deadline.and_then(Deadline::length);
-        let error = DeadlineExceeded::new(Some(self.dependency.clone()), Outcome::NotSent);
-        Box::new(error.with_length(length))
-    }
-
     /// The one exit of every call: its metrics, once, and its result with the history of its
     /// attempts, on the response or in the [`RetryError`](crate::RetryError) (`stopped` is
     /// `None` for a nested call: its raw result goes to the layer outside).
-    #[inline]
     fn finish(
         &mut self,
         ended: Ended<Res<T>, Err<T>>,
@@ -463,19 +359,6 @@ impl<T: Retryable> Call<T> {
             crate::obs::finished(&self.dependency, self.attempt, true, false);
             return Ok(res);
         }
-        self.finish_with_history(ended, verdict, stopped)
-    }
-
-    /// [`finish`](Self::finish) for every other end: the history goes on the response or into
-    /// the error.
-    #[cold]
-    #[inline(never)]
-    fn finish_with_history(
-        &mut self,
-        ended: Ended<Res<T>, Err<T>>,
-        verdict: Verdict,
-        stopped: StopReason,
-    ) -> Result<Res<T>, BoxError> {
         let history = RetryHistory {
             dependency: self.dependency.clone(),
             attempts: std::mem::take(&mut self.history),

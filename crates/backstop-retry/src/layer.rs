@@ -7,18 +7,13 @@ use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{
     BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
-    ReplaySafe, RetryScope,
+    RetryScope,
 };
-use backstop_timeout::BoundLatency;
 use std::{
     fmt,
-    future::Future,
-    pin::Pin,
     sync::Arc,
-    task::{Context, Poll, ready},
-    time::Duration,
+    task::{Context, Poll},
 };
-use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -75,9 +70,6 @@ impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, Pol: fmt::Debug> fmt::Debug
             .field("resend", &self.resend)
             .field("dependency", &self.key)
             .field("policy", &self.policy)
-            .field("deadline", &s.deadline)
-            .field("attempt_timeout", &s.attempt_timeout)
-            .field("latency", &s.latency)
             .field("gate", &s.gate)
             .finish()
     }
@@ -140,15 +132,6 @@ impl<C, P, K> RetryLayer<C, P, K, StandardPolicy> {
         self.policy = self.policy.budget(budget);
         self
     }
-
-    /// What the layer is configured to allow a call: attempts, attempt timeout, deadline.
-    pub fn limits(&self) -> Limits {
-        Limits {
-            max_attempts: self.policy.attempts().get(),
-            attempt_timeout: self.settings.attempt_timeout,
-            deadline: self.settings.deadline,
-        }
-    }
 }
 
 impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
@@ -203,44 +186,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
         }
     }
 
-    /// An overall deadline for each call, attempts and waits included, kept by this layer
-    /// itself (a caller's tighter deadline on the request still wins). Waits never cross it,
-    /// an attempt still in flight when it passes is cut (`DeadlineExceeded`, outcome
-    /// unknown), and layers further in see it through [`Deadline::of`]. Equivalent to a
-    /// `DeadlineLayer` just outside, without its own future and timer.
-    #[must_use]
-    pub fn deadline(mut self, deadline: Duration) -> Self {
-        self.settings.deadline = Some(deadline);
-        self
-    }
-
-    /// A limit on each attempt (Envoy's `per_try_timeout`): an attempt still running after it
-    /// ends with `AttemptTimedOut` (outcome unknown, retryable when replay-safe). The last
-    /// attempt is cut to the deadline instead when that comes first (`DeadlineExceeded`). The
-    /// timer is only created for an attempt that does not finish at once. Equivalent to an
-    /// `AttemptTimeoutLayer` just inside this layer.
-    #[must_use]
-    pub fn attempt_timeout(mut self, limit: Duration) -> Self {
-        self.settings.attempt_timeout = Some(limit);
-        self
-    }
-
-    /// Each attempt's limit learned from the dependency's observed latency (a high percentile
-    /// of its successful attempts, doubled for each retry, within a floor and a ceiling; a
-    /// fallback until enough samples exist) instead of a fixed
-    /// [`attempt_timeout`](Self::attempt_timeout). Every successful attempt is recorded, and
-    /// every attempt the learned limit cut is counted apart (a few leave the limit where the
-    /// answers put it; more than the percentile's tail raise it); the deadline still bounds
-    /// every attempt. Only replay-safe requests (an idempotent method, a key the dependency
-    /// honours, [`ReplaySafe`]) are planned from and recorded in it: an attempt cut there may be
-    /// sent again. Any other request keeps the fixed `attempt_timeout`, since a cut would leave
-    /// its outcome unknown for good, and its latency stays out of the record its reads learn.
-    #[must_use]
-    pub fn attempt_timeout_from_latency(mut self, latency: BoundLatency) -> Self {
-        self.settings.latency = Some(latency);
-        self
-    }
-
     /// Asks `gate` before every attempt and tells it how each ended: typically the
     /// dependency's circuit breaker. See [`AttemptGate`].
     #[must_use]
@@ -248,35 +193,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
         self.settings.gate = Some(gate);
         self
     }
-
-    /// Declares the inner service a **leaf client** (hyper-util's `Client`, a `reqwest::Client`,
-    /// tonic's `Channel`, or a service of one's own that calls no Backstop layer): each
-    /// attempt's request is sent without the call context (the retry-scope mark, the
-    /// dependency, the deadline, the attempt's end), which nothing there would read. That
-    /// spares each call the request's extension map (three allocations and about a fifth of
-    /// the layer's cost per call).
-    ///
-    /// Only for a leaf: a retry layer further in would not see that this one retries and
-    /// would retry too (three attempts each: nine in all), and a layer further in that reads
-    /// the deadline would not see it. Without this, every inner service gets the context,
-    /// wherever it runs (in `call`, in a future, behind a `Buffer`'s task).
-    #[must_use]
-    pub fn leaf_client(mut self) -> Self {
-        self.settings.leaf = true;
-        self
-    }
-}
-
-/// What a [`RetryLayer`] allows each call, from [`RetryLayer::limits`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Limits {
-    /// The most attempts per call, the first one included.
-    pub max_attempts: u32,
-    /// The limit on each attempt, if any.
-    pub attempt_timeout: Option<Duration>,
-    /// The layer's own deadline over each call, if any.
-    pub deadline: Option<Duration>,
 }
 
 impl<S, C: Clone, P: Clone, K: Clone, Pol: Clone> Layer<S> for RetryLayer<C, P, K, Pol> {
@@ -292,8 +208,6 @@ impl<S, C: Clone, P: Clone, K: Clone, Pol: Clone> Layer<S> for RetryLayer<C, P, 
                 resend: self.resend.clone(),
                 settings: self.settings.clone(),
             }),
-            unready: None,
-            expired: None,
         }
     }
 }
@@ -303,7 +217,8 @@ impl<S, C: Clone, P: Clone, K: Clone, Pol: Clone> Layer<S> for RetryLayer<C, P, 
 /// tower's readiness contract: `poll_ready` answers what the inner service answers, and `call`
 /// sends the first attempt on the very handle that was polled ready (it moves into the call's
 /// future, and a fresh clone stays here for the next call). Each retry polls that handle's
-/// readiness again before it is sent, within the deadline.
+/// readiness again before it is sent, within the request's [`Deadline`]: a service still not
+/// ready when it passes ends the call, the retry not sent.
 ///
 /// `Clone`: clones share the classifier, the copier and the policy's parts.
 pub struct Retry<S, C, P = CloneResend, K = Dependency, Pol = StandardPolicy> {
@@ -313,12 +228,6 @@ pub struct Retry<S, C, P = CloneResend, K = Dependency, Pol = StandardPolicy> {
     /// Cloned for each call.
     policy: Pol,
     shared: Arc<Shared<C, P>>,
-    /// The layer's deadline, running since the inner service first answered `Pending` in this
-    /// wait for readiness.
-    unready: Option<Pin<Box<Sleep>>>,
-    /// The inner service did not become ready within the layer's deadline, waited for since
-    /// this instant: the next call ends at once, not sent, and says how long it waited.
-    expired: Option<Instant>,
 }
 
 impl<S: Clone, C, P, K: Clone, Pol: Clone> Clone for Retry<S, C, P, K, Pol> {
@@ -328,8 +237,6 @@ impl<S: Clone, C, P, K: Clone, Pol: Clone> Clone for Retry<S, C, P, K, Pol> {
             key: self.key.clone(),
             policy: self.policy.clone(),
             shared: self.shared.clone(),
-            unready: None,
-            expired: None,
         }
     }
 }
@@ -371,37 +278,13 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<(S, Req, C, P, Pol)>;
 
-    /// What the inner service answers: `Pending` while it is not ready. With a
-    /// [`deadline`](RetryLayer::deadline), a wait longer than the deadline answers `Ready`
-    /// instead, and the call that follows ends at once with `DeadlineExceeded`, not sent: a
-    /// client that never becomes ready does not hold its caller past the deadline.
+    /// What the inner service answers.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        if let Poll::Ready(ready) = self.inner.poll_ready(cx) {
-            // Ready after all (or failed): whatever the wait did is over, and a call sent now
-            // goes out on this handle.
-            self.unready = None;
-            self.expired = None;
-            return Poll::Ready(ready.map_err(Into::into));
-        }
-        // Readiness already answered stays answered until the call.
-        if self.expired.is_some() {
-            return Poll::Ready(Ok(()));
-        }
-        let Some(limit) = self.shared.settings.deadline else {
-            return Poll::Pending;
-        };
-        let timer = self
-            .unready
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        ready!(timer.as_mut().poll(cx));
-        self.expired = Some(timer.deadline() - limit);
-        self.unready = None;
-        Poll::Ready(Ok(()))
+        self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    #[inline]
     fn call(&mut self, req: Req) -> Self::Future {
-        // An outer retry layer owns retrying: one attempt here (still gated and timed), under
+        // An outer retry layer owns retrying: one attempt here (still gated), under
         // this layer's own dependency name, and none of the call-level work.
         let nested = RetryScope::is_owned_by(&req, crate::owner());
         let shared = self.shared.clone();
@@ -409,31 +292,13 @@ where
             Some(d) if !nested => d.clone(),
             _ => self.key.dependency(&req),
         };
-        // The clock is read once per call: the budget and the deadline share the reading. A call
-        // whose service never became ready started when the wait for it did.
-        let expired = self.expired.take();
-        let now = expired.unwrap_or_else(Instant::now);
-        // The earlier of the request's deadline (the caller's, or an outer layer's) and this
-        // layer's own.
-        let own = shared
-            .settings
-            .deadline
-            .map(|budget| Deadline::after_from(now, budget));
-        let deadline = match (Deadline::of(&req), own) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        // The caller's deadline, or a deadline layer's outside.
+        let deadline = Deadline::of(&req);
         // The handle polled ready goes with the call; a fresh clone stays for the next one.
         let clone = self.inner.clone();
         let svc = std::mem::replace(&mut self.inner, clone);
-        let ready = expired.is_none();
-        // A learned limit plans only attempts that may be sent again once cut.
-        let learned = shared.settings.latency.is_some()
-            && (ReplaySafe::is_marked(&req) || shared.classifier.is_replay_safe(&req));
         let policy = self.policy.clone();
-        let call = Call::new(
-            svc, shared, policy, dependency, deadline, nested, learned, now,
-        );
-        ResponseFuture::new(call, req, ready)
+        let call = Call::new(svc, shared, policy, dependency, deadline, nested);
+        ResponseFuture::new(call, req)
     }
 }

@@ -1,7 +1,11 @@
-//! The one retry layer.
+//! The one retry layer, and the policy that decides for it.
 //!
 //! Retries turn a transient failure into a success, and an unsafe retry turns a lost reply into
-//! a second refund. This layer retries only when all of these hold:
+//! a second refund. The layer drives a call: it keeps a copy of the request, sends each attempt
+//! on a handle polled ready, waits between attempts, and ends the call once. Whether another
+//! attempt follows, and after how long, is its [`Policy`]'s to say. The [`StandardPolicy`]
+//! retries only when all of these hold, each a part ([`MaxAttempts`], [`ReplaySafety`],
+//! [`Waits`], [`DeadlineFit`], [`Budgets`]) a policy of one's own can keep, swap or drop:
 //!
 //! - the [classifier](backstop_classify::Classify) calls the attempt retryable (a timeout, a
 //!   reset, a 429 or 5xx; never a validation error);
@@ -11,28 +15,26 @@
 //! - attempts are left (3 by default: one call and two retries);
 //! - the wait (the server's `Retry-After`, else the [backoff](backstop_backoff::Backoff), full
 //!   jitter from 200 ms up to 5 s) ends before the request's [`Deadline`];
-//! - the dependency's [`RetryBudget`] allows another retry;
+//! - the run's and the dependency's [`RetryBudget`] allow another retry;
 //! - the request can be copied ([`Resend`]): any `Clone` request, or an `http::Request` whose
 //!   body can be replayed (`Full<Bytes>`, or a body buffered by [`BufferBodyLayer`] up to a
 //!   limit).
 //!
-//! Around each attempt it can also keep an overall deadline ([`RetryLayer::deadline`]: waits
-//! never cross it, an attempt in flight is cut at it), time the attempt
-//! ([`RetryLayer::attempt_timeout`], Envoy's `per_try_timeout`) and ask an [`AttemptGate`]
-//! first ([`RetryLayer::gate`]: the dependency's circuit breaker; a refusal stops the call, not
-//! sent). The timer is created only for an attempt that does not finish at once.
+//! The layers beside it each do one job: a deadline outside (`DeadlineLayer`, which it reads
+//! from the request), an attempt timeout inside (`AttemptTimeoutLayer`), and an
+//! [`AttemptGate`] asked before every attempt ([`RetryLayer::gate`]: the dependency's circuit
+//! breaker; a refusal stops the call, not sent).
 //!
-//! **Retries happen in exactly one place.** The first retry layer puts the call's context (the
-//! [`RetryScope`] mark, the dependency, the deadline: `backstop_core::CallContext`) in the
-//! request's extensions before its first attempt; every retry layer further in sees the mark and
-//! makes a single attempt, so three nested stacks against a failing dependency make 3 attempts,
-//! not 27, whether the inner stack is called from `call`, from a future, or from another task.
+//! **Retries happen in exactly one place.** The retry layer puts the call's context (the
+//! [`RetryScope`] mark, the dependency, the deadline, the attempt's number:
+//! `backstop_core::CallContext`) in each attempt's extensions; every retry layer further in sees
+//! the mark and makes a single attempt, so three nested stacks against a failing dependency make
+//! 3 attempts, not 27, whether the inner stack is called from `call`, from a future, or from
+//! another task.
 //!
 //! It keeps tower's readiness contract: `poll_ready` answers what the inner service answers,
 //! the first attempt goes out on the handle that was polled ready, and each retry waits for that
-//! handle's readiness again, within the deadline. With a deadline of its own, a service still
-//! not ready when it passes lets the call through to end at once (`DeadlineExceeded`, not
-//! sent).
+//! handle's readiness again, within the deadline.
 //!
 //! Each attempt runs inside a `tracing` span `attempt` (target `backstop::retry`, fields
 //! `dependency` and `attempt`); each retry emits a `retrying` event with the outcome, the wait and
@@ -108,7 +110,7 @@ pub mod plumbing {
     pub use crate::error_kind::{Diagnosis, Told};
 }
 pub use hedge::{Hedge, HedgeLayer, Hedging};
-pub use layer::{DEFAULT_MAX_ATTEMPTS, Limits, Retry, RetryLayer};
+pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use policy::{
     Attempt, Budgets, CallWaits, DeadlineFit, MaxAttempts, Policy, ReplaySafety, StandardPolicy,
     Waits,

@@ -102,16 +102,6 @@ pub(crate) fn finished(d: &Dependency, attempt: u32, success: bool, unknown: boo
     let _ = (d, attempt, success, unknown);
 }
 
-/// The attempt timeout learned from latency, as planned for an attempt:
-/// `backstop_attempt_timeout_seconds{dependency}`.
-#[inline]
-pub(crate) fn attempt_timeout(d: &Dependency, limit: std::time::Duration) {
-    #[cfg(feature = "metrics")]
-    metrics::gauge!("backstop_attempt_timeout_seconds", "dependency" => label(d))
-        .set(limit.as_secs_f64());
-    let _ = (d, limit);
-}
-
 /// Copies still in flight when another answered, dropped:
 /// `backstop_hedges_cancelled_total{dependency}`.
 #[inline]

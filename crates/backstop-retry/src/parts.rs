@@ -4,8 +4,7 @@
 use crate::{AttemptGate, Policy, Resend, RetryBudget};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions, Outcome};
-use backstop_timeout::BoundLatency;
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 use tower_service::Service;
 
 /// What every call's future reads: shared by the layer's services through one `Arc`.
@@ -20,13 +19,7 @@ pub(crate) struct Shared<C, P> {
 pub(crate) struct Settings {
     /// A budget that also admits each attempt (client-side adaptive throttling).
     pub(crate) throttle: Option<Arc<dyn RetryBudget>>,
-    pub(crate) deadline: Option<Duration>,
-    pub(crate) attempt_timeout: Option<Duration>,
-    /// Attempt timeouts learned from observed latency, instead of `attempt_timeout`.
-    pub(crate) latency: Option<BoundLatency>,
     pub(crate) gate: Option<Arc<dyn AttemptGate>>,
-    /// The inner service is a leaf client: no call context is written on the attempts.
-    pub(crate) leaf: bool,
 }
 
 /// How an attempt ended: the inner service's result, or this layer's own error.

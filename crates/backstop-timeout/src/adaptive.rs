@@ -371,6 +371,11 @@ impl fmt::Debug for BoundLatency {
 }
 
 impl BoundLatency {
+    /// The dependency whose record this is.
+    pub fn dependency(&self) -> &Dependency {
+        &self.dependency
+    }
+
     /// Records a successful attempt to `dependency` (this record's, or another's).
     #[inline]
     pub fn record(&self, dependency: &Dependency, latency: Duration) {

@@ -95,14 +95,15 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
+    fn call(&mut self, mut req: Req) -> Self::Future {
         let dependency = Dependency::of(&req).or_else(|| self.dependency.clone());
         match AttemptCutoff::plan(Instant::now(), Some(self.limit), Deadline::of(&req)) {
-            Ok(end) => TimedFuture::new(
-                self.inner.call(req),
-                end.expect("an attempt timeout always sets an end"),
-                dependency,
-            ),
+            Ok(end) => {
+                if let Some(end) = end {
+                    end.hand_down(&mut req);
+                }
+                TimedFuture::new(self.inner.call(req), end, dependency)
+            }
             Err(passed) => TimedFuture::too_late(passed, dependency),
         }
     }

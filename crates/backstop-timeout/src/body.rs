@@ -64,7 +64,6 @@ use tower_service::Service;
 pub struct BodyTimeoutLayer {
     limit: Option<Duration>,
     dependency: Option<Dependency>,
-    handed_down: bool,
 }
 
 impl BodyTimeoutLayer {
@@ -74,18 +73,7 @@ impl BodyTimeoutLayer {
         BodyTimeoutLayer {
             limit,
             dependency: None,
-            handed_down: false,
         }
-    }
-
-    /// Under a retry layer with the same attempt timeout (the composed stack's case): each
-    /// body ends at the end that retry layer planned for its attempt, read from the request's
-    /// call context, instead of being planned again from a clock read of its own. A request
-    /// that carries no plan is planned here as usual.
-    #[must_use]
-    pub fn handed_down(mut self) -> Self {
-        self.handed_down = true;
-        self
     }
 
     /// The dependency named in errors when the request does not name one in its extensions.
@@ -103,7 +91,6 @@ impl<S> Layer<S> for BodyTimeoutLayer {
             inner,
             limit: self.limit,
             dependency: self.dependency.clone(),
-            handed_down: self.handed_down,
         }
     }
 }
@@ -114,7 +101,6 @@ pub struct BodyTimeout<S> {
     inner: S,
     limit: Option<Duration>,
     dependency: Option<Dependency>,
-    handed_down: bool,
 }
 
 impl<S> BodyTimeout<S> {
@@ -140,9 +126,10 @@ where
 
     #[inline]
     fn call(&mut self, req: Req) -> Self::Future {
-        if self.handed_down
-            && let Some(ctx) = CallContext::of(&req)
-            && let Some(end) = AttemptCutoff::handed_down(ctx, self.limit)
+        // Under an attempt timeout (the composed stack's case), the body ends when its attempt
+        // does.
+        if let Some(ctx) = CallContext::of(&req)
+            && let Some(end) = AttemptCutoff::handed_down(ctx)
         {
             let dependency = ctx
                 .dependency()

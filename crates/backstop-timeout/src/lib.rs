@@ -7,25 +7,25 @@
 //!   records a [`Deadline`] in the request's extensions; a deadline the caller already put there
 //!   wins when it is tighter, so a call never outlives its caller. A request whose deadline has
 //!   already passed fails at once without reaching the inner service.
-//! - [`AttemptTimeoutLayer`] bounds one attempt. It reads the deadline (the request's, or the
-//!   one a retry layer outside made current for the attempt) and uses
-//!   `min(attempt timeout, time left)`, so the last attempt ends exactly at the deadline instead
-//!   of being cut off from outside with no verdict.
+//! - [`AttemptTimeoutLayer`] bounds one attempt, inside the retry layer. It reads the deadline
+//!   from the request and uses `min(attempt timeout, time left)`, so the last attempt ends
+//!   exactly at the deadline with a verdict instead of being cut off from outside.
+//!   [`LearnedTimeoutLayer`] does the same with a limit learned from the dependency's latency.
 //!
-//! The retry layer can do both jobs itself (`RetryLayer::deadline`, `RetryLayer::attempt_timeout`),
-//! which is how the composed stack uses them; these layers are for stacks composed by hand.
+//! The composed stack puts the deadline outside its retry layer and the attempt timeout inside
+//! it; each layer works alone too.
 //!
 //! Choose the attempt timeout from the dependency's observed latency (a high percentile plus
 //! margin, for example p99 1.2 s -> 3 s), not from hope. A timed-out attempt's side effect is
 //! *unknown*, never "failed": the errors say so ([`AttemptTimedOut`], [`DeadlineExceeded`]).
 //!
 //! - [`BodyTimeoutLayer`] keeps the attempt's limit and the deadline running over the
-//!   response body, which the two layers above stop at when the headers arrive. The composed
-//!   HTTP stack puts it inside its retry layer.
+//!   response body, which the layers above stop at when the headers arrive. Inside an attempt
+//!   timeout it ends each body when its attempt ends (the composed HTTP stack's order).
 //!
-//! Neither layer bounds `poll_ready`: readiness is the inner service's backpressure and is
-//! passed through untouched (as tower's `Timeout` does); put a load-shed or buffer layer
-//! outside if readiness itself can hang.
+//! Readiness: [`WithDeadline`] with a budget of its own bounds the wait for readiness by it (a
+//! client never ready ends the call at its deadline, not sent); the attempt timeouts and the
+//! body timer pass `poll_ready` through untouched, as tower's `Timeout` does.
 //!
 //! ```
 //! use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
@@ -58,6 +58,8 @@ mod attempt;
 mod body;
 mod deadline;
 mod latency_record;
+mod learned;
+mod obs;
 mod timed;
 
 pub use adaptive::{BoundLatency, LatencyConfig, LatencyTimeouts};
@@ -65,6 +67,7 @@ pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
 pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};
 pub use deadline::{DeadlineLayer, WithDeadline};
+pub use learned::{LearnedTimeout, LearnedTimeoutLayer};
 pub use timed::{AttemptCutoff, DeadlinePassed, Expiry};
 
 /// Future types.
@@ -72,5 +75,6 @@ pub mod future {
     pub use crate::attempt::AttemptFuture;
     pub use crate::body::BodyTimeoutFuture;
     pub use crate::deadline::DeadlineFuture;
+    pub use crate::learned::LearnedFuture;
     pub use crate::timed::TimedFuture;
 }

@@ -1,5 +1,6 @@
 use backstop_core::{
-    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome,
+    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, HasExtensions,
+    Outcome,
 };
 use pin_project::pin_project;
 use std::{
@@ -102,19 +103,27 @@ impl AttemptCutoff {
         }))
     }
 
-    /// The end a retry layer outside planned for this attempt and put in its call context
-    /// ([`CallContext::claim`]), for a layer
-    /// further in whose own `limit` is that retry layer's attempt timeout: read, not planned
-    /// again. `None` when no retry layer planned one.
-    #[inline]
-    pub fn handed_down(ctx: &CallContext, limit: Option<Duration>) -> Option<AttemptCutoff> {
-        let at = ctx.attempt_end()?;
-        let expiry = match (ctx.deadline(), limit) {
-            (Some(d), _) if d.instant() == at => Expiry::Deadline { length: d.length() },
-            (_, Some(limit)) => Expiry::Attempt { limit },
-            (_, None) => Expiry::Deadline { length: None },
+    /// The end an attempt timeout outside planned for this attempt and put in its call
+    /// context ([`CallContext::set_attempt_end`]): read by a layer further in (the body timer),
+    /// not planned again. `None` when no attempt timeout planned one.
+    pub fn handed_down(ctx: &CallContext) -> Option<AttemptCutoff> {
+        let (at, limit) = ctx.attempt_end()?;
+        let expiry = match limit {
+            Some(limit) => Expiry::Attempt { limit },
+            None => Expiry::Deadline {
+                length: ctx.deadline().and_then(Deadline::length),
+            },
         };
         Some(AttemptCutoff { at, expiry })
+    }
+
+    /// Records this end in `req`'s call context, for the layers further in.
+    pub fn hand_down<R: HasExtensions + ?Sized>(self, req: &mut R) {
+        let limit = match self.expiry {
+            Expiry::Attempt { limit } => Some(limit),
+            Expiry::Deadline { .. } => None,
+        };
+        CallContext::set_attempt_end(req, self.at, limit);
     }
 
     /// The error of an attempt cut at this end.
@@ -146,7 +155,8 @@ enum State<F> {
         /// at once never touches the timer.
         #[pin]
         sleep: Option<Sleep>,
-        end: AttemptCutoff,
+        /// `None`: nothing bounds this call.
+        end: Option<AttemptCutoff>,
         dependency: Option<Dependency>,
     },
     Failed {
@@ -156,7 +166,11 @@ enum State<F> {
 
 impl<F> TimedFuture<F> {
     /// `inner`, cut at `end`.
-    pub(crate) fn new(inner: F, end: AttemptCutoff, dependency: Option<Dependency>) -> Self {
+    pub(crate) fn new(
+        inner: F,
+        end: Option<AttemptCutoff>,
+        dependency: Option<Dependency>,
+    ) -> Self {
         TimedFuture {
             state: State::Running {
                 inner,
@@ -196,6 +210,9 @@ where
                 if let Poll::Ready(r) = inner.poll(cx) {
                     return Poll::Ready(r.map_err(Into::into));
                 }
+                let Some(end) = end else {
+                    return Poll::Pending;
+                };
                 if sleep.is_none() {
                     sleep.set(Some(sleep_until(end.at)));
                 }

@@ -1,7 +1,7 @@
 //! What [`Backstop::build`] does: validates the settings together (each error names the
 //! setting to change), then composes the layers in their one order: the call's work outside,
-//! the retry layer (deadline, budget, breaker gate, attempt timeout) inside it, and hedging
-//! when latency is learned.
+//! the deadline, the retry layer (its policy with the budget, the breaker as its gate), the
+//! attempt timeout (fixed, or learned from latency), and hedging when latency is learned.
 
 use crate::{
     Backstop, BackstopLayer, DEFAULT_ATTEMPT_TIMEOUT, Preset,
@@ -13,6 +13,7 @@ use backstop_budget::Budget;
 use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
 use backstop_idempotency::IdempotencyLayer;
 use backstop_retry::RetryLayer;
+use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer, LearnedTimeoutLayer};
 use std::{sync::Arc, time::Duration};
 
 /// The settings that [`Backstop::validate`] derives and checked.
@@ -161,22 +162,23 @@ impl<C, P, I> Backstop<C, P, I> {
         let keys = self.key_layer();
         let inject = self.keys.injector().clone();
         let transport = self.resend.clone();
-        let hedge_classifier = self.classifier.clone();
+        let classifier = self.classifier.clone();
         let mut retry = RetryLayer::new(self.classifier)
             .resend(self.resend)
             .dependency(self.dependency.clone())
             .backoff(self.backoff)
-            .max_attempts(checked.max_attempts)?
-            // The attempt timeout and the breaker work inside the retry loop (one future, one
-            // classification per attempt); the deadline is kept by the retry layer too.
-            .attempt_timeout(checked.attempt_timeout);
+            .max_attempts(checked.max_attempts)?;
+        let deadline = match self.deadline {
+            Some(d) => DeadlineLayer::new(d),
+            None => DeadlineLayer::inherited(),
+        }
+        .dependency(self.dependency.clone());
+        let attempt_timeout =
+            AttemptTimeoutLayer::new(checked.attempt_timeout).dependency(self.dependency.clone());
         let latency = self.latency.as_ref().map(|l| l.bind(&self.dependency));
-        if let Some(latency) = &latency {
-            retry = retry.attempt_timeout_from_latency(latency.clone());
-        }
-        if let Some(d) = self.deadline {
-            retry = retry.deadline(d);
-        }
+        let learned = latency.as_ref().map(|latency| {
+            LearnedTimeoutLayer::new(latency.clone(), classifier.clone(), checked.attempt_timeout)
+        });
         if let Some(b) = &checked.breaker {
             retry = retry.gate(Arc::new(b.bind(&self.dependency)));
         }
@@ -187,7 +189,7 @@ impl<C, P, I> Backstop<C, P, I> {
             retry = retry.budget(b.clone());
         }
         let hedging = latency.map(|latency| HedgeParts {
-            classifier: hedge_classifier,
+            classifier,
             latency,
             budget: budget.unwrap_or_else(|| Arc::new(backstop_core::NoBudget)),
         });
@@ -205,7 +207,11 @@ impl<C, P, I> Backstop<C, P, I> {
         Ok(BackstopLayer {
             dependency: self.dependency,
             call,
+            deadline,
             retry,
+            attempt_timeout,
+            learned,
+            max_attempts: checked.max_attempts,
             hedging,
             transport,
             attempt_header: self.attempt_header,

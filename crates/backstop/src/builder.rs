@@ -64,7 +64,7 @@ pub enum Preset {
 ///     .p99(Duration::from_millis(1200))
 ///     .build()
 ///     .unwrap();
-/// assert_eq!(layer.attempt_timeout(), Some(Duration::from_secs(3)));
+/// assert_eq!(layer.attempt_timeout(), Duration::from_secs(3));
 ///
 /// let err = Backstop::http("carrier-api")
 ///     .deadline(Duration::from_secs(2))

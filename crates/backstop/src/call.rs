@@ -10,6 +10,7 @@ use backstop_idempotency::{
 };
 use backstop_retry::RetryHistory;
 use std::{fmt, sync::Arc};
+use tokio::time::Instant;
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
 
@@ -71,6 +72,9 @@ pub(crate) struct CallState {
     letterhead: Option<Box<Letterhead>>,
     /// The call's start, when the stack records telemetry.
     otel: Slot,
+    /// When the caller began waiting for the stack's readiness, when it had to wait: a call
+    /// that ends before any attempt has been waiting since then.
+    waited_since: Option<Instant>,
 }
 
 impl fmt::Debug for CallState {
@@ -90,6 +94,7 @@ impl<I> CallWork<I> {
         &self,
         req: &mut Req,
         grpc: fn(&Req) -> Option<(String, String)>,
+        waited_since: Option<Instant>,
     ) -> Result<CallState, Error>
     where
         Req: HasExtensions,
@@ -159,6 +164,7 @@ impl<I> CallWork<I> {
             span: (!span.is_disabled()).then(|| Box::new(span)),
             letterhead,
             otel,
+            waited_since,
         })
     }
 
@@ -200,7 +206,10 @@ impl CallState {
             }
             Err(e) => e,
         };
-        let err = Error::from_box(e);
+        let mut err = Error::from_box(e);
+        if let Some(since) = self.waited_since {
+            err.waited_at_least(since.elapsed());
+        }
         if let Some(otel) = self.otel.take() {
             let kind = err.kind().as_str();
             otel.end(err.attempts(), err.history(), err.outcome(), Some(kind));

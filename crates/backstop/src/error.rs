@@ -250,6 +250,12 @@ impl Error {
         }
     }
 
+    /// The call waited at least `waited` before it ended (for readiness): an error that could
+    /// not say how long the call took says that.
+    pub(crate) fn waited_at_least(&mut self, waited: Duration) {
+        self.elapsed = self.elapsed.max(waited);
+    }
+
     fn from_retry(r: RetryError) -> Error {
         let told = r.told();
         Error {

@@ -4,7 +4,7 @@ use crate::{
     Backstop,
     attempt_header::AttemptCount,
     box_errors::BoxErrors,
-    transport::{Attempts, Deliver, Describe, Transport, TransportSettings, attempts},
+    transport::{Attempts, Describe, Transport, TransportSettings, attempts},
 };
 use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{BoxError, CallContext, Deadline, Dependency};
@@ -50,16 +50,6 @@ impl Backstop<GrpcClassifier, StreamingResend, HttpKeys> {
     }
 }
 
-/// gRPC's bodies are timed inside the retry layer (the attempt's metadata is set from its
-/// call context there too): the response is handed back as the client's body timer made it.
-impl<Res> Deliver<Res> for StreamingResend {
-    type Response = Res;
-    #[inline]
-    fn deliver(res: Res, _end: Option<backstop_retry::future::AttemptEnd>) -> Res {
-        res
-    }
-}
-
 /// A gRPC call's method is its request's path (`/package.Service/Method`), its target the
 /// authority it goes to.
 impl<B> Describe<http::Request<B>> for StreamingResend {
@@ -81,17 +71,13 @@ impl<S> Transport<S> for StreamingResend {
             inner: client,
             attempt_timeout: settings.attempt_timeout,
         };
-        let client = BoxErrors(
-            BodyTimeoutLayer::new(settings.attempt_timeout)
-                .handed_down()
-                .layer(client),
-        );
+        let client = BoxErrors(BodyTimeoutLayer::new(settings.attempt_timeout).layer(client));
         attempts(client, settings)
     }
 }
 
 /// Sets gRPC's per-attempt metadata, `grpc-timeout` (the time the attempt has: its timeout and
-/// the call's deadline, whichever ends first, as the retry layer planned it with
+/// the call's deadline, whichever ends first, as the stack's attempt timeout planned it with
 /// [`AttemptCutoff::plan`] and handed it down in the call context) and, on a retry,
 /// `grpc-previous-rpc-attempts`, and keeps the attempt's end the stack's own.
 ///
@@ -127,8 +113,8 @@ where
         let now = Instant::now();
         let context = CallContext::of(&req);
         let dependency = context.and_then(CallContext::dependency).cloned();
-        // The end the retry layer planned for the attempt, or, under none, planned here.
-        let handed = context.and_then(|c| AttemptCutoff::handed_down(c, self.attempt_timeout));
+        // The end the attempt timeout planned for the attempt, or, under none, planned here.
+        let handed = context.and_then(AttemptCutoff::handed_down);
         let cutoff = match handed {
             Some(cutoff) => Some(cutoff),
             None => match AttemptCutoff::plan(now, self.attempt_timeout, Deadline::of(&req)) {

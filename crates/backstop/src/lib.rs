@@ -21,55 +21,14 @@
 //! - [`replay`]: the server side of the same contract: a layer that runs a keyed request once
 //!   and replays its stored result to every repeat.
 //!
-//! Stack them in this order, outermost first: idempotency key, deadline, retry (with the
-//! budget), breaker, attempt timeout, the client. The retry layer can keep the deadline, ask the
-//! breaker before each attempt and time each attempt itself, which is what the [`Backstop`]
-//! builder does (two futures per call instead of five: the call's work, once per call, around
-//! the retry layer's; and the budget and the breaker account to the dependency the retry layer
-//! names). By hand:
-//!
-//! ```
-//! use backstop::{breaker::Breaker, budget::Budget, retry::RetryLayer, Dependency};
-//! use std::sync::Arc;
-//! use bytes::Bytes;
-//! use http_body_util::Full;
-//! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-//! use std::time::Duration;
-//! use tower::{ServiceBuilder, ServiceExt};
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), backstop::BoxError> {
-//! # let server = backstop_testkit::TestServer::start(|_| backstop_testkit::Action::status(200)).await;
-//! // One budget and one breaker for the whole process: every stack shares their state.
-//! let budget = Budget::default();
-//! let breaker = Breaker::default();
-//! let carrier = Dependency::new("carrier-api");
-//!
-//! let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-//! let carrier = ServiceBuilder::new()
-//!     .layer(
-//!         RetryLayer::http()
-//!             .dependency(carrier.clone())
-//!             .deadline(Duration::from_secs(10))
-//!             .budget(Arc::new(budget.bind(&carrier)))
-//!             .gate(Arc::new(breaker.bind(&carrier)))
-//!             .attempt_timeout(Duration::from_secs(3)),
-//!     )
-//!     .service(client);
-//!
-//! let req = http::Request::get(server.url("/labels/4812")).body(Full::default())?;
-//! let res = carrier.oneshot(req).await?;
-//! assert_eq!(res.status(), 200);
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! The same jobs as separate layers (`DeadlineLayer`, `BreakerLayer`, `AttemptTimeoutLayer`),
-//! for stacks that need something between them:
+//! Stack them in this order, outermost first: idempotency key, deadline, retry (its policy with
+//! the budget), breaker, attempt timeout, the client. Each is a tower `Layer` of its own; the
+//! [`Backstop`] builder stacks them in this order behind the call's work (key, span, one error,
+//! dead letters), with the breaker asked by the retry layer before each attempt. By hand:
 //!
 //! ```
 //! use backstop::{
-//!     breaker::{Breaker, BreakerLayer},
+//!     breaker::Breaker,
 //!     budget::Budget,
 //!     retry::RetryLayer,
 //!     timeout::{AttemptTimeoutLayer, DeadlineLayer},
@@ -84,6 +43,7 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), backstop::BoxError> {
 //! # let server = backstop_testkit::TestServer::start(|_| backstop_testkit::Action::status(200)).await;
+//! // One budget and one breaker for the whole process: every stack shares their state.
 //! let budget = Budget::default();
 //! let breaker = Breaker::default();
 //!
@@ -230,23 +190,28 @@ pub mod timeout {
     pub use backstop_timeout::{
         AttemptCutoff, AttemptTimeout, AttemptTimeoutLayer, BodyTimedOut, BodyTimeout,
         BodyTimeoutLayer, BoundLatency, DeadlineLayer, DeadlinePassed, Expiry, LatencyConfig,
-        LatencyTimeouts, TimedBody, WithDeadline, future,
+        LatencyTimeouts, LearnedTimeout, LearnedTimeoutLayer, TimedBody, WithDeadline, future,
     };
 }
 
-/// The one retry layer.
+/// The one retry layer, and the [`Policy`](retry::Policy) that decides for it.
 ///
-/// It retries only when the classifier calls the attempt retryable, the side effect is known
-/// not to have happened **or** the request is replay-safe, attempts are left, the wait (the
-/// server's `Retry-After`, else the backoff) ends before the deadline, the dependency's retry
-/// budget (and a [`Run`]'s, when the call belongs to one) allows it, and the request
-/// can be copied ([`Resend`](retry::Resend); [`BufferBodyLayer`](retry::BufferBodyLayer) makes a
-/// streamed body copyable up to a limit).
+/// The layer drives a call (it keeps a copy of the request, waits, polls readiness again, ends
+/// the call once); after each attempt its policy decides whether another follows and after how
+/// long. The [`StandardPolicy`](retry::StandardPolicy) retries only when the classifier calls
+/// the attempt retryable, the side effect is known not to have happened **or** the request is
+/// replay-safe, attempts are left, the wait (the server's `Retry-After`, else the backoff) ends
+/// before the deadline, the dependency's retry budget (and a [`Run`]'s, when the call belongs to
+/// one) allows it, and the request can be copied ([`Resend`](retry::Resend);
+/// [`BufferBodyLayer`](retry::BufferBodyLayer) makes a streamed body copyable up to a limit).
+/// Each of those rules is a part a policy of one's own can keep, swap or drop.
 ///
 /// **Retries happen in exactly one place**: the outermost retry layer marks the call in the
 /// request's extensions, and every retry layer further in makes a single attempt, so three
-/// nested stacks make 3 attempts, not 27, however the inner stack is called. `poll_ready` never
-/// waits: readiness is waited for inside the call, bounded by the deadline.
+/// nested stacks make 3 attempts, not 27, however the inner stack is called. `poll_ready`
+/// answers what the inner service answers; each retry waits for readiness again, bounded by
+/// the deadline ([`DeadlineLayer`](timeout::DeadlineLayer) says what readiness does before the
+/// first attempt).
 ///
 /// When it stops it says why: a [`RetryError`](retry::RetryError) (or, for a retryable
 /// response it could not retry, the response with a [`RetryHistory`](retry::RetryHistory))
@@ -277,10 +242,10 @@ pub mod retry {
     pub use backstop_core::{CallContext, RetryScope, ScopeOwner};
     #[doc(inline)]
     pub use backstop_retry::{
-        AttemptRecord, BufferBody, BufferBodyLayer, BufferedBody, CloneResend,
-        DEFAULT_MAX_ATTEMPTS, Hedge, HedgeLayer, Hedging, HttpResend, Limits, NotCopyable, Resend,
-        ResendableBody, Retry, RetryError, RetryHistory, RetryLayer, StopReason, future,
-        retried_outside,
+        Attempt, AttemptRecord, Budgets, BufferBody, BufferBodyLayer, BufferedBody, CallWaits,
+        CloneResend, DEFAULT_MAX_ATTEMPTS, DeadlineFit, Hedge, HedgeLayer, Hedging, HttpResend,
+        MaxAttempts, NotCopyable, Policy, ReplaySafety, Resend, ResendableBody, Retry, RetryError,
+        RetryHistory, RetryLayer, StandardPolicy, StopReason, Waits, future, retried_outside,
     };
 }
 

@@ -74,13 +74,12 @@ impl Service<http::Request<Full<Bytes>>> for ReqwestService {
 impl BackstopLayer<HttpClassifier, HttpResend, HttpKeys> {
     /// The stack over `client`: every error a typed [`Error`](crate::Error), the keys and the
     /// deadline as over any other client. Requests are `http::Request<Full<Bytes>>`; responses
-    /// `http::Response` of reqwest's body, under the attempt's time limit. The client is a
-    /// leaf ([`leaf`](Self::leaf)): the attempts carry no call context.
+    /// `http::Response` of reqwest's body, under the attempt's time limit.
     pub fn reqwest(
         &self,
         client: reqwest::Client,
     ) -> BackstopService<ReqwestService, HttpClassifier, HttpResend, HttpKeys> {
-        self.leaf(ReqwestService::new(client))
+        tower_layer::Layer::layer(self, ReqwestService::new(client))
     }
 }
 

@@ -1,10 +1,12 @@
 //! The composed stack as tower's pieces: [`BackstopLayer`], the [`BackstopService`] it builds
 //! over a client, and its [`BackstopFuture`]. The service does the call's work
-//! ([`CallWork`]) once per logical call, outside the one retry layer it wraps.
+//! ([`CallWork`]) once per logical call, outside the layers it stacks in the README's order:
+//! the deadline, the retry layer, the attempt timeout, then the client as its transport wraps
+//! it.
 
 use crate::{
     call::{CallState, CallWork},
-    transport::{Deliver, Describe, Transport, TransportSettings},
+    transport::{Describe, Transport, TransportSettings},
 };
 use backstop_breaker::Breaker;
 use backstop_classify::Classify;
@@ -14,7 +16,10 @@ use backstop_retry::{
     Hedging, Resend, Retry, RetryLayer, StandardPolicy,
     future::{ResponseFuture, Retryable},
 };
-use backstop_timeout::BoundLatency;
+use backstop_timeout::{
+    AttemptTimeout, AttemptTimeoutLayer, BoundLatency, DeadlineLayer, LearnedTimeout,
+    LearnedTimeoutLayer, WithDeadline, future::DeadlineFuture,
+};
 use pin_project::pin_project;
 use std::{
     fmt,
@@ -24,36 +29,51 @@ use std::{
     task::{Context, Poll, ready},
     time::Duration,
 };
+use tokio::time::Instant;
+use tower::util::Either;
 use tower_layer::Layer;
 use tower_service::Service;
+
+/// Each attempt's timeout over the client: learned from latency, or fixed.
+type Timed<S, C> = Either<LearnedTimeout<S, C>, AttemptTimeout<S>>;
+
+/// The stack under the call's work: the deadline, the retry layer, the attempt timeout, the
+/// client as its transport wraps it.
+type Stack<S, C, P> = WithDeadline<Retry<Timed<<P as Transport<S>>::Client, C>, C, P, Dependency>>;
 
 /// The service a [`BackstopLayer`] builds over the client `S`: every error is an
 /// [`Error`](crate::Error).
 ///
 /// The call's work (idempotency key, call span, errors and dead letters), once per call, around
-/// one retry layer over the client, whatever the configuration: it keeps the deadline, times
-/// each attempt and asks the breaker before each one itself. For HTTP the response's body is
-/// returned as a [`TimedBody`](backstop_timeout::TimedBody): the answering attempt's limit and
-/// the deadline keep running while the caller reads it. `C` is the classifier, `P` how requests
-/// are copied for each attempt (and so how the client is wrapped and its response handed back),
-/// `I` where the idempotency key goes.
+/// tower layers in their one order: the deadline ([`DeadlineLayer`]), the retry layer
+/// ([`RetryLayer`], which asks the breaker before each attempt), each attempt's timeout
+/// ([`AttemptTimeoutLayer`], or [`LearnedTimeoutLayer`] when it is learned from latency), and the
+/// client. For HTTP the response's body is returned as a
+/// [`TimedBody`](backstop_timeout::TimedBody): the answering attempt's limit and the deadline
+/// keep running while the caller reads it. `C` is the classifier, `P` how requests are copied
+/// for each attempt (and so how the client is wrapped), `I` where the idempotency key goes.
 ///
 /// tower's readiness contract holds through it: `poll_ready` answers what the client answers
-/// (see [`Retry`] for the deadline on a client that never becomes ready), and each attempt is
-/// sent on the handle that was polled ready for it.
+/// (see [`WithDeadline`] for the deadline on a client that never becomes ready), and each
+/// attempt is sent on the handle that was polled ready for it.
 pub struct BackstopService<S, C, P: Transport<S>, I> {
-    inner: Retry<P::Client, C, P, Dependency>,
+    inner: Stack<S, C, P>,
     call: Arc<CallWork<I>>,
+    /// When the wait for readiness began, while the stack answers `Pending`: the next call
+    /// started then.
+    unready_since: Option<Instant>,
 }
 
 impl<S, C, P: Transport<S>, I> Clone for BackstopService<S, C, P, I>
 where
     P::Client: Clone,
+    C: Clone,
 {
     fn clone(&self) -> Self {
         BackstopService {
             inner: self.inner.clone(),
             call: self.call.clone(),
+            unready_since: None,
         }
     }
 }
@@ -61,10 +81,11 @@ where
 impl<S, C, P: Transport<S>, I> fmt::Debug for BackstopService<S, C, P, I>
 where
     P::Client: fmt::Debug,
+    C: fmt::Debug,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackstopService")
-            .field("retry", &self.inner)
+            .field("inner", &self.inner)
             .finish()
     }
 }
@@ -72,34 +93,44 @@ where
 /// The client's response type under the stack.
 type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
 /// The retry layer's parts under the stack.
-type Parts<S, C, P, Req> = (<P as Transport<S>>::Client, Req, C, P, StandardPolicy);
+type Parts<S, C, P, Req> = (
+    Timed<<P as Transport<S>>::Client, C>,
+    Req,
+    C,
+    P,
+    StandardPolicy,
+);
 
 impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
 where
-    P: Transport<S> + Resend<Req> + Deliver<ClientResponse<S, P, Req>> + Describe<Req>,
-    P::Client: Service<Req, Error: Into<BoxError>, Response: HasExtensions> + Clone,
+    P: Transport<S> + Resend<Req> + Describe<Req>,
+    P::Client: Service<Req, Error = BoxError, Response: HasExtensions> + Clone,
     Req: HasExtensions,
-    C: Classify<Req, ClientResponse<S, P, Req>, <P::Client as Service<Req>>::Error>,
+    C: Classify<Req, ClientResponse<S, P, Req>, BoxError> + Clone,
     I: Inject<Req>,
 {
-    type Response = <P as Deliver<ClientResponse<S, P, Req>>>::Response;
+    type Response = ClientResponse<S, P, Req>;
     type Error = crate::Error;
     type Future = BackstopFuture<S, C, P, Req>;
 
-    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
-        self.inner.poll_ready(cx).map_err(|e| self.call.error(e))
+        let polled = self.inner.poll_ready(cx);
+        if polled.is_pending() {
+            self.unready_since.get_or_insert_with(Instant::now);
+        }
+        polled.map_err(|e| self.call.error(e))
     }
 
-    #[inline]
     fn call(&mut self, mut req: Req) -> Self::Future {
         // Another Backstop stack outside owns this call: its work is that stack's, and the raw
         // error goes back to it (its `BoxErrors` takes it out again: one `Error` per call).
         if backstop_retry::retried_outside(&req) {
+            self.unready_since = None;
             let inner = self.inner.call(req);
             return BackstopFuture(Calling::Passed { inner });
         }
-        match self.call.begin(&mut req, P::grpc_method) {
+        let waited_since = self.unready_since.take();
+        match self.call.begin(&mut req, P::grpc_method, waited_since) {
             Ok(state) => {
                 // The first attempt is sent from here: its span is the call's child.
                 let inner = {
@@ -116,9 +147,12 @@ where
     }
 }
 
+/// The stack's future under the call's work.
+type Inner<S, C, P, Req> = DeadlineFuture<ResponseFuture<Parts<S, C, P, Req>>>;
+
 /// Response future of [`BackstopService`].
 #[pin_project]
-pub struct BackstopFuture<S, C, P, Req>(#[pin] Calling<ResponseFuture<Parts<S, C, P, Req>>>)
+pub struct BackstopFuture<S, C, P, Req>(#[pin] Calling<Inner<S, C, P, Req>>)
 where
     P: Transport<S>,
     Parts<S, C, P, Req>: Retryable;
@@ -155,35 +189,30 @@ where
 
 impl<S, C, P, Req> Future for BackstopFuture<S, C, P, Req>
 where
-    P: Transport<S> + Deliver<ClientResponse<S, P, Req>>,
+    P: Transport<S>,
     P::Client: Service<Req>,
-    Parts<S, C, P, Req>: Retryable<Svc = P::Client, Req = Req>,
+    Timed<P::Client, C>: Service<Req, Response = ClientResponse<S, P, Req>>,
+    Parts<S, C, P, Req>: Retryable<Req = Req, Svc = Timed<P::Client, C>>,
     ClientResponse<S, P, Req>: HasExtensions,
 {
-    type Output = Result<<P as Deliver<ClientResponse<S, P, Req>>>::Response, crate::Error>;
+    type Output = Result<ClientResponse<S, P, Req>, crate::Error>;
 
-    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let (result, end) = match self.project().0.project() {
-            CallingProj::Owned { mut inner, state } => {
+        match self.project().0.project() {
+            CallingProj::Owned { inner, state } => {
                 let result = {
                     let _entered = state.enter();
-                    ready!(inner.as_mut().poll(cx))
+                    ready!(inner.poll(cx))
                 };
-                (state.end(result), inner.attempt_end())
+                Poll::Ready(state.end(result))
             }
-            CallingProj::Passed { mut inner } => {
-                let result = ready!(inner.as_mut().poll(cx));
-                (result.map_err(crate::Error::passing), inner.attempt_end())
+            CallingProj::Passed { inner } => {
+                Poll::Ready(ready!(inner.poll(cx)).map_err(crate::Error::passing))
             }
-            CallingProj::Refused { error } => {
-                let error = error
-                    .take()
-                    .expect("BackstopFuture polled after completion");
-                return Poll::Ready(Err(error));
-            }
-        };
-        Poll::Ready(result.map(|res| P::deliver(res, end)))
+            CallingProj::Refused { error } => Poll::Ready(Err(error
+                .take()
+                .expect("BackstopFuture polled after completion"))),
+        }
     }
 }
 
@@ -193,7 +222,12 @@ where
 pub struct BackstopLayer<C, P, I> {
     pub(crate) dependency: Dependency,
     pub(crate) call: Arc<CallWork<I>>,
+    pub(crate) deadline: DeadlineLayer,
     pub(crate) retry: RetryLayer<C, P, Dependency>,
+    pub(crate) attempt_timeout: AttemptTimeoutLayer,
+    /// Each attempt's timeout learned from latency, instead of `attempt_timeout`.
+    pub(crate) learned: Option<LearnedTimeoutLayer<C>>,
+    pub(crate) max_attempts: u32,
     /// What hedged reads need: the stack's classifier, its latency record and its budget.
     pub(crate) hedging: Option<HedgeParts<C>>,
     pub(crate) transport: P,
@@ -225,19 +259,20 @@ impl<C, P, I> BackstopLayer<C, P, I> {
         &self.dependency
     }
 
-    /// The attempt timeout in force.
-    pub fn attempt_timeout(&self) -> Option<Duration> {
-        self.retry.limits().attempt_timeout
+    /// The fixed attempt timeout in force (a learned one's limit for calls that are not
+    /// replay-safe).
+    pub fn attempt_timeout(&self) -> Duration {
+        self.attempt_timeout.limit()
     }
 
-    /// The deadline in force.
+    /// The deadline in force (`None`: the caller's alone).
     pub fn deadline(&self) -> Option<Duration> {
-        self.retry.limits().deadline
+        self.deadline.budget()
     }
 
     /// The attempts per call.
     pub fn max_attempts(&self) -> u32 {
-        self.retry.limits().max_attempts
+        self.max_attempts
     }
 
     /// The circuit breaker the stack asks before each attempt, if it has one.
@@ -278,53 +313,24 @@ impl<C, P, I> BackstopLayer<C, P, I> {
     }
 }
 
-impl<C: Clone, P: Clone, I: Clone> BackstopLayer<C, P, I> {
-    /// The stack over a **leaf client**: hyper-util's `Client`, a `reqwest::Client` (which
-    /// [`reqwest`](Self::reqwest) builds this way), tonic's `Channel`, or a client of one's own
-    /// that calls no Backstop layer. The attempts' requests then go without the call context
-    /// (the retry-scope mark, the deadline, the attempt's end), which nothing in a leaf reads:
-    /// each call is spared the request's extension map (three allocations and about a quarter
-    /// of the stack's cost per call). With an [`attempt_header`](crate::Backstop::attempt_header)
-    /// the context is written all the same: the header is set from it.
-    ///
-    /// Not for a service that holds another Backstop stack or retry layer: that one would not
-    /// see that this stack retries, and would retry too. [`Layer::layer`] (and
-    /// `ServiceBuilder`) gives every inner service the context, wherever it runs.
-    pub fn leaf<S>(&self, client: S) -> BackstopService<S, C, P, I>
-    where
-        P: Transport<S>,
-    {
-        if self.attempt_header.is_some() || self.otel.is_on() {
-            return Layer::layer(self, client);
-        }
-        self.build_over(client, self.retry.clone().leaf_client())
-    }
-
-    fn build_over<S>(
-        &self,
-        inner: S,
-        retry: RetryLayer<C, P, Dependency>,
-    ) -> BackstopService<S, C, P, I>
-    where
-        P: Transport<S>,
-    {
-        let settings = TransportSettings {
-            attempt_timeout: self.retry.limits().attempt_timeout,
-            attempt_header: self.attempt_header.clone(),
-            otel: self.otel.clone(),
-        };
-        let client = self.transport.wrap(inner, &settings);
-        BackstopService {
-            inner: retry.layer(client),
-            call: self.call.clone(),
-        }
-    }
-}
-
 impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
     type Service = BackstopService<S, C, P, I>;
 
-    fn layer(&self, inner: S) -> Self::Service {
-        self.build_over(inner, self.retry.clone())
+    fn layer(&self, client: S) -> Self::Service {
+        let settings = TransportSettings {
+            attempt_timeout: Some(self.attempt_timeout.limit()),
+            attempt_header: self.attempt_header.clone(),
+            otel: self.otel.clone(),
+        };
+        let client = self.transport.wrap(client, &settings);
+        let timed = match &self.learned {
+            Some(learned) => Either::Left(learned.layer(client)),
+            None => Either::Right(self.attempt_timeout.layer(client)),
+        };
+        BackstopService {
+            inner: self.deadline.layer(self.retry.layer(timed)),
+            call: self.call.clone(),
+            unready_since: None,
+        }
     }
 }

@@ -17,15 +17,6 @@ pub(crate) struct Otel {
 }
 
 impl Otel {
-    /// Whether the stack records telemetry.
-    #[inline]
-    pub(crate) fn is_on(&self) -> bool {
-        #[cfg(feature = "otel")]
-        return self.telemetry.is_some();
-        #[cfg(not(feature = "otel"))]
-        false
-    }
-
     /// The call's start, when the stack records telemetry; `grpc`: its method and target.
     #[inline]
     pub(crate) fn begin(

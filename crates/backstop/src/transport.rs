@@ -1,33 +1,23 @@
-//! How the composed stack wraps the client for its kind of request, and hands its response
-//! back: the pieces between the stack's retry layer and the client. Sealed: named by the stack's
-//! types, implemented here for HTTP, tool calls and gRPC only.
+//! How the composed stack wraps the client for its kind of request: the pieces between the
+//! stack's attempt timeout and the client. Sealed: named by the stack's types, implemented here
+//! for HTTP, tool calls and gRPC only.
 
 use crate::{attempt_header::AttemptCount, box_errors::BoxErrors};
-use backstop_retry::{CloneResend, HttpResend, future::AttemptEnd};
-use backstop_timeout::TimedBody;
+use backstop_retry::{CloneResend, HttpResend};
+use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
 use std::time::Duration;
+use tower_layer::Layer;
 
 /// How the composed stack wraps the client for its kind of request: for HTTP ([`HttpResend`])
-/// the attempt number under the configured header; tool calls ([`CloneResend`]) are passed
-/// as they are. Either way [`BoxErrors`] gives the classifier every error of the client as a
-/// `BoxError`.
+/// the attempt number under the configured header, and the response's body timed to its
+/// attempt's end; tool calls ([`CloneResend`]) are passed as they are. Either way
+/// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
 #[allow(unreachable_pub)] // Sealed: public in name only, so that public types can use it.
 pub trait Transport<S> {
     /// The wrapped client.
     type Client;
     /// Wraps `client` as `settings` say.
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
-}
-
-/// How the composed stack hands the client's response `Res` back: for HTTP ([`HttpResend`]),
-/// its body as a [`TimedBody`] that keeps the answering attempt's limit and the deadline
-/// running while the caller reads it; anything else as it is.
-#[allow(unreachable_pub)] // Sealed, as `Transport`.
-pub trait Deliver<Res> {
-    /// What the caller gets.
-    type Response;
-    /// `res`, from the attempt that ends at `end`.
-    fn deliver(res: Res, end: Option<AttemptEnd>) -> Self::Response;
 }
 
 /// What the composed stack's telemetry learns of a request before its call: a gRPC call's
@@ -50,8 +40,8 @@ impl<Req> Describe<Req> for CloneResend {}
 pub struct TransportSettings {
     /// The header the attempt number goes under (HTTP), if any.
     pub(crate) attempt_header: Option<http::HeaderName>,
-    /// The stack's attempt timeout (gRPC sends it as `grpc-timeout`).
-    #[cfg_attr(not(feature = "grpc"), allow(dead_code))]
+    /// The stack's fixed attempt timeout (what a body or a gRPC call planned without the
+    /// stack's attempt timeout outside would be given).
     pub(crate) attempt_timeout: Option<Duration>,
     /// The stack's telemetry: each attempt recorded over the client.
     #[cfg_attr(not(feature = "otel"), allow(dead_code))]
@@ -81,24 +71,14 @@ pub(crate) fn attempts<S>(client: S, settings: &TransportSettings) -> Attempts<S
 }
 
 impl<S> Transport<S> for HttpResend {
-    type Client = Attempts<BoxErrors<AttemptCount<S>>>;
+    type Client = Attempts<BoxErrors<BodyTimeout<AttemptCount<S>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
-        let client = BoxErrors(AttemptCount {
+        let client = AttemptCount {
             inner: client,
             header: settings.attempt_header.clone(),
-        });
+        };
+        let client = BoxErrors(BodyTimeoutLayer::new(settings.attempt_timeout).layer(client));
         attempts(client, settings)
-    }
-}
-
-impl<B> Deliver<http::Response<B>> for HttpResend {
-    type Response = http::Response<TimedBody<B>>;
-    #[inline]
-    fn deliver(res: http::Response<B>, end: Option<AttemptEnd>) -> Self::Response {
-        res.map(|body| match end {
-            Some(end) => TimedBody::ending_at(body, Some(end.cutoff), Some(end.dependency)),
-            None => TimedBody::ending_at(body, None, None),
-        })
     }
 }
 
@@ -106,13 +86,5 @@ impl<S> Transport<S> for CloneResend {
     type Client = BoxErrors<S>;
     fn wrap(&self, client: S, _settings: &TransportSettings) -> Self::Client {
         BoxErrors(client)
-    }
-}
-
-impl<Res> Deliver<Res> for CloneResend {
-    type Response = Res;
-    #[inline]
-    fn deliver(res: Res, _end: Option<AttemptEnd>) -> Res {
-        res
     }
 }

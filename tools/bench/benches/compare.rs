@@ -79,13 +79,6 @@ fn main() {
         ),
         measure(
             &rt,
-            "Backstop: full stack over a leaf client",
-            stacks::backstop_leaf(),
-            calls,
-            rounds,
-        ),
-        measure(
-            &rt,
             "Backstop: full stack without breaker",
             stacks::backstop_without("breaker"),
             calls,

@@ -11,7 +11,7 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use std::time::Duration;
 use tokio::time::Instant;
-use tower::{Service, ServiceExt};
+use tower::{Layer as _, Service, ServiceExt};
 
 struct Run {
     rps: f64,
@@ -141,8 +141,7 @@ fn main() {
             url,
             client,
         } = stacks::loopback().await;
-        // hyper-util's client is a leaf: the stack over it the way users build it.
-        let stack = stacks::backstop_layer("rates-api", Duration::from_secs(5)).leaf(client.clone());
+        let stack = stacks::backstop_layer("rates-api", Duration::from_secs(5)).layer(client.clone());
         // What users reach for today, for comparison: tower's retry (a Policy over a TpsBudget)
         // and timeout.
         let tower = tower::ServiceBuilder::new()

@@ -8,9 +8,8 @@ use backstop::{
     classify::HttpClassifier,
     idempotency::HttpKeys,
     idempotency::IdempotencyLayer,
-    retry::HttpResend,
-    retry::RetryLayer,
-    timeout::{AttemptTimeoutLayer, DeadlineLayer},
+    retry::{HttpResend, Retry, RetryLayer},
+    timeout::{AttemptTimeout, AttemptTimeoutLayer, DeadlineLayer, WithDeadline},
 };
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -242,12 +241,6 @@ pub fn backstop_stack() -> impl Bench {
     backstop_layer("carrier-api", Duration::from_secs(3)).layer(ok_service())
 }
 
-/// The full Backstop stack over the immediately ready service as over a leaf client
-/// (`BackstopLayer::leaf`, as over hyper-util's or reqwest's client): no call context.
-pub fn backstop_leaf() -> impl Bench {
-    backstop_layer("carrier-api", Duration::from_secs(3)).leaf(ok_service())
-}
-
 /// The full stack with some pieces turned off, to see what each costs inside it.
 pub fn backstop_without(piece: &str) -> impl Bench {
     let b = Backstop::http("carrier-api")
@@ -292,49 +285,43 @@ pub fn retry_budget() -> impl Bench {
         .layer(ok_service())
 }
 
-/// The same three jobs as [`tower_stack`]: the retry layer with a budget and its attempt
+/// The same three jobs as [`tower_stack`]: the retry layer with a budget, over the attempt
 /// timeout.
 pub fn retry_budget_timeout() -> impl Bench {
     let budget = Budget::default();
-    RetryLayer::http()
+    let retry = RetryLayer::http()
         .dependency("carrier-api")
         .rng(RngSource::seeded(1))
-        .budget(Arc::new(budget.bind(&"carrier-api".into())))
-        .attempt_timeout(Duration::from_secs(3))
-        .layer(ok_service())
+        .budget(Arc::new(budget.bind(&"carrier-api".into())));
+    ServiceBuilder::new()
+        .layer(retry)
+        .layer(AttemptTimeoutLayer::new(Duration::from_secs(3)))
+        .service(ok_service())
 }
 
-/// [`retry_budget_timeout`] over a leaf client ([`RetryLayer::leaf_client`]).
-pub fn retry_budget_timeout_leaf() -> impl Bench {
-    let budget = Budget::default();
-    RetryLayer::http()
-        .dependency("carrier-api")
-        .rng(RngSource::seeded(1))
-        .budget(Arc::new(budget.bind(&"carrier-api".into())))
-        .attempt_timeout(Duration::from_secs(3))
-        .leaf_client()
-        .layer(ok_service())
-}
-
-/// The composed stack without its call layer, for `dependency`: the retry layer with its own
-/// budget, its own breaker as its gate, the attempt timeout and a 30 s deadline.
-pub fn retry_gate_layer(
+/// The composed stack without its call layer, for `dependency`, over `inner`: a 30 s deadline,
+/// the retry layer with its own budget and its own breaker as its gate, and the attempt timeout.
+pub fn retry_gate_stack<S>(
     dependency: &str,
     attempt_timeout: Duration,
-) -> RetryLayer<HttpClassifier, HttpResend, backstop::Dependency> {
+    inner: S,
+) -> WithDeadline<Retry<AttemptTimeout<S>, HttpClassifier, HttpResend, backstop::Dependency>> {
     let dependency = backstop::Dependency::new(dependency);
-    RetryLayer::http()
+    let retry = RetryLayer::http()
         .dependency(dependency.clone())
         .rng(RngSource::seeded(1))
         .budget(Arc::new(Budget::default().bind(&dependency)))
-        .gate(Arc::new(Breaker::default().bind(&dependency)))
-        .attempt_timeout(attempt_timeout)
-        .deadline(Duration::from_secs(30))
+        .gate(Arc::new(Breaker::default().bind(&dependency)));
+    ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::from_secs(30)))
+        .layer(retry)
+        .layer(AttemptTimeoutLayer::new(attempt_timeout))
+        .service(inner)
 }
 
-/// [`retry_gate_layer`] over the immediately ready service.
+/// [`retry_gate_stack`] over the immediately ready service.
 pub fn retry_gate_timeout() -> impl Bench {
-    retry_gate_layer("carrier-api", Duration::from_secs(3)).layer(ok_service())
+    retry_gate_stack("carrier-api", Duration::from_secs(3), ok_service())
 }
 
 /// The breaker alone.

@@ -1,6 +1,7 @@
-//! What the retry layer does around each attempt: the attempt timeout, the deadline cutting an
-//! attempt in flight, the gate, and the attempt scope that tells layers further in (and nested
-//! retry layers) about the call. Paused clock, seeded RNGs.
+//! What the retry layer does around each attempt, and with the layers beside it: a deadline
+//! outside and an attempt timeout inside (the composed stack's order), the gate, and the attempt
+//! scope that tells layers further in (and nested retry layers) about the call. Paused clock,
+//! seeded RNGs.
 
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{HttpClassifier, Outcome, Verdict};
@@ -9,6 +10,7 @@ use backstop_core::{
     ScopeOwner,
 };
 use backstop_retry::{AttemptGate, HttpResend, RetryError, RetryLayer, StopReason, Ticket};
+use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
@@ -23,7 +25,7 @@ use std::{
     time::Duration,
 };
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt, service_fn};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
 type Req = Request<Full<Bytes>>;
 type Res = Response<&'static str>;
@@ -39,6 +41,23 @@ fn layer() -> RetryLayer<HttpClassifier, HttpResend, Dependency> {
         .dependency("carrier-api")
         .rng(RngSource::seeded(7))
         .backoff(Backoff::constant(Duration::from_millis(100)))
+}
+
+/// [`layer`] between a deadline outside and an attempt timeout inside, as the composed stack
+/// has them.
+fn stack<S>(
+    deadline: Option<Duration>,
+    attempt_timeout: Option<Duration>,
+    svc: S,
+) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static
+where
+    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+{
+    ServiceBuilder::new()
+        .option_layer(deadline.map(DeadlineLayer::new))
+        .layer(layer())
+        .option_layer(attempt_timeout.map(AttemptTimeoutLayer::new))
+        .service(svc)
 }
 
 /// A dependency that takes `delay` to answer 200, and records when each attempt arrived.
@@ -63,12 +82,14 @@ fn retry_error(e: BoxError) -> Box<RetryError> {
 async fn each_attempt_is_cut_at_the_attempt_timeout_and_retried() {
     let seen = Arc::default();
     let start = Instant::now();
-    let err = layer()
-        .attempt_timeout(Duration::from_secs(1))
-        .layer(slow(Duration::from_secs(5), Arc::clone(&seen)))
-        .oneshot(get())
-        .await
-        .unwrap_err();
+    let err = stack(
+        None,
+        Some(Duration::from_secs(1)),
+        slow(Duration::from_secs(5), Arc::clone(&seen)),
+    )
+    .oneshot(get())
+    .await
+    .unwrap_err();
     let err = retry_error(err);
     assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
     assert_eq!(err.outcome(), Outcome::Unknown);
@@ -92,12 +113,14 @@ async fn each_attempt_is_cut_at_the_attempt_timeout_and_retried() {
 #[tokio::test(start_paused = true)]
 async fn an_attempt_that_answers_in_time_is_not_cut() {
     let seen = Arc::default();
-    let res = layer()
-        .attempt_timeout(Duration::from_secs(1))
-        .layer(slow(Duration::from_millis(999), Arc::clone(&seen)))
-        .oneshot(get())
-        .await
-        .unwrap();
+    let res = stack(
+        None,
+        Some(Duration::from_secs(1)),
+        slow(Duration::from_millis(999), Arc::clone(&seen)),
+    )
+    .oneshot(get())
+    .await
+    .unwrap();
     assert_eq!(*res.body(), "ok");
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
@@ -106,12 +129,15 @@ async fn an_attempt_that_answers_in_time_is_not_cut() {
 async fn the_deadline_cuts_an_attempt_in_flight_with_an_unknown_outcome() {
     let seen = Arc::default();
     let start = Instant::now();
-    let err = layer()
-        .deadline(Duration::from_secs(2))
-        .layer(slow(Duration::from_secs(10), Arc::clone(&seen)))
-        .oneshot(get())
-        .await
-        .unwrap_err();
+    let slow = slow(Duration::from_secs(10), Arc::clone(&seen));
+    let err = stack(
+        Some(Duration::from_secs(2)),
+        Some(Duration::from_secs(60)),
+        slow,
+    )
+    .oneshot(get())
+    .await
+    .unwrap_err();
     assert_eq!(start.elapsed(), Duration::from_secs(2));
     let err = retry_error(err);
     let cut = err
@@ -127,13 +153,15 @@ async fn the_deadline_cuts_an_attempt_in_flight_with_an_unknown_outcome() {
 async fn the_last_attempt_is_cut_to_the_deadline_not_to_the_attempt_timeout() {
     let seen = Arc::default();
     let start = Instant::now();
-    let err = layer()
-        .attempt_timeout(Duration::from_secs(1))
-        .deadline(Duration::from_millis(1_500))
-        .layer(slow(Duration::from_secs(10), Arc::clone(&seen)))
-        .oneshot(get())
-        .await
-        .unwrap_err();
+    let slow = slow(Duration::from_secs(10), Arc::clone(&seen));
+    let err = stack(
+        Some(Duration::from_millis(1_500)),
+        Some(Duration::from_secs(1)),
+        slow,
+    )
+    .oneshot(get())
+    .await
+    .unwrap_err();
     // Attempt 1: 0..1 s (timed out); wait 100 ms; attempt 2: 1.1 s..1.5 s, cut by the deadline.
     assert_eq!(start.elapsed(), Duration::from_millis(1_500));
     assert_eq!(seen.lock().unwrap().len(), 2);
@@ -145,11 +173,14 @@ async fn a_caller_deadline_already_passed_sends_nothing() {
     let seen = Arc::default();
     let mut req = get();
     req.extensions_mut().insert(Deadline::at(Instant::now()));
-    let err = layer()
-        .layer(slow(Duration::ZERO, Arc::clone(&seen)))
-        .oneshot(req)
-        .await
-        .unwrap_err();
+    let err = stack(
+        None,
+        Some(Duration::from_secs(1)),
+        slow(Duration::ZERO, Arc::clone(&seen)),
+    )
+    .oneshot(req)
+    .await
+    .unwrap_err();
     let err = retry_error(err);
     let d = err
         .cause()
@@ -262,9 +293,7 @@ async fn layers_further_in_see_the_attempt_scope() {
         ));
         async { Ok::<_, BoxError>(Response::new("ok")) }
     });
-    layer()
-        .deadline(Duration::from_secs(5))
-        .layer(inner)
+    stack(Some(Duration::from_secs(5)), None, inner)
         .oneshot(get())
         .await
         .unwrap();
@@ -356,7 +385,6 @@ async fn no_caller_can_make_the_retry_layer_stand_aside() {
         Dependency::new("carrier-api"),
         None,
         Some(1),
-        None,
     );
     assert!(RetryScope::is_marked(&req));
     let res = layer()
@@ -382,7 +410,6 @@ where
             &mut req,
             ScopeOwner::of::<TheirRetries>(),
             Dependency::new("carrier-api"),
-            None,
             None,
             None,
         );
@@ -428,9 +455,7 @@ async fn a_leaf_reads_the_deadline_in_its_future() {
         }
     });
     let start = Instant::now();
-    layer()
-        .deadline(Duration::from_secs(2))
-        .layer(lazily(leaf))
+    stack(Some(Duration::from_secs(2)), None, lazily(leaf))
         .oneshot(get())
         .await
         .unwrap();
@@ -464,9 +489,7 @@ async fn work_inside_call_that_is_not_this_request_sees_no_context() {
             Ok::<_, BoxError>(Response::new("ok"))
         }
     });
-    let res = layer()
-        .deadline(Duration::from_secs(30))
-        .layer(svc)
+    let res = stack(Some(Duration::from_secs(30)), None, svc)
         .oneshot(get())
         .await
         .unwrap();
@@ -478,9 +501,11 @@ async fn work_inside_call_that_is_not_this_request_sees_no_context() {
 #[tokio::test(start_paused = true)]
 async fn a_nested_layer_still_applies_its_own_attempt_timeout() {
     let seen = Arc::default();
-    let inner = layer()
-        .attempt_timeout(Duration::from_secs(1))
-        .layer(slow(Duration::from_secs(5), Arc::clone(&seen)));
+    let inner = stack(
+        None,
+        Some(Duration::from_secs(1)),
+        slow(Duration::from_secs(5), Arc::clone(&seen)),
+    );
     let start = Instant::now();
     let err = layer()
         .max_attempts(2)

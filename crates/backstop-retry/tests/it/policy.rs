@@ -8,6 +8,7 @@ use backstop_retry::{
     Attempt, DeadlineFit, MaxAttempts, Policy, ReplaySafety, RetryError, RetryHistory, RetryLayer,
     StandardPolicy, StopReason, Waits,
 };
+use backstop_timeout::DeadlineLayer;
 use http::{Request, Response};
 use std::{
     borrow::Cow,
@@ -18,7 +19,7 @@ use std::{
     time::Duration,
 };
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt, service_fn};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
 type Req = Request<String>;
 type Res = Response<String>;
@@ -173,11 +174,11 @@ async fn the_policy_is_asked_after_every_attempt_with_the_request_the_result_and
         retried: false,
     };
     let calls = Arc::new(AtomicU32::new(0));
-    let svc = RetryLayer::http()
-        .dependency("tools")
-        .deadline(Duration::from_secs(10))
-        .policy(policy)
-        .layer(service_fn({
+    let retry = RetryLayer::http().dependency("tools").policy(policy);
+    let svc = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::from_secs(10)))
+        .layer(retry)
+        .service(service_fn({
             let calls = calls.clone();
             move |_req: Req| {
                 let calls = calls.clone();
@@ -322,11 +323,11 @@ async fn a_policy_composed_of_the_standard_parts_keeps_each_parts_rule() {
 
     // The deadline part: 2.5 s leaves room for two waits of a second, not a third.
     times.lock().unwrap().clear();
-    let err = RetryLayer::http()
-        .dependency("tools")
-        .deadline(Duration::from_millis(2500))
-        .policy(patient)
-        .layer(failing)
+    let retry = RetryLayer::http().dependency("tools").policy(patient);
+    let err = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(Duration::from_millis(2500)))
+        .layer(retry)
+        .service(failing)
         .oneshot(read_only("{}"))
         .await
         .unwrap_err()

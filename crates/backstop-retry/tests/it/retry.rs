@@ -619,7 +619,8 @@ fn zero_attempts_is_rejected() {
 /// panics otherwise).
 mod readiness {
     use super::*;
-    use tower::{buffer::Buffer, limit::ConcurrencyLimit, load_shed::LoadShed};
+    use backstop_timeout::DeadlineLayer;
+    use tower::{ServiceBuilder, buffer::Buffer, limit::ConcurrencyLimit, load_shed::LoadShed};
 
     /// Answers 200 after 100 ms, one call at a time.
     fn limited()
@@ -636,7 +637,10 @@ mod readiness {
 
     #[tokio::test(start_paused = true)]
     async fn poll_ready_is_pending_while_the_service_is_not_ready() {
-        let mut svc = layer().deadline(Duration::from_secs(5)).layer(limited());
+        let mut svc = ServiceBuilder::new()
+            .layer(DeadlineLayer::new(Duration::from_secs(5)))
+            .layer(layer())
+            .service(limited());
         let started = Instant::now();
         let first = tokio::spawn(svc.ready().await.unwrap().call(get()));
         // The only permit went with the first call: the handle is not ready until it ends.
@@ -654,7 +658,11 @@ mod readiness {
 
     #[tokio::test(start_paused = true)]
     async fn a_buffer_and_a_load_shed_see_the_limit_through_the_layer() {
-        let shared = Buffer::new(layer().deadline(Duration::from_secs(5)).layer(limited()), 4);
+        let stack = ServiceBuilder::new()
+            .layer(DeadlineLayer::new(Duration::from_secs(5)))
+            .layer(layer())
+            .service(limited());
+        let shared = Buffer::new(stack, 4);
         let started = Instant::now();
         let calls: Vec<_> = (0..3)
             .map(|_| tokio::spawn(shared.clone().oneshot(get())))

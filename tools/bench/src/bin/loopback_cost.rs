@@ -6,8 +6,8 @@
 //!
 //! `cargo build --release -p backstop-bench --bin loopback_cost` then
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/loopback_cost CLIENT N`
-//! with CLIENT one of: bare, bare-with-a-timer, backstop (over the client as a leaf),
-//! backstop-context (the same with the call context), retry-gate-timeout, tower.
+//! with CLIENT one of: bare, bare-with-a-timer, backstop (the full stack), retry-gate-timeout,
+//! tower.
 
 use backstop_bench::stacks;
 use bytes::Bytes;
@@ -102,20 +102,12 @@ fn main() {
                 run(client, &url, n).await;
             }
             "backstop" => {
-                // hyper-util's client is a leaf: the stack over it as users build it.
-                let stack =
-                    stacks::backstop_layer("rates-api", Duration::from_secs(5)).leaf(client);
-                run(stack, &url, n).await;
-            }
-            "backstop-context" => {
-                // Over the same client as over any service (`Layer::layer`): with the context.
                 let stack =
                     stacks::backstop_layer("rates-api", Duration::from_secs(5)).layer(client);
                 run(stack, &url, n).await;
             }
             "retry-gate-timeout" => {
-                let stack =
-                    stacks::retry_gate_layer("rates-api", Duration::from_secs(5)).layer(client);
+                let stack = stacks::retry_gate_stack("rates-api", Duration::from_secs(5), client);
                 run(stack, &url, n).await;
             }
             "tower" => {
@@ -125,7 +117,7 @@ fn main() {
                     .service(client);
                 run(stack, &url, n).await;
             }
-            other => panic!("unknown client {other}: bare, bare-with-a-timer, backstop, backstop-context, retry-gate-timeout or tower"),
+            other => panic!("unknown client {other}: bare, bare-with-a-timer, backstop, retry-gate-timeout or tower"),
         }
     });
 }

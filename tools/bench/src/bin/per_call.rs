@@ -4,9 +4,9 @@
 //! `cargo build --release -p backstop-bench --bin per_call` then
 //! `valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/per_call STACK N`
 //! for two values of N: the difference divided by the difference in N is the cost per call.
-//! STACK is one of: bare, tower, tower-resilience, backstop, backstop-leaf (over a leaf client),
-//! backstop-open (its breaker open), retry, retry-budget, retry-budget-timeout,
-//! retry-budget-timeout-leaf, retry-gate-timeout, breaker, deadline, attempt-timeout; a third argument
+//! STACK is one of: bare, tower, tower-resilience, backstop, backstop-open (its breaker open),
+//! retry, retry-budget, retry-budget-timeout, retry-gate-timeout, breaker, deadline,
+//! attempt-timeout; a third argument
 //! `realistic` sends a request with five headers and a 64-byte body instead of a bare GET.
 //! `per_call sizes` prints the size
 //! of each stack's response future (every outer layer moves it once more on every call).
@@ -34,12 +34,10 @@ fn main() {
         "tower" => run(stacks::tower_stack(), n),
         "tower-resilience" => run(stacks::tower_resilience_stack(), n),
         "backstop" => run(stacks::backstop_stack(), n),
-        "backstop-leaf" => run(stacks::backstop_leaf(), n),
         "backstop-open" => run(stacks::backstop_open(), n),
         "retry" => run(stacks::retry_only(), n),
         "retry-budget" => run(stacks::retry_budget(), n),
         "retry-budget-timeout" => run(stacks::retry_budget_timeout(), n),
-        "retry-budget-timeout-leaf" => run(stacks::retry_budget_timeout_leaf(), n),
         "retry-gate-timeout" => run(stacks::retry_gate_timeout(), n),
         "breaker" => run(stacks::breaker_only(), n),
         "deadline" => run(stacks::deadline_only(), n),
@@ -61,7 +59,6 @@ async fn sizes() {
     size("tower retry + timeout", stacks::tower_stack());
     size("tower-resilience", stacks::tower_resilience_stack());
     size("backstop full stack", stacks::backstop_stack());
-    size("backstop full stack over a leaf", stacks::backstop_leaf());
     size("backstop retry", stacks::retry_only());
     println!(
         "(tokio Sleep: {} bytes; Option<Sleep>: {} bytes; Instant: {} bytes)",

@@ -1,6 +1,6 @@
-//! The composed stack over a leaf client (`BackstopLayer::leaf`): the attempts carry no call
-//! context, and each response body still ends at its own attempt's end, which the retry layer
-//! hands out with the answer (the body timer sits outside the retry layer). Paused clock.
+//! The composed stack over a client: every attempt carries the call context (its number, its
+//! deadline, its end), and each response body ends at its own attempt's end, which the attempt
+//! timeout hands down to the body timer inside it. Paused clock.
 
 use backstop::{
     Backstop, BoxError,
@@ -96,9 +96,9 @@ fn stack() -> Backstop<
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_leaf_gets_no_call_context_and_its_body_still_ends_at_the_attempts_end() {
+async fn every_attempt_carries_the_context_and_its_body_ends_at_the_attempts_end() {
     let seen = Seen::default();
-    let svc = stack().build().unwrap().leaf(client(0, seen.clone()));
+    let svc = stack().build().unwrap().layer(client(0, seen.clone()));
     let started = Instant::now();
     let res = svc.oneshot(get()).await.unwrap();
     let err = body_error(res).await;
@@ -106,13 +106,6 @@ async fn a_leaf_gets_no_call_context_and_its_body_still_ends_at_the_attempts_end
     assert_eq!(started.elapsed(), Duration::from_secs(1));
     assert!(err.to_string().contains("slow-api"), "{err}");
     assert!(err.to_string().contains("1 s attempt timeout"), "{err}");
-    assert_eq!(seen.all(), [(false, None)], "a leaf reads no context");
-
-    // Over any other service (`Layer::layer`), every attempt carries the context.
-    let seen = Seen::default();
-    let svc = stack().build().unwrap().layer(client(0, seen.clone()));
-    let res = svc.oneshot(get()).await.unwrap();
-    body_error(res).await;
     assert_eq!(seen.all(), [(true, None)]);
 }
 
@@ -120,26 +113,16 @@ async fn a_leaf_gets_no_call_context_and_its_body_still_ends_at_the_attempts_end
 async fn a_retried_answers_body_ends_at_its_own_attempts_end() {
     // 503 at once, 100 ms of backoff, then headers and a stalled body: the body ends 1 s after
     // the second attempt began, not after the first.
-    for over_leaf in [true, false] {
-        let seen = Seen::default();
-        let layer = stack().build().unwrap();
-        let started = Instant::now();
-        let res = if over_leaf {
-            layer.leaf(client(1, seen.clone())).oneshot(get()).await
-        } else {
-            layer.layer(client(1, seen.clone())).oneshot(get()).await
-        }
-        .unwrap();
-        assert_eq!(res.status(), 200);
-        let err = body_error(res).await;
-        assert!(err.is::<BodyTimedOut>(), "{err}");
-        assert_eq!(
-            started.elapsed(),
-            Duration::from_millis(1100),
-            "over a leaf: {over_leaf}"
-        );
-        assert_eq!(seen.all().len(), 2);
-    }
+    let seen = Seen::default();
+    let layer = stack().build().unwrap();
+    let started = Instant::now();
+    let res = layer.layer(client(1, seen.clone())).oneshot(get()).await;
+    let res = res.unwrap();
+    assert_eq!(res.status(), 200);
+    let err = body_error(res).await;
+    assert!(err.is::<BodyTimedOut>(), "{err}");
+    assert_eq!(started.elapsed(), Duration::from_millis(1100));
+    assert_eq!(seen.all().len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
@@ -151,7 +134,7 @@ async fn a_body_cut_by_the_deadline_says_so() {
         .deadline(Duration::from_secs(1))
         .build()
         .unwrap()
-        .leaf(client(2, Seen::default()));
+        .layer(client(2, Seen::default()));
     let started = Instant::now();
     let res = svc.oneshot(get()).await.unwrap();
     let err = body_error(res).await;
@@ -160,14 +143,13 @@ async fn a_body_cut_by_the_deadline_says_so() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_attempt_header_is_set_over_a_leaf_too() {
-    // The header is set from the call context, so a stack with one writes it even over a leaf.
+async fn the_attempt_header_numbers_every_attempt() {
     let seen = Seen::default();
     let svc = stack()
         .attempt_header(http::HeaderName::from_static("x-attempt"))
         .build()
         .unwrap()
-        .leaf(client(1, seen.clone()));
+        .layer(client(1, seen.clone()));
     let res = svc.oneshot(get()).await.unwrap();
     assert_eq!(res.status(), 200);
     assert_eq!(
