@@ -287,7 +287,11 @@ mod tests {
         let svc = DeadlineLayer::new(Duration::from_secs(3))
             .dependency("billing-api")
             .layer(NeverReady(std::sync::Arc::clone(&calls)));
-        let err = svc.oneshot(http::Request::new(())).await.unwrap_err();
+        let err =
+            tokio::time::timeout(Duration::from_secs(60), svc.oneshot(http::Request::new(())))
+                .await
+                .expect("the deadline ends the wait for readiness")
+                .unwrap_err();
         assert_eq!(start.elapsed(), Duration::from_secs(3));
         let d = err.downcast_ref::<DeadlineExceeded>().unwrap();
         assert_eq!(d.outcome(), Outcome::NotSent);

@@ -522,3 +522,48 @@ async fn a_nested_layer_still_applies_its_own_attempt_timeout() {
     assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
     assert_eq!(err.history().attempts.len(), 2);
 }
+
+/// Answers 503 to its first call, then is never ready again.
+#[derive(Clone)]
+struct BusyThenStuck(Arc<AtomicU32>);
+
+impl Service<Req> for BusyThenStuck {
+    type Response = Res;
+    type Error = BoxError;
+    type Future = std::future::Ready<Result<Res, BoxError>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        if self.0.load(Ordering::SeqCst) == 0 {
+            std::task::Poll::Ready(Ok(()))
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+
+    fn call(&mut self, _req: Req) -> Self::Future {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(Response::builder().status(503).body("busy").unwrap()))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_still_waiting_for_readiness_at_the_deadline_ends_the_call_not_sent() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let start = Instant::now();
+    let svc = stack(
+        Some(Duration::from_secs(2)),
+        None,
+        BusyThenStuck(Arc::clone(&calls)),
+    );
+    let err = retry_error(svc.oneshot(get()).await.unwrap_err());
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the retry was never sent");
+    let cut = err
+        .cause()
+        .downcast_ref::<DeadlineExceeded>()
+        .expect("DeadlineExceeded");
+    assert_eq!(cut.outcome(), Outcome::NotSent);
+    let attempts = &err.history().attempts;
+    assert_eq!(attempts.len(), 2);
+    assert!(attempts[0].sent && !attempts[1].sent);
+}
