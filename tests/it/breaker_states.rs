@@ -1,19 +1,18 @@
 //! The breaker's state machine, case by case as resilience4j's `CircuitBreakerStateMachineTest`
 //! and Polly's circuit-state controller tests check theirs, in Backstop's words: each test names
-//! the behaviour it ports and drives the breaker through its public gate (`admit`, then
-//! `complete` with the attempt's verdict, or with none for an attempt that was cancelled), on the
-//! paused clock.
+//! the behaviour it ports and drives the breaker through its public permits (`Breaker::permit`,
+//! then `Permit::record` with the call's verdict, or the permit dropped for a call that was
+//! cancelled), on the paused clock.
 
 use backstop::{
     Dependency, Outcome,
-    breaker::{AttemptGate, Breaker, BreakerConfig, CircuitState, CircuitTransition, Ticket},
+    breaker::{Breaker, BreakerConfig, CircuitState, CircuitTransition, Permit},
     classify::Verdict,
 };
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
 };
-use tokio::time::Instant;
 
 const COOLDOWN: Duration = Duration::from_secs(10);
 
@@ -44,15 +43,17 @@ fn failure() -> Verdict {
     }
 }
 
-/// One call through the gate, ended with `verdict` (`None`: cancelled).
+/// One call through the breaker, ended with `verdict` (`None`: cancelled).
 fn call(b: &Breaker, verdict: Option<Verdict>) -> Result<(), ()> {
-    let ticket = b.admit(&dep()).map_err(|_| ())?;
-    b.complete(&dep(), ticket, verdict, Instant::now());
+    let permit = b.permit(&dep()).map_err(|_| ())?;
+    if let Some(verdict) = verdict {
+        permit.record(verdict);
+    }
     Ok(())
 }
 
-fn admit(b: &Breaker) -> Option<Ticket> {
-    b.admit(&dep()).ok()
+fn admit(b: &Breaker) -> Option<Permit> {
+    b.permit(&dep()).ok()
 }
 
 fn open_it(b: &Breaker) {
@@ -129,7 +130,7 @@ async fn after_the_cooldown_the_next_call_is_a_half_open_trial() {
     tokio::time::advance(COOLDOWN).await;
     let trial = admit(&b).expect("the trial");
     assert_eq!(b.state(&dep()), CircuitState::HalfOpen);
-    b.complete(&dep(), trial, None, Instant::now());
+    drop(trial);
     assert_eq!(
         log.lock().unwrap().last(),
         Some(&(CircuitState::Open, CircuitState::HalfOpen))
@@ -142,10 +143,10 @@ async fn half_open_permits_exactly_its_trial_calls() {
     let (b, _) = breaker(|c| c.trial_calls(3));
     open_it(&b);
     tokio::time::advance(COOLDOWN).await;
-    let trials: Vec<Ticket> = (0..3).map(|_| admit(&b).expect("a trial")).collect();
+    let trials: Vec<Permit> = (0..3).map(|_| admit(&b).expect("a trial")).collect();
     assert!(admit(&b).is_none(), "a fourth call while three trials run");
     for t in trials {
-        b.complete(&dep(), t, None, Instant::now());
+        drop(t);
     }
 }
 
@@ -205,7 +206,7 @@ async fn a_cancelled_trial_gives_its_slot_back() {
     tokio::time::advance(COOLDOWN).await;
     let trial = admit(&b).expect("the trial");
     assert!(admit(&b).is_none(), "one trial at a time");
-    b.complete(&dep(), trial, None, Instant::now());
+    drop(trial);
     assert_eq!(b.state(&dep()), CircuitState::HalfOpen);
     assert!(admit(&b).is_some(), "the slot is back");
 }
@@ -216,10 +217,9 @@ async fn a_cancelled_trial_gives_its_slot_back() {
 async fn slow_successes_count_as_failures() {
     let (b, _) = breaker(|c| c.slow_call(Duration::from_secs(1)));
     for _ in 0..4 {
-        let ticket = admit(&b).unwrap();
-        let started = Instant::now();
+        let permit = admit(&b).unwrap();
         tokio::time::advance(Duration::from_secs(2)).await;
-        b.complete(&dep(), ticket, Some(Verdict::Success), started);
+        permit.record(Verdict::Success);
     }
     assert_eq!(b.state(&dep()), CircuitState::Open);
 }
@@ -277,6 +277,6 @@ async fn a_late_success_from_before_the_circuit_opened_does_not_close_it() {
     let (b, _) = breaker(|c| c);
     let late = admit(&b).unwrap();
     open_it(&b);
-    b.complete(&dep(), late, Some(Verdict::Success), Instant::now());
+    late.record(Verdict::Success);
     assert_eq!(b.state(&dep()), CircuitState::Open);
 }

@@ -111,7 +111,9 @@ impl Breaker {
         self.inner.circuits.len()
     }
 
-    pub(crate) fn acquire(&self, dependency: &Dependency) -> Result<Permit, CircuitOpen> {
+    /// Admission to make one call to `dependency`, or, while its circuit is open (or its trial
+    /// slots are taken), the refusal to hand the caller: the call is not sent.
+    pub fn permit(&self, dependency: &Dependency) -> Result<Permit, CircuitOpen> {
         let circuit = self.inner.circuits.get(dependency);
         Permit::acquire(&self.inner, circuit, dependency)
     }

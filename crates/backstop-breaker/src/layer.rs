@@ -1,6 +1,5 @@
-use crate::{Breaker, circuit::Signal, permit::Permit};
-use backstop_core::{BoxError, CircuitOpen, Dependency, DependencyKey, HasExtensions, Outcome};
-use backstop_core::{Classify, Verdict};
+use crate::{Breaker, permit::Permit};
+use backstop_core::{BoxError, CircuitOpen, Classify, Dependency, DependencyKey, HasExtensions};
 use pin_project::pin_project;
 use std::{
     fmt,
@@ -9,9 +8,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll, ready},
-    time::Duration,
 };
-use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -41,6 +38,11 @@ impl<C> BreakerLayer<C> {
 }
 
 impl<C, K> BreakerLayer<C, K> {
+    /// The breaker whose circuits it keeps.
+    pub fn breaker(&self) -> &Breaker {
+        &self.breaker
+    }
+
     /// Names the one dependency every request goes to. A [`Dependency`] the request carries (in
     /// its extensions, or the one a retry layer outside made current for the attempt, see
     /// [`Dependency::of`]) wins, so the retry budget and the breaker always agree.
@@ -135,30 +137,21 @@ where
 
     fn call(&mut self, req: Req) -> Self::Future {
         let permit = match Dependency::of(&req) {
-            Some(d) => self.breaker.acquire(&d),
-            None => self.breaker.acquire(&self.key.dependency(&req)),
+            Some(d) => self.breaker.permit(&d),
+            None => self.breaker.permit(&self.key.dependency(&req)),
         };
-        match permit {
+        let state = match permit {
             // Open: fail at once; the inner service is not touched.
-            Err(open) => {
-                crate::permit::count_rejection(&open);
-                BreakerFuture {
-                    state: State::Rejected { error: Some(open) },
-                    _req: PhantomData,
-                }
-            }
-            Ok(permit) => {
-                let slow = self.breaker.inner.config.slow_call;
-                BreakerFuture {
-                    state: State::Running {
-                        fut: self.inner.call(req),
-                        permit: Some(permit),
-                        classifier: self.classifier.clone(),
-                        slow: slow.map(|t| (Instant::now(), t)),
-                    },
-                    _req: PhantomData,
-                }
-            }
+            Err(open) => State::Rejected { error: Some(open) },
+            Ok(permit) => State::Running {
+                fut: self.inner.call(req),
+                permit: Some(permit),
+                classifier: self.classifier.clone(),
+            },
+        };
+        BreakerFuture {
+            state,
+            _req: PhantomData,
         }
     }
 }
@@ -184,28 +177,10 @@ enum State<F, C> {
         fut: F,
         permit: Option<Permit>,
         classifier: Arc<C>,
-        slow: Option<(Instant, Duration)>,
     },
     Rejected {
         error: Option<CircuitOpen>,
     },
-}
-
-#[inline]
-pub(crate) fn signal(verdict: Verdict) -> Signal {
-    match verdict {
-        Verdict::Success
-        | Verdict::Fatal {
-            outcome: Outcome::Completed,
-        } => Signal::Success,
-        Verdict::Fatal {
-            outcome: Outcome::NotSent,
-        } => Signal::Ignore,
-        Verdict::Retryable { .. }
-        | Verdict::Fatal {
-            outcome: Outcome::Unknown,
-        } => Signal::Failure,
-    }
 }
 
 impl<F, C, Req, T, E> Future for BreakerFuture<F, C, Req>
@@ -226,17 +201,10 @@ where
                 fut,
                 permit,
                 classifier,
-                slow,
             } => {
                 let result = ready!(fut.poll(cx));
-                let mut s = signal(classifier.classify(result.as_ref()));
-                if let (Signal::Success, Some((started, limit))) = (s, *slow)
-                    && started.elapsed() > limit
-                {
-                    s = Signal::Failure;
-                }
-                if let Some(p) = permit.take() {
-                    p.record(s);
+                if let Some(permit) = permit.take() {
+                    permit.record(classifier.classify(result.as_ref()));
                 }
                 Poll::Ready(result.map_err(Into::into))
             }

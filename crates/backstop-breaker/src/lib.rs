@@ -86,7 +86,6 @@ mod circuit;
 mod config;
 #[cfg(feature = "fleet")]
 mod fleet;
-mod gate;
 mod layer;
 mod permit;
 mod slots;
@@ -99,8 +98,8 @@ pub use circuit::{CircuitStats, CircuitTransition};
 pub use config::BreakerConfig;
 #[cfg(feature = "fleet")]
 pub use fleet::{Fleet, FleetConfig, FleetStats};
-pub use gate::DependencyBreaker;
 pub use layer::{BreakerLayer, CircuitBreaker};
+pub use permit::Permit;
 
 /// Future types.
 pub mod future {

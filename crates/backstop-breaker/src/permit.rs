@@ -1,14 +1,12 @@
-//! What a call gets from its circuit: a permit that records the call's result, or gives a
+//! What a call gets from its circuit: a [`Permit`] that records the call's result, or gives a
 //! trial slot back when it is dropped, and the count of calls refused.
 
 use crate::circuit::{Circuit, Inner, Kind, Signal};
-use backstop_core::{CircuitOpen, Dependency};
+use backstop_core::{CircuitOpen, Dependency, Outcome, Verdict};
 use std::{fmt, sync::Arc};
 use tokio::time::Instant;
 
-/// Admission to make one call; reports its result, or gives a trial slot back when dropped.
 /// Counts a call the breaker refused (`backstop_breaker_rejections_total`, feature `metrics`).
-#[inline]
 pub(crate) fn count_rejection(open: &CircuitOpen) {
     #[cfg(feature = "metrics")]
     metrics::counter!(
@@ -19,19 +17,42 @@ pub(crate) fn count_rejection(open: &CircuitOpen) {
     let _ = open;
 }
 
-pub(crate) struct Permit {
-    pub(crate) breaker: Arc<Inner>,
-    pub(crate) circuit: Arc<Circuit>,
-    pub(crate) kind: Kind,
-    pub(crate) generation: u64,
-    pub(crate) done: bool,
+/// Admission to make one call through a dependency's circuit, from
+/// [`Breaker::permit`](crate::Breaker::permit): [`record`](Permit::record) tells the circuit how
+/// the call ended. A permit dropped unrecorded is a call the caller cancelled: it counts for
+/// nothing, and a trial call gives its slot back, so the breaker never stays half-open for good.
+///
+/// ```
+/// use backstop_breaker::{Breaker, BreakerConfig};
+/// use backstop_core::{Dependency, Outcome, Verdict};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
+/// let carrier = Dependency::new("carrier-api");
+/// let failed = Verdict::Retryable { outcome: Outcome::Unknown, after: None };
+/// for _ in 0..2 {
+///     breaker.permit(&carrier).unwrap().record(failed);
+/// }
+/// let open = breaker.permit(&carrier).unwrap_err();
+/// assert!(open.to_string().contains("circuit open"));
+/// # }
+/// ```
+pub struct Permit {
+    breaker: Arc<Inner>,
+    circuit: Arc<Circuit>,
+    kind: Kind,
+    generation: u64,
+    /// When the call began, for the slow-call rule (only when it is on).
+    started: Option<Instant>,
+    done: bool,
 }
 
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
             .field("dependency", &self.circuit.dependency)
-            .field("kind", &self.kind)
+            .field("trial", &(self.kind == Kind::Trial))
             .finish()
     }
 }
@@ -43,8 +64,11 @@ impl Permit {
         circuit: Arc<Circuit>,
         dependency: &Dependency,
     ) -> Result<Permit, CircuitOpen> {
-        let (kind, generation) = breaker.admit(&circuit, dependency)?;
+        let (kind, generation) = breaker
+            .admit(&circuit, dependency)
+            .inspect_err(count_rejection)?;
         Ok(Permit {
+            started: breaker.config.slow_call.map(|_| Instant::now()),
             breaker: breaker.clone(),
             circuit,
             kind,
@@ -53,15 +77,22 @@ impl Permit {
         })
     }
 
-    pub(crate) fn record(mut self, signal: Signal) {
+    /// The call ended with `verdict`: a failure (a retryable verdict, or a fatal one whose
+    /// outcome is unknown) counts against the circuit; an answer the dependency chose to give
+    /// counts for it, unless it took longer than the slow-call threshold; a call never sent
+    /// counts for nothing.
+    pub fn record(mut self, verdict: Verdict) {
         self.done = true;
-        self.breaker.record(
-            &self.circuit,
-            self.kind,
-            self.generation,
-            signal,
-            Instant::now(),
-        );
+        let now = Instant::now();
+        let mut signal = signal(verdict);
+        if let (Signal::Success, Some(started), Some(limit)) =
+            (signal, self.started, self.breaker.config.slow_call)
+            && now.saturating_duration_since(started) > limit
+        {
+            signal = Signal::Failure;
+        }
+        self.breaker
+            .record(&self.circuit, self.kind, self.generation, signal, now);
     }
 }
 
@@ -77,5 +108,22 @@ impl Drop for Permit {
                 Instant::now(),
             );
         }
+    }
+}
+
+/// What a verdict tells the circuit.
+fn signal(verdict: Verdict) -> Signal {
+    match verdict {
+        Verdict::Success
+        | Verdict::Fatal {
+            outcome: Outcome::Completed,
+        } => Signal::Success,
+        Verdict::Fatal {
+            outcome: Outcome::NotSent,
+        } => Signal::Ignore,
+        Verdict::Retryable { .. }
+        | Verdict::Fatal {
+            outcome: Outcome::Unknown,
+        } => Signal::Failure,
     }
 }

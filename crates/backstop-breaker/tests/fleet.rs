@@ -6,7 +6,7 @@
 #![cfg(feature = "fleet")]
 
 use backstop_breaker::{Breaker, BreakerConfig, FleetConfig};
-use backstop_core::{AttemptGate, Dependency, Outcome, Verdict};
+use backstop_core::{Dependency, Outcome, Verdict};
 use backstop_testkit::RedisServer;
 use std::{
     io::{BufRead, BufReader, Write},
@@ -63,8 +63,8 @@ fn child() {
             let reply = match line.split_whitespace().collect::<Vec<_>>().as_slice() {
                 ["fail", n] => {
                     for _ in 0..n.parse::<u32>().unwrap() {
-                        if let Ok(t) = breaker.admit(&dep) {
-                            breaker.complete(&dep, t, Some(fail), Instant::now());
+                        if let Ok(permit) = breaker.permit(&dep) {
+                            permit.record(fail);
                         }
                     }
                     format!("state {}", breaker.state(&dep).as_str())
@@ -74,16 +74,16 @@ fn child() {
                     breaker.state(&dep).as_str(),
                     fleet.stats().connected
                 ),
-                ["try"] => match breaker.admit(&dep) {
-                    Ok(t) => {
-                        held = Some(t);
+                ["try"] => match breaker.permit(&dep) {
+                    Ok(permit) => {
+                        held = Some(permit);
                         "admitted".to_owned()
                     }
                     Err(_) => "refused".to_owned(),
                 },
                 ["succeed"] => {
-                    if let Some(t) = held.take() {
-                        breaker.complete(&dep, t, Some(Verdict::Success), Instant::now());
+                    if let Some(permit) = held.take() {
+                        permit.record(Verdict::Success);
                     }
                     format!("state {}", breaker.state(&dep).as_str())
                 }

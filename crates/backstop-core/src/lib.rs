@@ -39,7 +39,6 @@ mod deadline;
 mod dependency;
 mod error;
 mod extensions;
-mod gate;
 mod outcome;
 mod run;
 mod verdict;
@@ -56,7 +55,6 @@ pub use extensions::{
     HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, WithExtensions, is_idempotent_method,
     known_method,
 };
-pub use gate::{AttemptGate, Ticket};
 pub use outcome::{Outcome, ReportsOutcome};
 pub use run::{AttemptLimit, Run};
 pub use verdict::{Classify, Verdict};

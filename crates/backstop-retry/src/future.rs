@@ -12,7 +12,7 @@ pub use crate::hedge::HedgeFuture;
 pub use crate::parts::Retryable;
 
 use crate::{
-    Attempt, AttemptRecord, NotCopyable, Policy, Resend, RetryHistory, StopReason, Ticket,
+    Attempt, AttemptRecord, NotCopyable, Policy, Resend, RetryHistory, StopReason,
     error_kind::refused_before_sending,
     obs::AttemptSpan,
     parts::{EndOf, Ended, Err, Fut, NOT_SENT, Res, SharedOf},
@@ -22,7 +22,7 @@ use backstop_classify::{Classify, Verdict};
 use backstop_core::{
     BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome, ReplaySafe, Run,
 };
-use pin_project::{pin_project, pinned_drop};
+use pin_project::pin_project;
 use std::{
     fmt,
     future::Future,
@@ -38,7 +38,7 @@ use tracing::Span;
 const POLLED_AFTER: &str = "ResponseFuture polled after completion";
 
 /// Response future of [`Retry`](crate::Retry).
-#[pin_project(PinnedDrop)]
+#[pin_project]
 pub struct ResponseFuture<T: Retryable> {
     call: Call<T>,
     #[pin]
@@ -84,7 +84,6 @@ pub(crate) struct Call<T: Retryable> {
     pub(crate) sent: bool,
     /// An outer retry layer owns retrying: one attempt, its raw result handed back.
     nested: bool,
-    pub(crate) ticket: Option<Ticket>,
     span: AttemptSpan,
     history: Vec<AttemptRecord>,
 }
@@ -159,17 +158,6 @@ impl<T: Retryable> Future for ResponseFuture<T> {
     }
 }
 
-#[pinned_drop]
-impl<T: Retryable> PinnedDrop for ResponseFuture<T> {
-    /// A call dropped mid-attempt: the gate learns the attempt ended without a verdict.
-    fn drop(self: Pin<&mut Self>) {
-        let this = self.project();
-        if let StateProj::Called { .. } = this.state.project() {
-            this.call.end_attempt(None);
-        }
-    }
-}
-
 impl<T: Retryable> fmt::Debug for ResponseFuture<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
@@ -202,7 +190,6 @@ impl<T: Retryable> Call<T> {
             attempt_started: now,
             sent: false,
             nested,
-            ticket: None,
             span: AttemptSpan::default(),
             history: Vec::new(),
         }
@@ -216,7 +203,7 @@ impl<T: Retryable> Call<T> {
     }
 
     /// Begins the next attempt at `now` on the ready service: what is asked before an attempt
-    /// (the throttle's admission, the gate), and only then the request (`req`, so a refused
+    /// (the throttle's admission), and only then the request (`req`, so a refused
     /// attempt copies nothing), marked with the call's context and sent.
     fn begin(
         &mut self,
@@ -255,7 +242,7 @@ impl<T: Retryable> Call<T> {
             ready!(fut.poll(cx))
         };
         let verdict = self.shared.classifier.classify(result.as_ref());
-        self.end_attempt(Some(verdict));
+        self.end_attempt(verdict);
         let ended = match result {
             // A Backstop layer further in refused the attempt: it was not sent.
             Err(e) if verdict == NOT_SENT => {

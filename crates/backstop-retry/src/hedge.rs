@@ -7,8 +7,8 @@
 //! cancelled). Each hedge withdraws one retry from the same per-dependency budget as retries do
 //! (and from the call's [`Run`] when it has one), so hedges stop when the dependency is failing
 //! and the budget runs dry, and at most `max_in_flight` copies of an attempt are in flight.
-//! The retry layer outside sees one attempt: its breaker ticket, its timeout and its
-//! classification cover the copies together. Counted apart from retries:
+//! The layers outside see one attempt: the breaker's permit, the attempt timeout and the retry
+//! layer's classification cover the copies together. Counted apart from retries:
 //! `backstop_hedges_total{dependency}` and a `hedge` span per copy.
 //!
 //! A request that is not replay-safe, a dependency whose latency is not known yet, and a

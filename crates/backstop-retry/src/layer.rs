@@ -1,5 +1,5 @@
 use crate::{
-    AttemptGate, CloneResend, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
+    CloneResend, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
     future::{Call, ResponseFuture},
     parts::{Settings, Shared},
 };
@@ -21,7 +21,7 @@ use tower_service::Service;
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 
 /// Applies [`Retry`] to a service. Configuration only: `Clone`, and every service it builds
-/// shares the policy's parts (the RNG source, the budget) and the gate.
+/// shares the policy's parts (the RNG source, the budget).
 ///
 /// What the layer does is fixed (it copies the request, waits, polls readiness again, ends the
 /// call once); whether and when it retries is its [`Policy`]'s: [`StandardPolicy`] unless
@@ -70,7 +70,7 @@ impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, Pol: fmt::Debug> fmt::Debug
             .field("resend", &self.resend)
             .field("dependency", &self.key)
             .field("policy", &self.policy)
-            .field("gate", &s.gate)
+            .field("throttle", &s.throttle.is_some())
             .finish()
     }
 }
@@ -184,14 +184,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
             policy,
             settings: self.settings,
         }
-    }
-
-    /// Asks `gate` before every attempt and tells it how each ended: typically the
-    /// dependency's circuit breaker. See [`AttemptGate`].
-    #[must_use]
-    pub fn gate(mut self, gate: Arc<dyn AttemptGate>) -> Self {
-        self.settings.gate = Some(gate);
-        self
     }
 }
 

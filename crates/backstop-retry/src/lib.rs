@@ -21,9 +21,8 @@
 //!   limit).
 //!
 //! The layers beside it each do one job: a deadline outside (`DeadlineLayer`, which it reads
-//! from the request), an attempt timeout inside (`AttemptTimeoutLayer`), and an
-//! [`AttemptGate`] asked before every attempt ([`RetryLayer::gate`]: the dependency's circuit
-//! breaker; a refusal stops the call, not sent).
+//! from the request), and inside it the circuit breaker (`BreakerLayer`: a refusal stops the
+//! call, not sent) and the attempt timeout (`AttemptTimeoutLayer`).
 //!
 //! **Retries happen in exactly one place.** The retry layer puts the call's context (the
 //! [`RetryScope`] mark, the dependency, the deadline, the attempt's number:
@@ -97,8 +96,8 @@ mod resend;
 mod stream_body;
 
 pub use backstop_core::RetryScope;
-pub use backstop_core::{AttemptGate, NoBudget, RetryBudget, Ticket};
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
+pub use backstop_core::{NoBudget, RetryBudget};
 pub use body::{BufferBody, BufferBodyLayer, BufferedBody};
 pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
 pub use error_kind::ErrorKind;

@@ -1,7 +1,7 @@
 //! What every call of a layer shares, written once: [`Shared`] (the classifier, the copier and
 //! the [`Settings`]), and the sealed [`Retryable`] with its aliases.
 
-use crate::{AttemptGate, Policy, Resend, RetryBudget};
+use crate::{Policy, Resend, RetryBudget};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions, Outcome};
 use std::sync::Arc;
@@ -19,7 +19,6 @@ pub(crate) struct Shared<C, P> {
 pub(crate) struct Settings {
     /// A budget that also admits each attempt (client-side adaptive throttling).
     pub(crate) throttle: Option<Arc<dyn RetryBudget>>,
-    pub(crate) gate: Option<Arc<dyn AttemptGate>>,
 }
 
 /// How an attempt ended: the inner service's result, or this layer's own error.

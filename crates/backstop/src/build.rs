@@ -1,14 +1,14 @@
 //! What [`Backstop::build`] does: validates the settings together (each error names the
 //! setting to change), then composes the layers in their one order: the call's work outside,
-//! the deadline, the retry layer (its policy with the budget, the breaker as its gate), the
-//! attempt timeout (fixed, or learned from latency), and hedging when latency is learned.
+//! the deadline, the retry layer (its policy with the budget), the breaker, the attempt timeout
+//! (fixed, or learned from latency), and hedging when latency is learned.
 
 use crate::{
     Backstop, BackstopLayer, DEFAULT_ATTEMPT_TIMEOUT, Preset,
     call::{CallWork, KeyGenerator},
     service::HedgeParts,
 };
-use backstop_breaker::Breaker;
+use backstop_breaker::{Breaker, BreakerLayer};
 use backstop_budget::Budget;
 use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
 use backstop_idempotency::IdempotencyLayer;
@@ -179,15 +179,14 @@ impl<C, P, I> Backstop<C, P, I> {
         let learned = latency.as_ref().map(|latency| {
             LearnedTimeoutLayer::new(latency.clone(), classifier.clone(), checked.attempt_timeout)
         });
-        if let Some(b) = &checked.breaker {
-            retry = retry.gate(Arc::new(b.bind(&self.dependency)));
-        }
         if let Some(rng) = self.rng {
             retry = retry.rng(rng);
         }
         if let Some(b) = &budget {
             retry = retry.budget(b.clone());
         }
+        let breaker = (checked.breaker.clone())
+            .map(|b| BreakerLayer::new(b, classifier.clone()).dependency(self.dependency.clone()));
         let hedging = latency.map(|latency| HedgeParts {
             classifier,
             latency,
@@ -216,7 +215,7 @@ impl<C, P, I> Backstop<C, P, I> {
             transport,
             attempt_header: self.attempt_header,
             otel: self.otel,
-            breaker: checked.breaker,
+            breaker,
         })
     }
 }

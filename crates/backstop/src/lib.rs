@@ -314,13 +314,13 @@ pub mod breaker {
     #[doc(inline)]
     pub use backstop_breaker::{
         Breaker, BreakerConfig, BreakerLayer, CircuitBreaker, CircuitStats, CircuitTransition,
-        DependencyBreaker, future,
+        Permit, future,
     };
     #[cfg(feature = "fleet-breaker")]
     #[doc(inline)]
     pub use backstop_breaker::{Fleet, FleetConfig, FleetStats};
     #[doc(inline)]
-    pub use backstop_core::{AttemptGate, CircuitState, Ticket};
+    pub use backstop_core::CircuitState;
 
     /// A breaker layer for HTTP: the default [`HttpClassifier`](crate::classify::HttpClassifier)
     /// judges each result, and each URI authority has its own circuit unless

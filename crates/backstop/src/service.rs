@@ -8,7 +8,7 @@ use crate::{
     call::{CallState, CallWork},
     transport::{Describe, Transport, TransportSettings},
 };
-use backstop_breaker::Breaker;
+use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
 use backstop_classify::Classify;
 use backstop_core::{BoxError, Dependency, HasExtensions, InvalidConfig, RetryBudget};
 use backstop_idempotency::Inject;
@@ -37,16 +37,20 @@ use tower_service::Service;
 /// Each attempt's timeout over the client: learned from latency, or fixed.
 type Timed<S, C> = Either<LearnedTimeout<S, C>, AttemptTimeout<S>>;
 
-/// The stack under the call's work: the deadline, the retry layer, the attempt timeout, the
-/// client as its transport wraps it.
-type Stack<S, C, P> = WithDeadline<Retry<Timed<<P as Transport<S>>::Client, C>, C, P, Dependency>>;
+/// Each attempt: through the breaker when the stack has one, then timed.
+type Attempt<S, C> = Either<CircuitBreaker<Timed<S, C>, C>, Timed<S, C>>;
+
+/// The stack under the call's work: the deadline, the retry layer, the breaker, the attempt
+/// timeout, the client as its transport wraps it.
+type Stack<S, C, P> =
+    WithDeadline<Retry<Attempt<<P as Transport<S>>::Client, C>, C, P, Dependency>>;
 
 /// The service a [`BackstopLayer`] builds over the client `S`: every error is an
 /// [`Error`](crate::Error).
 ///
 /// The call's work (idempotency key, call span, errors and dead letters), once per call, around
 /// tower layers in their one order: the deadline ([`DeadlineLayer`]), the retry layer
-/// ([`RetryLayer`], which asks the breaker before each attempt), each attempt's timeout
+/// ([`RetryLayer`]), the breaker ([`BreakerLayer`]), each attempt's timeout
 /// ([`AttemptTimeoutLayer`], or [`LearnedTimeoutLayer`] when it is learned from latency), and the
 /// client. For HTTP the response's body is returned as a
 /// [`TimedBody`](backstop_timeout::TimedBody): the answering attempt's limit and the deadline
@@ -94,7 +98,7 @@ where
 type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
 /// The retry layer's parts under the stack.
 type Parts<S, C, P, Req> = (
-    Timed<<P as Transport<S>>::Client, C>,
+    Attempt<<P as Transport<S>>::Client, C>,
     Req,
     C,
     P,
@@ -191,8 +195,8 @@ impl<S, C, P, Req> Future for BackstopFuture<S, C, P, Req>
 where
     P: Transport<S>,
     P::Client: Service<Req>,
-    Timed<P::Client, C>: Service<Req, Response = ClientResponse<S, P, Req>>,
-    Parts<S, C, P, Req>: Retryable<Req = Req, Svc = Timed<P::Client, C>>,
+    Attempt<P::Client, C>: Service<Req, Response = ClientResponse<S, P, Req>>,
+    Parts<S, C, P, Req>: Retryable<Req = Req, Svc = Attempt<P::Client, C>>,
     ClientResponse<S, P, Req>: HasExtensions,
 {
     type Output = Result<ClientResponse<S, P, Req>, crate::Error>;
@@ -233,7 +237,7 @@ pub struct BackstopLayer<C, P, I> {
     pub(crate) transport: P,
     pub(crate) attempt_header: Option<http::HeaderName>,
     pub(crate) otel: crate::telemetry::Otel,
-    pub(crate) breaker: Option<Breaker>,
+    pub(crate) breaker: Option<BreakerLayer<C>>,
 }
 
 /// The parts of a stack that its hedged reads share.
@@ -275,9 +279,9 @@ impl<C, P, I> BackstopLayer<C, P, I> {
         self.max_attempts
     }
 
-    /// The circuit breaker the stack asks before each attempt, if it has one.
+    /// The circuit breaker each attempt goes through, if the stack has one.
     pub fn breaker(&self) -> Option<&Breaker> {
-        self.breaker.as_ref()
+        self.breaker.as_ref().map(BreakerLayer::breaker)
     }
 
     /// `client` with hedged reads, to build this stack over (`layer.layer(layer.hedge(client,
@@ -327,8 +331,12 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<
             Some(learned) => Either::Left(learned.layer(client)),
             None => Either::Right(self.attempt_timeout.layer(client)),
         };
+        let attempt = match &self.breaker {
+            Some(breaker) => Either::Left(breaker.layer(timed)),
+            None => Either::Right(timed),
+        };
         BackstopService {
-            inner: self.deadline.layer(self.retry.layer(timed)),
+            inner: self.deadline.layer(self.retry.layer(attempt)),
             call: self.call.clone(),
             unready_since: None,
         }

@@ -3,7 +3,7 @@
 use backstop::{
     Backstop, BackstopLayer,
     backoff::RngSource,
-    breaker::{Breaker, BreakerConfig},
+    breaker::{Breaker, BreakerConfig, BreakerLayer, CircuitBreaker},
     budget::Budget,
     classify::HttpClassifier,
     idempotency::HttpKeys,
@@ -299,22 +299,27 @@ pub fn retry_budget_timeout() -> impl Bench {
         .service(ok_service())
 }
 
+/// Each attempt of [`retry_gate_stack`]: through the breaker, then timed.
+pub type Gated<S> = CircuitBreaker<AttemptTimeout<S>, HttpClassifier>;
+
 /// The composed stack without its call layer, for `dependency`, over `inner`: a 30 s deadline,
-/// the retry layer with its own budget and its own breaker as its gate, and the attempt timeout.
+/// the retry layer with its own budget, its own breaker and the attempt timeout.
 pub fn retry_gate_stack<S>(
     dependency: &str,
     attempt_timeout: Duration,
     inner: S,
-) -> WithDeadline<Retry<AttemptTimeout<S>, HttpClassifier, HttpResend, backstop::Dependency>> {
+) -> WithDeadline<Retry<Gated<S>, HttpClassifier, HttpResend, backstop::Dependency>> {
     let dependency = backstop::Dependency::new(dependency);
     let retry = RetryLayer::http()
         .dependency(dependency.clone())
         .rng(RngSource::seeded(1))
-        .budget(Arc::new(Budget::default().bind(&dependency)))
-        .gate(Arc::new(Breaker::default().bind(&dependency)));
+        .budget(Arc::new(Budget::default().bind(&dependency)));
+    let breaker =
+        BreakerLayer::new(Breaker::default(), HttpClassifier::default()).dependency(dependency);
     ServiceBuilder::new()
         .layer(DeadlineLayer::new(Duration::from_secs(30)))
         .layer(retry)
+        .layer(breaker)
         .layer(AttemptTimeoutLayer::new(attempt_timeout))
         .service(inner)
 }

@@ -1,22 +1,20 @@
 //! What the retry layer does around each attempt, and with the layers beside it: a deadline
-//! outside and an attempt timeout inside (the composed stack's order), the gate, and the attempt
-//! scope that tells layers further in (and nested retry layers) about the call. Paused clock,
-//! seeded RNGs.
+//! outside and an attempt timeout inside (the composed stack's order), and the attempt scope
+//! that tells layers further in (and nested retry layers) about the call. Paused clock, seeded
+//! RNGs.
 
 use backstop_backoff::{Backoff, RngSource};
-use backstop_classify::{HttpClassifier, Outcome, Verdict};
+use backstop_classify::{HttpClassifier, Outcome};
 use backstop_core::{
     AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, RetryScope,
     ScopeOwner,
 };
-use backstop_retry::{AttemptGate, HttpResend, RetryError, RetryLayer, StopReason, Ticket};
+use backstop_retry::{HttpResend, RetryError, RetryLayer, StopReason};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full;
 use std::{
-    future::Future,
-    pin::pin,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU32, Ordering},
@@ -188,93 +186,6 @@ async fn a_caller_deadline_already_passed_sends_nothing() {
         .expect("DeadlineExceeded");
     assert_eq!(d.outcome(), Outcome::NotSent);
     assert!(seen.lock().unwrap().is_empty());
-}
-
-/// A gate that admits `allow` attempts, then refuses, and records what it was told.
-#[derive(Debug, Default)]
-struct Turnstile {
-    allow: u32,
-    admitted: AtomicU32,
-    ended: Mutex<Vec<Option<Verdict>>>,
-}
-
-impl AttemptGate for Turnstile {
-    fn admit(&self, dependency: &Dependency) -> Result<Ticket, BoxError> {
-        assert_eq!(dependency.as_str(), "carrier-api");
-        let n = self.admitted.fetch_add(1, Ordering::SeqCst);
-        if n < self.allow {
-            Ok(Ticket::new(u64::from(n)))
-        } else {
-            self.admitted.fetch_sub(1, Ordering::SeqCst);
-            Err("carrier-api is unavailable; do not retry now".into())
-        }
-    }
-
-    fn complete(
-        &self,
-        _dependency: &Dependency,
-        ticket: Ticket,
-        verdict: Option<Verdict>,
-        _started: Instant,
-    ) {
-        assert!(ticket.bits() < u64::from(self.allow));
-        self.ended.lock().unwrap().push(verdict);
-    }
-}
-
-#[tokio::test(start_paused = true)]
-async fn the_gate_admits_each_attempt_and_its_refusal_stops_the_call() {
-    let gate = Arc::new(Turnstile {
-        allow: 2,
-        ..Turnstile::default()
-    });
-    let calls = Arc::new(AtomicU32::new(0));
-    let c = Arc::clone(&calls);
-    let svc = service_fn(move |_req: Req| {
-        c.fetch_add(1, Ordering::SeqCst);
-        async { Ok::<_, BoxError>(Response::builder().status(503).body("busy").unwrap()) }
-    });
-    let err = layer()
-        .gate(gate.clone())
-        .layer(svc)
-        .oneshot(get())
-        .await
-        .unwrap_err();
-    // Two attempts reached the service; the third was refused before it was sent.
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
-    let err = retry_error(err);
-    assert!(
-        err.cause().to_string().contains("do not retry now"),
-        "{err}"
-    );
-    assert_eq!(err.outcome(), Outcome::NotSent);
-    assert_eq!(err.history().stopped, StopReason::NotRetryable);
-    assert_eq!(err.history().attempts.len(), 3);
-    let ended = gate.ended.lock().unwrap();
-    assert_eq!(ended.len(), 2, "only admitted attempts are completed");
-    assert!(
-        ended
-            .iter()
-            .all(|v| matches!(v, Some(Verdict::Retryable { .. })))
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_cancelled_attempt_gives_its_ticket_back_without_a_verdict() {
-    let gate = Arc::new(Turnstile {
-        allow: 1,
-        ..Turnstile::default()
-    });
-    let svc = layer()
-        .gate(gate.clone())
-        .layer(slow(Duration::from_secs(60), Arc::default()));
-    let fut = svc.oneshot(get());
-    {
-        let mut fut = pin!(fut);
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        assert!(fut.as_mut().poll(&mut cx).is_pending());
-    }
-    assert_eq!(*gate.ended.lock().unwrap(), [None]);
 }
 
 /// What a layer further in saw: the retry mark, the deadline, the dependency.

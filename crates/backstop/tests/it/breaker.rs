@@ -562,9 +562,15 @@ async fn many_tasks_hammering_one_dependency_lose_no_count() {
 async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
     let (breaker, budget, dep) = story_parts();
     let svc = story_retry()
-        .budget(Arc::new(budget.clone()))
+        .budget(Arc::new(budget.bind(&carrier())))
         .layer(backstop::breaker::http_layer(breaker.clone()).layer(dep.service()));
     an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
+
+    // After the cooldown a trial is admitted; its success closes the circuit.
+    advance(Duration::from_secs(30)).await;
+    dep.set(Answer::Ok);
+    assert_eq!(call(&svc).await.unwrap().status(), 200);
+    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
 }
 
 /// A breaker that opens after 4 failures in a row, a budget, and an always-503 dependency.
@@ -655,24 +661,7 @@ async fn per_authority_circuits_when_no_name_is_given() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn as_the_retry_layers_gate_an_open_circuit_stops_retries_at_once() {
-    let (breaker, budget, dep) = story_parts();
-    let svc = story_retry()
-        .budget(Arc::new(budget.bind(&carrier())))
-        .gate(Arc::new(breaker.bind(&carrier())))
-        .layer(dep.service());
-    // The same story as with the breaker as a layer further in.
-    an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
-
-    // After the cooldown a trial is admitted; its success closes the circuit.
-    advance(Duration::from_secs(30)).await;
-    dep.set(Answer::Ok);
-    assert_eq!(call(&svc).await.unwrap().status(), 200);
-    assert_eq!(breaker.state(&carrier()), CircuitState::Closed);
-}
-
-/// One attempt per call, asking `breaker` first.
+/// One attempt per call, through `breaker` inside the retry layer.
 fn gated(
     breaker: &Breaker,
     dep: &Dep,
@@ -681,12 +670,11 @@ fn gated(
         .dependency("breaker-carrier-api")
         .max_attempts(1)
         .unwrap()
-        .gate(Arc::new(breaker.bind(&carrier())))
-        .layer(dep.service())
+        .layer(backstop::breaker::http_layer(breaker.clone()).layer(dep.service()))
 }
 
 #[tokio::test(start_paused = true)]
-async fn as_a_gate_a_cancelled_trial_gives_its_slot_back() {
+async fn under_the_retry_layer_a_cancelled_trial_gives_its_slot_back() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
     let svc = gated(&breaker, &dep);
@@ -696,7 +684,7 @@ async fn as_a_gate_a_cancelled_trial_gives_its_slot_back() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_bound_breaker_sends_a_request_naming_another_dependency_to_that_circuit() {
+async fn a_request_naming_another_dependency_goes_to_that_circuit() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
     let svc = gated(&breaker, &dep);
@@ -715,11 +703,10 @@ async fn a_bound_breaker_sends_a_request_naming_another_dependency_to_that_circu
 async fn a_result_from_before_a_transition_counts_for_nothing() {
     use backstop_classify::Verdict;
     use backstop_core::Outcome;
-    use backstop_retry::AttemptGate;
-    let failure = Some(Verdict::Retryable {
+    let failure = Verdict::Retryable {
         outcome: Outcome::Unknown,
         after: None,
-    });
+    };
     let breaker = Breaker::new(
         BreakerConfig::default()
             .consecutive_failures(2)
@@ -727,24 +714,20 @@ async fn a_result_from_before_a_transition_counts_for_nothing() {
     )
     .unwrap();
     let dep = carrier();
-    let t = Instant::now();
     // A slow call is admitted while the circuit is closed...
-    let slow = breaker.admit(&dep).unwrap();
+    let slow = breaker.permit(&dep).unwrap();
     // ... meanwhile two failures open it, and a trial after the cooldown closes it again.
     for _ in 0..2 {
-        let ticket = breaker.admit(&dep).unwrap();
-        breaker.complete(&dep, ticket, failure, t);
+        breaker.permit(&dep).unwrap().record(failure);
     }
     assert_eq!(breaker.state(&dep), CircuitState::Open);
     advance(Duration::from_secs(2)).await;
-    let trial = breaker.admit(&dep).unwrap();
-    breaker.complete(&dep, trial, Some(Verdict::Success), Instant::now());
+    breaker.permit(&dep).unwrap().record(Verdict::Success);
     assert_eq!(breaker.state(&dep), CircuitState::Closed);
     // The slow call's failure arrives now: it belongs to the closed period before, so it does
     // not count towards this one. One fresh failure then leaves the circuit closed.
-    breaker.complete(&dep, slow, failure, t);
-    let ticket = breaker.admit(&dep).unwrap();
-    breaker.complete(&dep, ticket, failure, Instant::now());
+    slow.record(failure);
+    breaker.permit(&dep).unwrap().record(failure);
     assert_eq!(breaker.state(&dep), CircuitState::Closed);
     assert_eq!(breaker.stats(&dep).consecutive_failures, 1);
 }
@@ -753,11 +736,10 @@ async fn a_result_from_before_a_transition_counts_for_nothing() {
 async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
     use backstop_classify::Verdict;
     use backstop_core::Outcome;
-    use backstop_retry::AttemptGate;
-    let failure = Some(Verdict::Retryable {
+    let failure = Verdict::Retryable {
         outcome: Outcome::Unknown,
         after: None,
-    });
+    };
     let breaker = Breaker::new(
         BreakerConfig::default()
             .consecutive_failures(2)
@@ -766,8 +748,8 @@ async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
     .unwrap();
     let fail = |dep: &Dependency| {
         for _ in 0..2 {
-            if let Ok(t) = breaker.admit(dep) {
-                breaker.complete(dep, t, failure, Instant::now());
+            if let Ok(permit) = breaker.permit(dep) {
+                permit.record(failure);
             }
         }
     };
@@ -781,10 +763,10 @@ async fn past_the_bound_one_failing_host_opens_no_other_hosts_circuit() {
     fail(&Dependency::new("failing-host"));
     for i in 0..1_000 {
         let healthy = Dependency::new(format!("healthy-{i}"));
-        let ticket = breaker
-            .admit(&healthy)
+        let permit = breaker
+            .permit(&healthy)
             .expect("a healthy host is never refused for another's failures");
-        breaker.complete(&healthy, ticket, Some(Verdict::Success), Instant::now());
+        permit.record(Verdict::Success);
     }
     for i in 0..4 {
         assert_eq!(
