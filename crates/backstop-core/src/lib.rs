@@ -12,9 +12,11 @@
 //!   request's extensions so inner layers can see the time left.
 //! - [`HasExtensions`]: how a layer reaches those extensions. `http::Request` and `http::Response`
 //!   implement it; a non-HTTP tool call implements it with one field.
-//! - The extension points the layers meet at: [`Classify`] and its [`Verdict`], a
-//!   [`RetryBudget`], an [`AttemptGate`]. They live here so that the budget and the breaker
-//!   implement them without depending on the retry layer that calls them.
+//! - The extension points the layers meet at: [`Classify`] and its [`Verdict`], and a
+//!   [`RetryBudget`]. They live here so that the budget and the breaker implement or use them
+//!   without depending on the retry layer.
+//! - [`CallContext`]: what one layer decided and the layers inside it read (the retry scope, the
+//!   dependency, the deadline, the attempt's number and end).
 //! - The errors Backstop's own layers produce ([`AttemptTimedOut`], [`DeadlineExceeded`],
 //!   [`CircuitOpen`]), which
 //!   classifiers recognise by walking an error's `source()` chain.
