@@ -55,8 +55,15 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod layer;
 mod throttle;
 
+pub use layer::{Throttle, ThrottleLayer};
+
+/// Future types.
+pub mod future {
+    pub use crate::layer::ThrottleFuture;
+}
 pub use throttle::{AdaptiveThrottle, ThrottleConfig, ThrottleStats};
 
 use backstop_core::Dependency;

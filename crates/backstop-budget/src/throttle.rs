@@ -1,4 +1,4 @@
-//! Client-side adaptive throttling, a budget mode beside the ratio budget (Google SRE book,
+//! Client-side adaptive throttling beside the ratio budget, a layer of its own ([`ThrottleLayer`](crate::ThrottleLayer); Google SRE book,
 //! "Handling Overload"): each client tracks, per dependency over a window, the attempts it made
 //! (`requests`) and those the dependency accepted (`accepts`: it answered, with success or a
 //! final error of the caller's own, rather than shedding the load with a `429`, a `503` or no
@@ -16,7 +16,7 @@
 //! windows. An attempt counts as a request when it ends (an attempt in flight is not yet
 //! evidence either way), and a local refusal when it is refused.
 
-use backstop_core::{Dependency, InvalidConfig, RetryBudget, Throttled, Verdict};
+use backstop_core::{Dependency, InvalidConfig, Throttled, Verdict};
 use backstop_state::{Draws, Registry, SlidingCount};
 use std::{fmt, sync::Arc, time::Duration};
 use tokio::time::Instant;
@@ -101,7 +101,7 @@ struct Inner {
 ///
 /// ```
 /// use backstop_budget::{AdaptiveThrottle, ThrottleConfig};
-/// use backstop_core::{Dependency, Outcome, RetryBudget, Verdict};
+/// use backstop_core::{Dependency, Outcome, Verdict};
 /// use tokio::time::Instant;
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
@@ -124,15 +124,12 @@ struct Inner {
 #[derive(Clone)]
 pub struct AdaptiveThrottle {
     inner: Arc<Inner>,
-    /// Retries, when a ratio budget bounds them too.
-    retries: Option<crate::Budget>,
 }
 
 impl fmt::Debug for AdaptiveThrottle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AdaptiveThrottle")
             .field("config", &self.inner.config)
-            .field("retries", &self.retries)
             .finish_non_exhaustive()
     }
 }
@@ -150,8 +147,7 @@ pub struct ThrottleStats {
 
 impl AdaptiveThrottle {
     /// A throttle with `config`, its draws from `seed`, or why the configuration is invalid.
-    /// Retries are not bounded beyond the throttle itself; [`with_budget`](Self::with_budget)
-    /// bounds them by a ratio budget too.
+    /// [`ThrottleLayer`](crate::ThrottleLayer) puts it in front of each attempt.
     pub fn new(config: ThrottleConfig, seed: u64) -> Result<Self, InvalidConfig> {
         config.validate()?;
         let window = config.window;
@@ -164,16 +160,7 @@ impl AdaptiveThrottle {
                 config,
                 draws: Draws::new(seed),
             }),
-            retries: None,
         })
-    }
-
-    /// This throttle (its counts shared with every clone), with retries also bounded by the
-    /// ratio `budget`.
-    #[must_use]
-    pub fn with_budget(mut self, budget: crate::Budget) -> Self {
-        self.retries = Some(budget);
-        self
     }
 
     /// The configuration.
@@ -211,22 +198,10 @@ fn accepted(verdict: &Verdict) -> bool {
     }
 }
 
-impl RetryBudget for AdaptiveThrottle {
-    fn deposit(&self, dependency: &Dependency, now: Instant) {
-        if let Some(budget) = &self.retries {
-            budget.deposit(dependency, now);
-        }
-    }
-
-    fn withdraw(&self, dependency: &Dependency) -> bool {
-        self.retries.as_ref().is_none_or(|b| b.withdraw(dependency))
-    }
-
-    fn admits(&self) -> bool {
-        true
-    }
-
-    fn admit(&self, dependency: &Dependency) -> Result<(), Throttled> {
+impl AdaptiveThrottle {
+    /// Before an attempt to `dependency`: `Err` refuses it here, before it is sent, with the
+    /// probability above (the call stops with that error).
+    pub fn admit(&self, dependency: &Dependency) -> Result<(), Throttled> {
         let now = Instant::now();
         let account = self.inner.accounts.get(dependency);
         let requests = account.requests.sum(now);
@@ -240,7 +215,8 @@ impl RetryBudget for AdaptiveThrottle {
         Ok(())
     }
 
-    fn observe(&self, dependency: &Dependency, verdict: &Verdict) {
+    /// How an attempt [`admit`](Self::admit) let through ended.
+    pub fn observe(&self, dependency: &Dependency, verdict: &Verdict) {
         // An attempt counts once it has ended, so attempts in flight at a cold start (none
         // answered yet) do not look like load the dependency refused.
         let now = Instant::now();

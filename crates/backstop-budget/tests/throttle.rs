@@ -3,7 +3,7 @@
 //! accepts; the throttle opens again as accepts come back; clones share what they learn.
 
 use backstop_budget::{AdaptiveThrottle, ThrottleConfig};
-use backstop_core::{Dependency, Outcome, RetryBudget, Verdict};
+use backstop_core::{Dependency, Outcome, Verdict};
 use std::time::Duration;
 
 const ACCEPTED: Verdict = Verdict::Success;

@@ -62,8 +62,6 @@ enum State<F> {
         #[pin]
         timer: Option<Sleep>,
     },
-    /// The attempt was refused before it was sent; its error is taken at the next poll.
-    Unsent(Option<BoxError>),
     Done,
 }
 
@@ -95,14 +93,17 @@ impl<T: Retryable> ResponseFuture<T> {
             crate::obs::call(&call.dependency);
         }
         let copies = !call.nested && call.policy.may_retry(&req);
-        let state = call.begin(call.started, |template, resend| {
+        let fut = call.begin(call.started, |template, resend| {
             if copies {
                 template.keep(resend, req)
             } else {
                 req
             }
         });
-        ResponseFuture { call, state }
+        ResponseFuture {
+            call,
+            state: State::Called { fut },
+        }
     }
 }
 
@@ -123,8 +124,8 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                 StateProj::Readying { timer } => match ready!(call.poll_ready(timer, cx)) {
                     Ok(()) => match call.copy() {
                         Ok(req) => {
-                            let next = call.begin(Instant::now(), |_, _| req);
-                            this.state.set(next);
+                            let fut = call.begin(Instant::now(), |_, _| req);
+                            this.state.set(State::Called { fut });
                             continue;
                         }
                         // The copy failed after the policy allowed the retry: the last
@@ -142,9 +143,6 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                         (Ended::Own(error), NOT_SENT)
                     }
                 },
-                StateProj::Unsent(error) => {
-                    (Ended::Own(error.take().expect(POLLED_AFTER)), NOT_SENT)
-                }
                 StateProj::Done => panic!("{POLLED_AFTER}"),
             };
             match call.decide(&ended, verdict) {
@@ -202,19 +200,15 @@ impl<T: Retryable> Call<T> {
         self.sent = false;
     }
 
-    /// Begins the next attempt at `now` on the ready service: what is asked before an attempt
-    /// (the throttle's admission), and only then the request (`req`, so a refused
-    /// attempt copies nothing), marked with the call's context and sent.
+    /// Begins the next attempt at `now` on the ready service: the request (`req`), marked with
+    /// the call's context and sent.
     fn begin(
         &mut self,
         now: Instant,
         req: impl FnOnce(&mut Template<T::Req>, &T::Resend) -> T::Req,
-    ) -> State<Fut<T>> {
+    ) -> Fut<T> {
         self.begin_attempt(now);
         self.span = AttemptSpan::new(&self.dependency, self.attempt);
-        if let Err(refused) = self.before_attempt() {
-            return State::Unsent(Some(refused));
-        }
         let shared = self.shared.clone();
         let mut req = req(&mut self.template, &shared.resend);
         // The call's context travels with each attempt's copy, across tasks and futures. A
@@ -230,9 +224,7 @@ impl<T: Retryable> Call<T> {
         self.span.name_after(|| shared.resend.attempt_name(&req));
         // A span the service makes in its own `call` is the attempt's child.
         let _entered = self.span.get().map(Span::enter);
-        State::Called {
-            fut: self.svc.call(req),
-        }
+        self.svc.call(req)
     }
 
     /// Polls the attempt in flight to its end, and judges it.
@@ -242,7 +234,6 @@ impl<T: Retryable> Call<T> {
             ready!(fut.poll(cx))
         };
         let verdict = self.shared.classifier.classify(result.as_ref());
-        self.end_attempt(verdict);
         let ended = match result {
             // A Backstop layer further in refused the attempt: it was not sent.
             Err(e) if verdict == NOT_SENT => {

@@ -1,7 +1,7 @@
 use crate::{
     CloneResend, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
     future::{Call, ResponseFuture},
-    parts::{Settings, Shared},
+    parts::Shared,
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
@@ -57,20 +57,17 @@ pub struct RetryLayer<C, P = CloneResend, K = Dependency, Pol = StandardPolicy> 
     resend: P,
     key: K,
     policy: Pol,
-    settings: Settings,
 }
 
 impl<C: fmt::Debug, P: fmt::Debug, K: fmt::Debug, Pol: fmt::Debug> fmt::Debug
     for RetryLayer<C, P, K, Pol>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = &self.settings;
         f.debug_struct("RetryLayer")
             .field("classifier", &self.classifier)
             .field("resend", &self.resend)
             .field("dependency", &self.key)
             .field("policy", &self.policy)
-            .field("throttle", &s.throttle.is_some())
             .finish()
     }
 }
@@ -86,7 +83,6 @@ impl<C> RetryLayer<C> {
             resend: CloneResend,
             key: Dependency::unnamed(),
             policy: StandardPolicy::new(),
-            settings: Settings::default(),
         }
     }
 }
@@ -124,11 +120,9 @@ impl<C, P, K> RetryLayer<C, P, K, StandardPolicy> {
     }
 
     /// The per-dependency retry budget: paid into once per call and asked for every retry by
-    /// the standard policy. One that also admits attempts (client-side adaptive throttling) is
-    /// asked before every attempt and told how each ended.
+    /// the standard policy.
     #[must_use]
     pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
-        self.settings.throttle = budget.admits().then(|| budget.clone());
         self.policy = self.policy.budget(budget);
         self
     }
@@ -142,7 +136,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
             resend: self.resend,
             key: self.key,
             policy: self.policy,
-            settings: self.settings,
         }
     }
 
@@ -153,7 +146,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
             resend,
             key: self.key,
             policy: self.policy,
-            settings: self.settings,
         }
     }
 
@@ -170,7 +162,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
             resend: self.resend,
             key,
             policy: self.policy,
-            settings: self.settings,
         }
     }
 
@@ -182,7 +173,6 @@ impl<C, P, K, Pol> RetryLayer<C, P, K, Pol> {
             resend: self.resend,
             key: self.key,
             policy,
-            settings: self.settings,
         }
     }
 }
@@ -198,7 +188,6 @@ impl<S, C: Clone, P: Clone, K: Clone, Pol: Clone> Layer<S> for RetryLayer<C, P, 
             shared: Arc::new(Shared {
                 classifier: self.classifier.clone(),
                 resend: self.resend.clone(),
-                settings: self.settings.clone(),
             }),
         }
     }

@@ -87,7 +87,6 @@ mod error;
 mod error_kind;
 pub mod future;
 mod hedge;
-mod hooks;
 mod layer;
 mod obs;
 mod parts;

@@ -1,24 +1,15 @@
-//! What every call of a layer shares, written once: [`Shared`] (the classifier, the copier and
-//! the [`Settings`]), and the sealed [`Retryable`] with its aliases.
+//! What every call of a layer shares, written once: [`Shared`] (the classifier and the copier),
+//! and the sealed [`Retryable`] with its aliases.
 
-use crate::{Policy, Resend, RetryBudget};
+use crate::{Policy, Resend};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{BoxError, HasExtensions, Outcome};
-use std::sync::Arc;
 use tower_service::Service;
 
 /// What every call's future reads: shared by the layer's services through one `Arc`.
 pub(crate) struct Shared<C, P> {
     pub(crate) classifier: C,
     pub(crate) resend: P,
-    pub(crate) settings: Settings,
-}
-
-/// The settings that do not depend on the layer's type parameters.
-#[derive(Clone, Default)]
-pub(crate) struct Settings {
-    /// A budget that also admits each attempt (client-side adaptive throttling).
-    pub(crate) throttle: Option<Arc<dyn RetryBudget>>,
 }
 
 /// How an attempt ended: the inner service's result, or this layer's own error.

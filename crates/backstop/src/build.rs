@@ -1,7 +1,8 @@
 //! What [`Backstop::build`] does: validates the settings together (each error names the
 //! setting to change), then composes the layers in their one order: the call's work outside,
-//! the deadline, the retry layer (its policy with the budget), the breaker, the attempt timeout
-//! (fixed, or learned from latency), and hedging when latency is learned.
+//! the deadline, the retry layer (its policy with the budget), the adaptive throttle, the
+//! breaker, the attempt timeout (fixed, or learned from latency), and hedging when latency is
+//! learned.
 
 use crate::{
     Backstop, BackstopLayer, DEFAULT_ATTEMPT_TIMEOUT, Preset,
@@ -9,7 +10,7 @@ use crate::{
     service::HedgeParts,
 };
 use backstop_breaker::{Breaker, BreakerLayer};
-use backstop_budget::Budget;
+use backstop_budget::{Budget, ThrottleLayer};
 use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
 use backstop_idempotency::IdempotencyLayer;
 use backstop_retry::RetryLayer;
@@ -105,8 +106,7 @@ impl<C, P, I> Backstop<C, P, I> {
         })
     }
 
-    /// The retry budget the stack spends: the one given or the process's, behind the adaptive
-    /// throttle when there is one.
+    /// The retry budget the stack spends: the one given or the process's.
     fn retry_budget(&mut self) -> Option<Arc<dyn RetryBudget>> {
         let budget = match self.budget.take() {
             Some(b) => b,
@@ -120,12 +120,7 @@ impl<C, P, I> Backstop<C, P, I> {
                 (stats.allowance - stats.retries as f64).max(0.0)
             });
         }
-        match (self.throttle.take(), budget) {
-            (Some(t), Some(b)) => Some(Arc::new(t.with_budget(b))),
-            (Some(t), None) => Some(Arc::new(t)),
-            (None, Some(b)) => Some(Arc::new(b.bind(&self.dependency))),
-            (None, None) => None,
-        }
+        budget.map(|b| Arc::new(b.bind(&self.dependency)) as Arc<dyn RetryBudget>)
     }
 
     /// How the call's work makes keys: none for reads (or with keys off); required and vouched
@@ -187,6 +182,8 @@ impl<C, P, I> Backstop<C, P, I> {
         }
         let breaker = (checked.breaker.clone())
             .map(|b| BreakerLayer::new(b, classifier.clone()).dependency(self.dependency.clone()));
+        let throttle = (self.throttle.take())
+            .map(|t| ThrottleLayer::new(t, classifier.clone()).dependency(self.dependency.clone()));
         let hedging = latency.map(|latency| HedgeParts {
             classifier,
             latency,
@@ -215,6 +212,7 @@ impl<C, P, I> Backstop<C, P, I> {
             transport,
             attempt_header: self.attempt_header,
             otel: self.otel,
+            throttle,
             breaker,
         })
     }

@@ -273,8 +273,8 @@ pub mod retry {
 pub mod budget {
     #[doc(inline)]
     pub use backstop_budget::{
-        AdaptiveThrottle, Budget, BudgetConfig, BudgetStats, DependencyBudget, ThrottleConfig,
-        ThrottleStats,
+        AdaptiveThrottle, Budget, BudgetConfig, BudgetStats, DependencyBudget, Throttle,
+        ThrottleConfig, ThrottleLayer, ThrottleStats, future,
     };
     #[doc(inline)]
     pub use backstop_core::{NoBudget, RetryBudget};

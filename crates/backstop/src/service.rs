@@ -9,6 +9,7 @@ use crate::{
     transport::{Describe, Transport, TransportSettings},
 };
 use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
+use backstop_budget::{Throttle, ThrottleLayer};
 use backstop_classify::Classify;
 use backstop_core::{BoxError, Dependency, HasExtensions, InvalidConfig, RetryBudget};
 use backstop_idempotency::Inject;
@@ -37,11 +38,14 @@ use tower_service::Service;
 /// Each attempt's timeout over the client: learned from latency, or fixed.
 type Timed<S, C> = Either<LearnedTimeout<S, C>, AttemptTimeout<S>>;
 
-/// Each attempt: through the breaker when the stack has one, then timed.
-type Attempt<S, C> = Either<CircuitBreaker<Timed<S, C>, C>, Timed<S, C>>;
+/// Through the breaker when the stack has one, then timed.
+type Gated<S, C> = Either<CircuitBreaker<Timed<S, C>, C>, Timed<S, C>>;
 
-/// The stack under the call's work: the deadline, the retry layer, the breaker, the attempt
-/// timeout, the client as its transport wraps it.
+/// Each attempt: admitted by the adaptive throttle when the stack has one, then gated.
+type Attempt<S, C> = Either<Throttle<Gated<S, C>, C>, Gated<S, C>>;
+
+/// The stack under the call's work: the deadline, the retry layer, the throttle, the breaker,
+/// the attempt timeout, the client as its transport wraps it.
 type Stack<S, C, P> =
     WithDeadline<Retry<Attempt<<P as Transport<S>>::Client, C>, C, P, Dependency>>;
 
@@ -50,7 +54,8 @@ type Stack<S, C, P> =
 ///
 /// The call's work (idempotency key, call span, errors and dead letters), once per call, around
 /// tower layers in their one order: the deadline ([`DeadlineLayer`]), the retry layer
-/// ([`RetryLayer`]), the breaker ([`BreakerLayer`]), each attempt's timeout
+/// ([`RetryLayer`]), the adaptive throttle ([`ThrottleLayer`]), the breaker ([`BreakerLayer`]),
+/// each attempt's timeout
 /// ([`AttemptTimeoutLayer`], or [`LearnedTimeoutLayer`] when it is learned from latency), and the
 /// client. For HTTP the response's body is returned as a
 /// [`TimedBody`](backstop_timeout::TimedBody): the answering attempt's limit and the deadline
@@ -237,6 +242,7 @@ pub struct BackstopLayer<C, P, I> {
     pub(crate) transport: P,
     pub(crate) attempt_header: Option<http::HeaderName>,
     pub(crate) otel: crate::telemetry::Otel,
+    pub(crate) throttle: Option<ThrottleLayer<C>>,
     pub(crate) breaker: Option<BreakerLayer<C>>,
 }
 
@@ -331,9 +337,13 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<
             Some(learned) => Either::Left(learned.layer(client)),
             None => Either::Right(self.attempt_timeout.layer(client)),
         };
-        let attempt = match &self.breaker {
+        let gated = match &self.breaker {
             Some(breaker) => Either::Left(breaker.layer(timed)),
             None => Either::Right(timed),
+        };
+        let attempt = match &self.throttle {
+            Some(throttle) => Either::Left(throttle.layer(gated)),
+            None => Either::Right(gated),
         };
         BackstopService {
             inner: self.deadline.layer(self.retry.layer(attempt)),
