@@ -11,6 +11,7 @@ use std::{
     future::Future,
     marker::PhantomData,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll, ready},
 };
 use tower_layer::Layer;
@@ -50,11 +51,21 @@ use tower_service::Service;
 /// assert!(refused > 50, "{refused}");
 /// # }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ThrottleLayer<C, K = Dependency> {
     throttle: AdaptiveThrottle,
-    classifier: C,
+    classifier: Arc<C>,
     key: K,
+}
+
+impl<C, K: Clone> Clone for ThrottleLayer<C, K> {
+    fn clone(&self) -> Self {
+        ThrottleLayer {
+            throttle: self.throttle.clone(),
+            classifier: self.classifier.clone(),
+            key: self.key.clone(),
+        }
+    }
 }
 
 impl<C> ThrottleLayer<C> {
@@ -64,7 +75,7 @@ impl<C> ThrottleLayer<C> {
     pub fn new(throttle: AdaptiveThrottle, classifier: C) -> Self {
         ThrottleLayer {
             throttle,
-            classifier,
+            classifier: Arc::new(classifier),
             key: Dependency::unnamed(),
         }
     }
@@ -96,7 +107,7 @@ impl<C, K> ThrottleLayer<C, K> {
     }
 }
 
-impl<S, C: Clone, K: Clone> Layer<S> for ThrottleLayer<C, K> {
+impl<S, C, K: Clone> Layer<S> for ThrottleLayer<C, K> {
     type Service = Throttle<S, C, K>;
     fn layer(&self, inner: S) -> Self::Service {
         Throttle {
@@ -107,10 +118,19 @@ impl<S, C: Clone, K: Clone> Layer<S> for ThrottleLayer<C, K> {
 }
 
 /// See [`ThrottleLayer`].
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Throttle<S, C, K = Dependency> {
     inner: S,
     layer: ThrottleLayer<C, K>,
+}
+
+impl<S: Clone, C, K: Clone> Clone for Throttle<S, C, K> {
+    fn clone(&self) -> Self {
+        Throttle {
+            inner: self.inner.clone(),
+            layer: self.layer.clone(),
+        }
+    }
 }
 
 impl<S, C, K> Throttle<S, C, K> {
@@ -125,7 +145,7 @@ where
     S: Service<Req>,
     S::Error: Into<BoxError>,
     Req: HasExtensions,
-    C: Classify<Req, S::Response, S::Error> + Clone,
+    C: Classify<Req, S::Response, S::Error>,
     K: DependencyKey<Req>,
 {
     type Response = S::Response;
@@ -173,7 +193,7 @@ enum State<F, C> {
     Sent {
         #[pin]
         fut: F,
-        told: Option<(AdaptiveThrottle, C, Dependency)>,
+        told: Option<(AdaptiveThrottle, Arc<C>, Dependency)>,
     },
     /// Refused before it was sent.
     Refused(Option<Throttled>),

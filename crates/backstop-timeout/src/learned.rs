@@ -13,6 +13,7 @@ use std::{
     future::Future,
     marker::PhantomData,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll, ready},
     time::Duration,
 };
@@ -54,11 +55,21 @@ use tower_service::Service;
 /// assert_eq!(err.downcast_ref::<AttemptTimedOut>().unwrap().limit(), Duration::from_secs(2));
 /// # }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct LearnedTimeoutLayer<C> {
     latency: BoundLatency,
-    classifier: C,
+    classifier: Arc<C>,
     fixed: Duration,
+}
+
+impl<C> Clone for LearnedTimeoutLayer<C> {
+    fn clone(&self) -> Self {
+        LearnedTimeoutLayer {
+            latency: self.latency.clone(),
+            classifier: self.classifier.clone(),
+            fixed: self.fixed,
+        }
+    }
 }
 
 impl<C> LearnedTimeoutLayer<C> {
@@ -67,13 +78,13 @@ impl<C> LearnedTimeoutLayer<C> {
     pub fn new(latency: BoundLatency, classifier: C, fixed: Duration) -> Self {
         LearnedTimeoutLayer {
             latency,
-            classifier,
+            classifier: Arc::new(classifier),
             fixed,
         }
     }
 }
 
-impl<S, C: Clone> Layer<S> for LearnedTimeoutLayer<C> {
+impl<S, C> Layer<S> for LearnedTimeoutLayer<C> {
     type Service = LearnedTimeout<S, C>;
     fn layer(&self, inner: S) -> Self::Service {
         LearnedTimeout {
@@ -86,10 +97,19 @@ impl<S, C: Clone> Layer<S> for LearnedTimeoutLayer<C> {
 /// See [`LearnedTimeoutLayer`]. Fails an attempt still running at its limit with
 /// [`AttemptTimedOut`](crate::AttemptTimedOut), or with
 /// [`DeadlineExceeded`](crate::DeadlineExceeded) when the deadline came first.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct LearnedTimeout<S, C> {
     inner: S,
     layer: LearnedTimeoutLayer<C>,
+}
+
+impl<S: Clone, C> Clone for LearnedTimeout<S, C> {
+    fn clone(&self) -> Self {
+        LearnedTimeout {
+            inner: self.inner.clone(),
+            layer: self.layer.clone(),
+        }
+    }
 }
 
 impl<S, C> LearnedTimeout<S, C> {
@@ -104,7 +124,7 @@ where
     S: Service<Req>,
     S::Error: Into<BoxError>,
     Req: HasExtensions,
-    C: Classify<Req, S::Response, BoxError> + Clone,
+    C: Classify<Req, S::Response, BoxError>,
 {
     type Response = S::Response;
     type Error = BoxError;
@@ -154,7 +174,7 @@ where
 /// What an attempt planned from the record tells it when it ends.
 struct Learning<C> {
     latency: BoundLatency,
-    classifier: C,
+    classifier: Arc<C>,
     dependency: Dependency,
     limit: Duration,
     started: Instant,
