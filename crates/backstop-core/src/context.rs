@@ -29,8 +29,10 @@ impl ScopeOwner {
 /// each attempt's copy, so a layer further in sees it whatever runs between the two (a
 /// `service_fn` whose future calls the next stack with `oneshot`, a `tower::buffer::Buffer` and
 /// its worker task, a request body buffering layer), and work that is not this request (a new
-/// call made inside another's `call`, to another dependency) never sees it. Nested retry
-/// layers, the attempt timeout, breaker and idempotency layers and any leaf read it through
+/// call made inside another's `call`, to another dependency) never sees it. The deadline layer
+/// writes the deadline, the attempt timeout the attempt's end; nested retry layers, the
+/// attempt timeout, the breaker, the body timer, the idempotency layer and any client read it
+/// through
 /// [`Deadline::of`], [`Dependency::of`], [`RetryScope::is_marked`](crate::RetryScope::is_marked)
 /// and the readers here.
 ///

@@ -205,14 +205,6 @@ impl<B> fmt::Debug for TimedBody<B> {
 }
 
 impl<B> TimedBody<B> {
-    /// `body`, ended with [`BodyTimedOut`] if it is still streaming at `end` (never, when
-    /// `None`), naming `dependency` in its error: for a body timer outside the retry layer,
-    /// which hands back the end of the attempt that answered
-    /// ([`ResponseFuture::attempt_end`](https://docs.rs/backstop-retry)).
-    pub fn ending_at(body: B, end: Option<AttemptCutoff>, dependency: Option<Dependency>) -> Self {
-        Self::new(body, end.map(|end| (end, dependency)))
-    }
-
     /// `body`, ended at `end` (never, when `None`), naming the dependency in its error.
     pub(crate) fn new(body: B, end: Option<(AttemptCutoff, Option<Dependency>)>) -> Self {
         TimedBody {

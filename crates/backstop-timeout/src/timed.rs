@@ -26,8 +26,8 @@ pub enum Expiry {
     },
 }
 
-/// When an attempt must end, and why: the one rule both timeout layers and the retry layer's
-/// own attempt timer follow. The attempt gets `min(attempt timeout, time left before the
+/// When an attempt must end, and why: the one rule the timeout layers and the body timer
+/// follow. The attempt gets `min(attempt timeout, time left before the
 /// deadline)`, so the last attempt ends at the deadline with a verdict instead of being cut off
 /// from outside.
 ///

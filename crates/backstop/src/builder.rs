@@ -37,15 +37,14 @@ pub enum Preset {
 /// Builds the whole Backstop stack for one dependency, in the one right order:
 ///
 /// ```text
-/// call (idempotency key, call span, errors, dead letters) -> deadline + retry (budget) -> breaker -> attempt timeout -> service
+/// call (idempotency key, call span, errors, dead letters) -> deadline -> retry (budget) -> throttle -> breaker -> attempt timeout -> service
 /// ```
 ///
-/// Two services per call: the call's work, once per logical call, around the retry layer, which
-/// keeps the deadline, the breaker and the attempt timeout itself.
+/// The call's work, once per logical call, around tower layers of one concern each, in that
+/// order.
 ///
-/// The deadline is kept by the retry layer itself (`RetryLayer::deadline`): waits never cross
-/// it, the attempt timeout cuts the last attempt to fit it, and a caller's tighter deadline on
-/// the request wins.
+/// The deadline layer sits outside the retry layer: waits never cross it, the attempt timeout
+/// cuts the last attempt to fit it, and a caller's tighter deadline on the request wins.
 ///
 /// Defaults: 3 attempts; full jitter from 200 ms to 5 s; a 30 s deadline; a 10 s attempt timeout
 /// (or 2.5 x the p99 latency you give, rounded up to 100 ms: p99 1.2 s -> 3 s); the process-wide
@@ -209,8 +208,7 @@ impl<C, P, I> Backstop<C, P, I> {
     /// Records every attempt and every call into `telemetry`'s OpenTelemetry instruments:
     /// `http.client.request.duration` per attempt (its HTTP attributes on the attempt's span
     /// too), Backstop's per-call duration and attempts, and for a gRPC stack the per-call
-    /// metrics of gRPC's A96 (the table in [`backstop::otel`](crate::otel)). Over a leaf
-    /// client the attempts then carry the call context, which holds their number. Off by
+    /// metrics of gRPC's A96 (the table in [`backstop::otel`](crate::otel)). Off by
     /// default: a stack without it records nothing. Feature `otel`.
     #[cfg(feature = "otel")]
     #[must_use]
