@@ -370,3 +370,67 @@ async fn clones_of_the_stack_serve_concurrent_calls() {
     assert_eq!(ok, 20, "every call succeeds on its second attempt");
     assert_eq!(server.requests(), 40);
 }
+
+/// A policy of one's own around the standard one: an MCP server's JSON-RPC internal error,
+/// carried in a `200 OK`, is retried like a lost reply (so only for a replay-safe call).
+#[derive(Clone)]
+struct JsonRpcErrors(backstop::retry::StandardPolicy);
+
+impl<R: backstop::HasExtensions, B: http_body::Body>
+    backstop::retry::Policy<R, Response<backstop::timeout::TimedBody<B>>> for JsonRpcErrors
+{
+    fn retry(
+        &mut self,
+        attempt: &backstop::retry::Attempt<'_, R, Response<backstop::timeout::TimedBody<B>>>,
+    ) -> Result<Duration, StopReason> {
+        let internal = attempt
+            .response()
+            .and_then(|res| res.headers().get("x-jsonrpc-error"))
+            .is_some_and(|code| code == "-32603");
+        if internal {
+            let unknown = backstop::classify::Verdict::Retryable {
+                outcome: Outcome::Unknown,
+                after: None,
+            };
+            return self.0.retry(&attempt.with_verdict(unknown));
+        }
+        self.0.retry(attempt)
+    }
+}
+
+#[tokio::test]
+async fn the_builders_stack_asks_a_policy_of_ones_own() {
+    // The first answer is a JSON-RPC internal error in a 200, the next a result.
+    let server = TestServer::start(|s: &Seen| {
+        if s.index == 0 {
+            Action::respond(
+                200,
+                &[("x-jsonrpc-error", "-32603")],
+                r#"{"error":{"code":-32603}}"#,
+            )
+        } else {
+            Action::respond(200, &[], r#"{"result":{}}"#)
+        }
+    })
+    .await;
+    let stack = backstop::Backstop::http("http-retry-tools")
+        .backoff(fast_backoff())
+        .rng(RngSource::seeded(5))
+        .policy(JsonRpcErrors)
+        .build()
+        .unwrap()
+        .layer(client());
+    // A read: replay-safe, so the internal error is retried.
+    let req = Request::get(server.url("/mcp"))
+        .body(Body::default())
+        .unwrap();
+    let res = stack.clone().oneshot(req).await.unwrap();
+    let history = RetryHistory::of(&res)
+        .expect("retried, so it keeps its history")
+        .clone();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], br#"{"result":{}}"#);
+    assert_eq!(history.attempts.len(), 2);
+    assert_eq!(history.stopped, StopReason::Succeeded);
+    assert_eq!(server.requests(), 2);
+}

@@ -13,7 +13,7 @@ use backstop_breaker::{Breaker, BreakerLayer};
 use backstop_budget::{Budget, ThrottleLayer};
 use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
 use backstop_idempotency::IdempotencyLayer;
-use backstop_retry::RetryLayer;
+use backstop_retry::{RetryLayer, StandardPolicy};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer, LearnedTimeoutLayer};
 use std::{sync::Arc, time::Duration};
 
@@ -24,7 +24,7 @@ struct Checked {
     breaker: Option<Breaker>,
 }
 
-impl<C, P, I> Backstop<C, P, I> {
+impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
     fn effective_attempt_timeout(&self) -> Result<Duration, InvalidConfig> {
         if let Some(t) = self.attempt_timeout {
             return Ok(t);
@@ -146,7 +146,7 @@ impl<C, P, I> Backstop<C, P, I> {
     }
 
     /// Validates the configuration and builds the layer.
-    pub fn build(mut self) -> Result<BackstopLayer<C, P, I>, InvalidConfig>
+    pub fn build(mut self) -> Result<BackstopLayer<C, P, I, Pol>, InvalidConfig>
     where
         C: Clone,
         P: Clone,
@@ -158,11 +158,19 @@ impl<C, P, I> Backstop<C, P, I> {
         let inject = self.keys.injector().clone();
         let transport = self.resend.clone();
         let classifier = self.classifier.clone();
-        let mut retry = RetryLayer::new(self.classifier)
-            .resend(self.resend)
-            .dependency(self.dependency.clone())
+        let mut standard = StandardPolicy::new()
             .backoff(self.backoff)
             .max_attempts(checked.max_attempts)?;
+        if let Some(rng) = self.rng {
+            standard = standard.rng(rng);
+        }
+        if let Some(b) = &budget {
+            standard = standard.budget(b.clone());
+        }
+        let retry = RetryLayer::new(self.classifier)
+            .resend(self.resend)
+            .dependency(self.dependency.clone())
+            .policy((self.policy)(standard));
         let deadline = match self.deadline {
             Some(d) => DeadlineLayer::new(d),
             None => DeadlineLayer::inherited(),
@@ -174,12 +182,6 @@ impl<C, P, I> Backstop<C, P, I> {
         let learned = latency.as_ref().map(|latency| {
             LearnedTimeoutLayer::new(latency.clone(), classifier.clone(), checked.attempt_timeout)
         });
-        if let Some(rng) = self.rng {
-            retry = retry.rng(rng);
-        }
-        if let Some(b) = &budget {
-            retry = retry.budget(b.clone());
-        }
         let breaker = (checked.breaker.clone())
             .map(|b| BreakerLayer::new(b, classifier.clone()).dependency(self.dependency.clone()));
         let throttle = (self.throttle.take())

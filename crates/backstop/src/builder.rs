@@ -5,7 +5,7 @@ use backstop_budget::{AdaptiveThrottle, Budget};
 use backstop_classify::HttpClassifier;
 use backstop_core::Dependency;
 use backstop_idempotency::{HttpKeys, IdempotencyLayer, RandomKey, ToolKeys};
-use backstop_retry::{CloneResend, HttpResend};
+use backstop_retry::{CloneResend, HttpResend, StandardPolicy};
 use backstop_timeout::LatencyTimeouts;
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -72,7 +72,7 @@ pub enum Preset {
 ///     .unwrap_err();
 /// assert!(err.to_string().contains("shorten attempt_timeout"));
 /// ```
-pub struct Backstop<C, P, I> {
+pub struct Backstop<C, P, I, Pol = StandardPolicy> {
     pub(crate) dependency: Dependency,
     pub(crate) classifier: C,
     pub(crate) resend: P,
@@ -94,9 +94,11 @@ pub struct Backstop<C, P, I> {
     pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
     pub(crate) reconcile: Option<Reconcile>,
     pub(crate) otel: crate::telemetry::Otel,
+    /// Makes the stack's policy from the standard one the settings configure.
+    pub(crate) policy: Box<dyn FnOnce(StandardPolicy) -> Pol + Send>,
 }
 
-impl<C: fmt::Debug, P, I> fmt::Debug for Backstop<C, P, I> {
+impl<C: fmt::Debug, P, I, Pol> fmt::Debug for Backstop<C, P, I, Pol> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Backstop")
             .field("dependency", &self.dependency)
@@ -202,9 +204,12 @@ impl<C, P, I> Backstop<C, P, I> {
             sink: None,
             reconcile: None,
             otel: crate::telemetry::Otel::default(),
+            policy: Box::new(|standard| standard),
         }
     }
+}
 
+impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
     /// Records every attempt and every call into `telemetry`'s OpenTelemetry instruments:
     /// `http.client.request.duration` per attempt (its HTTP attributes on the attempt's span
     /// too), Backstop's per-call duration and attempts, and for a gRPC stack the per-call
@@ -370,8 +375,59 @@ impl<C, P, I> Backstop<C, P, I> {
         self
     }
 
+    /// The stack's retry policy: `wrap` gets the [`StandardPolicy`] this builder's settings
+    /// configure (attempts, backoff, budget) and returns the policy the retry layer asks after
+    /// every attempt, typically one of one's own around it (see [`Policy`](crate::retry::Policy)).
+    ///
+    /// ```
+    /// use backstop::{Backstop, classify::Verdict, retry::{Attempt, Policy, StandardPolicy, StopReason}};
+    /// use std::time::Duration;
+    ///
+    /// /// Never waits longer than a second between attempts.
+    /// #[derive(Clone)]
+    /// struct Impatient(StandardPolicy);
+    ///
+    /// impl<Req: backstop::HasExtensions, Res> Policy<Req, Res> for Impatient {
+    ///     fn retry(&mut self, attempt: &Attempt<'_, Req, Res>) -> Result<Duration, StopReason> {
+    ///         self.0.retry(attempt).map(|wait| wait.min(Duration::from_secs(1)))
+    ///     }
+    /// }
+    ///
+    /// let layer = Backstop::http("search-api").policy(Impatient).build().unwrap();
+    /// assert_eq!(layer.max_attempts(), 3);
+    /// ```
+    pub fn policy<Pol2>(
+        self,
+        wrap: impl FnOnce(StandardPolicy) -> Pol2 + Send + 'static,
+    ) -> Backstop<C, P, I, Pol2> {
+        Backstop {
+            dependency: self.dependency,
+            classifier: self.classifier,
+            resend: self.resend,
+            keys: self.keys,
+            preset: self.preset,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            rng: self.rng,
+            deadline: self.deadline,
+            attempt_timeout: self.attempt_timeout,
+            latency: self.latency,
+            p99: self.p99,
+            budget: self.budget,
+            throttle: self.throttle,
+            breaker: self.breaker,
+            idempotency: self.idempotency,
+            honours_keys: self.honours_keys,
+            attempt_header: self.attempt_header,
+            sink: self.sink,
+            reconcile: self.reconcile,
+            otel: self.otel,
+            policy: Box::new(wrap),
+        }
+    }
+
     /// Replaces the classifier.
-    pub fn classifier<C2>(self, classifier: C2) -> Backstop<C2, P, I> {
+    pub fn classifier<C2>(self, classifier: C2) -> Backstop<C2, P, I, Pol> {
         Backstop {
             dependency: self.dependency,
             classifier,
@@ -394,6 +450,7 @@ impl<C, P, I> Backstop<C, P, I> {
             sink: self.sink,
             reconcile: self.reconcile,
             otel: self.otel,
+            policy: self.policy,
         }
     }
 }

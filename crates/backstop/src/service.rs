@@ -14,7 +14,7 @@ use backstop_classify::Classify;
 use backstop_core::{BoxError, Dependency, HasExtensions, InvalidConfig, RetryBudget};
 use backstop_idempotency::Inject;
 use backstop_retry::{
-    Hedging, Resend, Retry, RetryLayer, StandardPolicy,
+    Hedging, Policy, Resend, Retry, RetryLayer, StandardPolicy,
     future::{ResponseFuture, Retryable},
 };
 use backstop_timeout::{
@@ -46,8 +46,8 @@ type Attempt<S, C> = Either<Throttle<Gated<S, C>, C>, Gated<S, C>>;
 
 /// The stack under the call's work: the deadline, the retry layer, the throttle, the breaker,
 /// the attempt timeout, the client as its transport wraps it.
-type Stack<S, C, P> =
-    WithDeadline<Retry<Attempt<<P as Transport<S>>::Client, C>, C, P, Dependency>>;
+type Stack<S, C, P, Pol> =
+    WithDeadline<Retry<Attempt<<P as Transport<S>>::Client, C>, C, P, Dependency, Pol>>;
 
 /// The service a [`BackstopLayer`] builds over the client `S`: every error is an
 /// [`Error`](crate::Error).
@@ -60,20 +60,21 @@ type Stack<S, C, P> =
 /// client. For HTTP the response's body is returned as a
 /// [`TimedBody`](backstop_timeout::TimedBody): the answering attempt's limit and the deadline
 /// keep running while the caller reads it. `C` is the classifier, `P` how requests are copied
-/// for each attempt (and so how the client is wrapped), `I` where the idempotency key goes.
+/// for each attempt (and so how the client is wrapped), `I` where the idempotency key goes, `Pol`
+/// the retry layer's [`Policy`].
 ///
 /// tower's readiness contract holds through it: `poll_ready` answers what the client answers
 /// (see [`WithDeadline`] for the deadline on a client that never becomes ready), and each
 /// attempt is sent on the handle that was polled ready for it.
-pub struct BackstopService<S, C, P: Transport<S>, I> {
-    inner: Stack<S, C, P>,
+pub struct BackstopService<S, C, P: Transport<S>, I, Pol = StandardPolicy> {
+    inner: Stack<S, C, P, Pol>,
     call: Arc<CallWork<I>>,
     /// When the wait for readiness began, while the stack answers `Pending`: the next call
     /// started then.
     unready_since: Option<Instant>,
 }
 
-impl<S, C, P: Transport<S>, I> Clone for BackstopService<S, C, P, I>
+impl<S, C, P: Transport<S>, I, Pol: Clone> Clone for BackstopService<S, C, P, I, Pol>
 where
     P::Client: Clone,
     C: Clone,
@@ -87,7 +88,7 @@ where
     }
 }
 
-impl<S, C, P: Transport<S>, I> fmt::Debug for BackstopService<S, C, P, I>
+impl<S, C, P: Transport<S>, I, Pol: fmt::Debug> fmt::Debug for BackstopService<S, C, P, I, Pol>
 where
     P::Client: fmt::Debug,
     C: fmt::Debug,
@@ -102,16 +103,11 @@ where
 /// The client's response type under the stack.
 type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
 /// The retry layer's parts under the stack.
-type Parts<S, C, P, Req> = (
-    Attempt<<P as Transport<S>>::Client, C>,
-    Req,
-    C,
-    P,
-    StandardPolicy,
-);
+type Parts<S, C, P, Req, Pol> = (Attempt<<P as Transport<S>>::Client, C>, Req, C, P, Pol);
 
-impl<S, C, P, I, Req> Service<Req> for BackstopService<S, C, P, I>
+impl<S, C, P, I, Pol, Req> Service<Req> for BackstopService<S, C, P, I, Pol>
 where
+    Pol: Policy<Req, ClientResponse<S, P, Req>>,
     P: Transport<S> + Resend<Req> + Describe<Req>,
     P::Client: Service<Req, Error = BoxError, Response: HasExtensions> + Clone,
     Req: HasExtensions,
@@ -120,7 +116,7 @@ where
 {
     type Response = ClientResponse<S, P, Req>;
     type Error = crate::Error;
-    type Future = BackstopFuture<S, C, P, Req>;
+    type Future = BackstopFuture<S, C, P, Req, Pol>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
         let polled = self.inner.poll_ready(cx);
@@ -157,14 +153,16 @@ where
 }
 
 /// The stack's future under the call's work.
-type Inner<S, C, P, Req> = DeadlineFuture<ResponseFuture<Parts<S, C, P, Req>>>;
+type Inner<S, C, P, Req, Pol> = DeadlineFuture<ResponseFuture<Parts<S, C, P, Req, Pol>>>;
 
 /// Response future of [`BackstopService`].
 #[pin_project]
-pub struct BackstopFuture<S, C, P, Req>(#[pin] Calling<Inner<S, C, P, Req>>)
+pub struct BackstopFuture<S, C, P, Req, Pol = StandardPolicy>(
+    #[pin] Calling<Inner<S, C, P, Req, Pol>>,
+)
 where
     P: Transport<S>,
-    Parts<S, C, P, Req>: Retryable;
+    Parts<S, C, P, Req, Pol>: Retryable;
 
 #[pin_project(project = CallingProj)]
 enum Calling<F> {
@@ -183,10 +181,10 @@ enum Calling<F> {
     Refused { error: Option<crate::Error> },
 }
 
-impl<S, C, P, Req> fmt::Debug for BackstopFuture<S, C, P, Req>
+impl<S, C, P, Req, Pol> fmt::Debug for BackstopFuture<S, C, P, Req, Pol>
 where
     P: Transport<S>,
-    Parts<S, C, P, Req>: Retryable,
+    Parts<S, C, P, Req, Pol>: Retryable,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.0 {
@@ -196,12 +194,12 @@ where
     }
 }
 
-impl<S, C, P, Req> Future for BackstopFuture<S, C, P, Req>
+impl<S, C, P, Req, Pol> Future for BackstopFuture<S, C, P, Req, Pol>
 where
     P: Transport<S>,
     P::Client: Service<Req>,
     Attempt<P::Client, C>: Service<Req, Response = ClientResponse<S, P, Req>>,
-    Parts<S, C, P, Req>: Retryable<Req = Req, Svc = Attempt<P::Client, C>>,
+    Parts<S, C, P, Req, Pol>: Retryable<Req = Req, Svc = Attempt<P::Client, C>>,
     ClientResponse<S, P, Req>: HasExtensions,
 {
     type Output = Result<ClientResponse<S, P, Req>, crate::Error>;
@@ -228,11 +226,11 @@ where
 /// The validated stack, as a tower `Layer`: `ServiceBuilder::new().layer(layer).service(client)`.
 /// `Clone`; every service it builds shares the budget, the breaker and the random source.
 #[derive(Clone)]
-pub struct BackstopLayer<C, P, I> {
+pub struct BackstopLayer<C, P, I, Pol = StandardPolicy> {
     pub(crate) dependency: Dependency,
     pub(crate) call: Arc<CallWork<I>>,
     pub(crate) deadline: DeadlineLayer,
-    pub(crate) retry: RetryLayer<C, P, Dependency>,
+    pub(crate) retry: RetryLayer<C, P, Dependency, Pol>,
     pub(crate) attempt_timeout: AttemptTimeoutLayer,
     /// Each attempt's timeout learned from latency, instead of `attempt_timeout`.
     pub(crate) learned: Option<LearnedTimeoutLayer<C>>,
@@ -254,7 +252,9 @@ pub(crate) struct HedgeParts<C> {
     pub(crate) budget: Arc<dyn RetryBudget>,
 }
 
-impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C, P, I> {
+impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug, Pol: fmt::Debug> fmt::Debug
+    for BackstopLayer<C, P, I, Pol>
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BackstopLayer")
             .field("retry", &self.retry)
@@ -263,7 +263,7 @@ impl<C: fmt::Debug, P: fmt::Debug, I: fmt::Debug> fmt::Debug for BackstopLayer<C
     }
 }
 
-impl<C, P, I> BackstopLayer<C, P, I> {
+impl<C, P, I, Pol> BackstopLayer<C, P, I, Pol> {
     /// The dependency the stack calls.
     pub fn dependency(&self) -> &Dependency {
         &self.dependency
@@ -323,8 +323,10 @@ impl<C, P, I> BackstopLayer<C, P, I> {
     }
 }
 
-impl<S, C: Clone, P: Clone + Transport<S>, I: Clone> Layer<S> for BackstopLayer<C, P, I> {
-    type Service = BackstopService<S, C, P, I>;
+impl<S, C: Clone, P: Clone + Transport<S>, I: Clone, Pol: Clone> Layer<S>
+    for BackstopLayer<C, P, I, Pol>
+{
+    type Service = BackstopService<S, C, P, I, Pol>;
 
     fn layer(&self, client: S) -> Self::Service {
         let settings = TransportSettings {
