@@ -121,7 +121,6 @@ pub use stream_body::{BodyTee, StreamingResend, TeeReader, TeeableBody};
 struct Owner;
 
 /// [`Owner`] as the context records it.
-#[inline]
 fn owner() -> backstop_core::ScopeOwner {
     backstop_core::ScopeOwner::of::<Owner>()
 }

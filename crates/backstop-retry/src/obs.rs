@@ -22,7 +22,6 @@ fn label(d: &Dependency) -> metrics::SharedString {
     metrics::SharedString::from(d.metric_label())
 }
 
-#[inline]
 pub(crate) fn call(d: &Dependency) {
     #[cfg(feature = "metrics")]
     {
@@ -32,7 +31,6 @@ pub(crate) fn call(d: &Dependency) {
     let _ = d;
 }
 
-#[inline]
 pub(crate) fn retry(d: &Dependency) {
     #[cfg(feature = "metrics")]
     {
@@ -84,7 +82,6 @@ pub(crate) fn decided(
     }
 }
 
-#[inline]
 pub(crate) fn finished(d: &Dependency, attempt: u32, success: bool, unknown: bool) {
     #[cfg(feature = "metrics")]
     {
@@ -104,7 +101,6 @@ pub(crate) fn finished(d: &Dependency, attempt: u32, success: bool, unknown: boo
 
 /// Copies still in flight when another answered, dropped:
 /// `backstop_hedges_cancelled_total{dependency}`.
-#[inline]
 pub(crate) fn hedges_cancelled(d: &Dependency, n: usize) {
     #[cfg(feature = "metrics")]
     if n > 0 {
@@ -115,7 +111,6 @@ pub(crate) fn hedges_cancelled(d: &Dependency, n: usize) {
 }
 
 /// A hedge sent: `backstop_hedges_total{dependency}` (counted apart from retries).
-#[inline]
 pub(crate) fn hedge(d: &Dependency) {
     #[cfg(feature = "metrics")]
     metrics::counter!("backstop_hedges_total", "dependency" => label(d)).increment(1);
@@ -148,21 +143,18 @@ pub(crate) fn stopped(history: &RetryHistory, attempts: u32, verdict: Verdict) {
 pub(crate) struct AttemptSpan(Option<Box<Span>>);
 
 impl AttemptSpan {
-    #[inline]
     pub(crate) fn new(dependency: &Dependency, attempt: u32) -> Self {
         let span = attempt_span(dependency, attempt);
         AttemptSpan((!span.is_disabled()).then(|| Box::new(span)))
     }
 
     /// The span, when it is recorded.
-    #[inline]
     pub(crate) fn get(&self) -> Option<&Span> {
         self.0.as_deref()
     }
 
     /// Names the recorded span in OpenTelemetry (`otel.name`) after `name`, asked only when
     /// the span is recorded; before it is first entered, while it can still be renamed.
-    #[inline]
     pub(crate) fn name_after(&self, name: impl FnOnce() -> Option<Cow<'static, str>>) {
         if let Some(span) = self.get()
             && let Some(name) = name()
@@ -175,7 +167,6 @@ impl AttemptSpan {
 /// The attempt's span, inside whatever span is current (the call's). A resend carries
 /// OpenTelemetry's `http.request.resend_count` (1 on the second attempt), as the HTTP semantic
 /// conventions ask; the first attempt has none.
-#[inline]
 fn attempt_span(dependency: &Dependency, attempt: u32) -> Span {
     let span = tracing::debug_span!(
         target: "backstop::retry",

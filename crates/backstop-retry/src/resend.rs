@@ -127,7 +127,8 @@ impl<B> ResendableBody for BufferedBody<B> {
 
 /// The caller's request, kept as the caller sent it: every attempt sends a copy.
 pub(crate) enum Template<Req> {
-    /// One attempt only (`max_attempts` is 1, or an outer layer retries): nothing is kept.
+    /// One attempt only (the policy says the call may not be retried, or an outer layer
+    /// retries): nothing is kept.
     Unneeded,
     Kept(Req),
     /// It could not be copied, for this reason: the call has one attempt.
@@ -137,23 +138,20 @@ pub(crate) enum Template<Req> {
 impl<Req> Template<Req> {
     /// Keeps `req` (prepared for copying) and returns a copy to send, or, when it cannot be
     /// copied, keeps why and returns `req` itself.
-    #[inline]
     pub(crate) fn keep(&mut self, resend: &impl Resend<Req>, req: Req) -> Req {
-        // Kept in place first and copied from there: the request is moved once, not twice.
-        *self = Template::Kept(resend.prepare(req));
-        let Template::Kept(kept) = &*self else {
-            unreachable!("kept above")
-        };
-        match resend.copy(kept) {
-            Ok(copy) => copy,
-            Err(why) => match std::mem::replace(self, Template::Uncopyable(why)) {
-                Template::Kept(req) => req,
-                _ => unreachable!("kept above"),
-            },
+        let req = resend.prepare(req);
+        match resend.copy(&req) {
+            Ok(copy) => {
+                *self = Template::Kept(req);
+                copy
+            }
+            Err(why) => {
+                *self = Template::Uncopyable(why);
+                req
+            }
         }
     }
 
-    /// The kept request, or why there is none.
     /// Why a request that was not kept cannot be sent again.
     pub(crate) const NOT_KEPT: &'static str = "the request was not kept for a retry";
 

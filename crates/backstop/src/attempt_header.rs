@@ -21,12 +21,10 @@ where
     type Error = S::Error;
     type Future = S::Future;
 
-    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    #[inline]
     fn call(&mut self, mut req: http::Request<B>) -> S::Future {
         if let Some(name) = &self.header
             && let Some(n) = CallContext::attempt_of(&req)

@@ -25,12 +25,10 @@ where
     type Error = BoxError;
     type Future = BoxErrorsFuture<S::Future>;
 
-    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.0.poll_ready(cx).map_err(crate::error::unpass)
     }
 
-    #[inline]
     fn call(&mut self, req: Req) -> Self::Future {
         BoxErrorsFuture(self.0.call(req))
     }
@@ -48,7 +46,6 @@ where
 {
     type Output = Result<T, BoxError>;
 
-    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Poll::Ready(ready!(self.project().0.poll(cx)).map_err(crate::error::unpass))
     }

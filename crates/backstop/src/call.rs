@@ -64,8 +64,8 @@ struct Letterhead {
 
 /// What one call keeps from its start to its end: its span, and what a dead letter would need.
 pub(crate) struct CallState {
-    /// The call's span when a subscriber records it, boxed: the future every call moves keeps
-    /// 8 bytes for it, against a `Span`'s 40, and a call no subscriber traces allocates nothing.
+    /// The call's span when a subscriber records it, boxed: the future every call moves keeps a
+    /// pointer for it, and a call no subscriber traces allocates nothing.
     span: Option<Box<tracing::Span>>,
     /// Boxed: only a mutating call that may need a dead letter carries it, and the future
     /// every call moves stays small.

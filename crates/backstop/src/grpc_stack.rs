@@ -104,7 +104,6 @@ where
     type Error = BoxError;
     type Future = GrpcAttemptFuture<S::Future>;
 
-    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
     }

@@ -18,7 +18,6 @@ pub(crate) struct Otel {
 
 impl Otel {
     /// The call's start, when the stack records telemetry; `grpc`: its method and target.
-    #[inline]
     pub(crate) fn begin(
         &self,
         dependency: &Dependency,
@@ -45,7 +44,6 @@ pub(crate) struct Slot(#[cfg(feature = "otel")] Option<Box<OtelCall>>);
 
 impl Slot {
     /// Whether the call records telemetry.
-    #[inline]
     pub(crate) fn is_some(&self) -> bool {
         #[cfg(feature = "otel")]
         return self.0.is_some();
@@ -54,7 +52,6 @@ impl Slot {
     }
 
     /// The call's start, once.
-    #[inline]
     pub(crate) fn take(&mut self) -> Option<Box<OtelCall>> {
         #[cfg(feature = "otel")]
         return self.0.take();

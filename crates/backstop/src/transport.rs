@@ -56,7 +56,6 @@ pub(crate) type Attempts<S> = backstop_otel::AttemptMetrics<S>;
 pub(crate) type Attempts<S> = S;
 
 /// Wraps `client` in [`Attempts`].
-#[inline]
 pub(crate) fn attempts<S>(client: S, settings: &TransportSettings) -> Attempts<S> {
     #[cfg(feature = "otel")]
     return tower_layer::Layer::layer(
