@@ -40,7 +40,7 @@ impl ScopeOwner {
 /// extensions itself.
 ///
 /// ```
-/// use backstop_core::{CallContext, Deadline, Dependency, RetryScope, ScopeOwner};
+/// use backstop_core::{CallContext, Claim, Deadline, Dependency, RetryScope, ScopeOwner};
 /// use std::time::Duration;
 ///
 /// // A retrying layer of one's own claims calls under a type of its own.
@@ -48,7 +48,8 @@ impl ScopeOwner {
 /// let mut req = http::Request::new(());
 /// assert!(!RetryScope::is_marked(&req));
 /// let deadline = Deadline::after(Duration::from_secs(2));
-/// CallContext::claim(&mut req, ScopeOwner::of::<MyRetries>(), Dependency::new("search-api"), Some(deadline), Some(1));
+/// let claim = Claim::new(ScopeOwner::of::<MyRetries>(), "search-api").deadline(deadline).attempt(1);
+/// CallContext::claim(&mut req, claim);
 /// assert!(RetryScope::is_marked(&req));
 /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<MyRetries>()));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
@@ -69,6 +70,50 @@ pub struct CallContext {
     /// When the attempt timeout that bounds this attempt cuts it (its limit or the deadline,
     /// whichever ends first), if one does, and that limit.
     pub(crate) attempt_end: Option<(Instant, Option<Duration>)>,
+}
+
+/// What a retrying layer records on each attempt's request with [`CallContext::claim`]: who
+/// owns the call, the dependency, the call's deadline and the attempt's number.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    owner: ScopeOwner,
+    dependency: Dependency,
+    deadline: Option<Deadline>,
+    attempt: Option<u32>,
+}
+
+impl Claim {
+    /// A claim by `owner` for a call to `dependency`, with no deadline, leaving the attempt
+    /// number an outer layer recorded in place.
+    pub fn new(owner: ScopeOwner, dependency: impl Into<Dependency>) -> Self {
+        Claim {
+            owner,
+            dependency: dependency.into(),
+            deadline: None,
+            attempt: None,
+        }
+    }
+
+    /// The call's deadline.
+    #[must_use]
+    pub fn deadline(mut self, deadline: Deadline) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// The call's deadline, if it has one.
+    #[must_use]
+    pub fn deadline_if(mut self, deadline: Option<Deadline>) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// This attempt's number (1 for the first).
+    #[must_use]
+    pub fn attempt(mut self, n: u32) -> Self {
+        self.attempt = Some(n);
+        self
+    }
 }
 
 impl CallContext {
@@ -100,26 +145,25 @@ impl CallContext {
     /// recorded; `false` only when two other kinds already are.
     ///
     /// ```
-    /// use backstop_core::{CallContext, Dependency, RetryScope, ScopeOwner};
+    /// use backstop_core::{CallContext, Claim, RetryScope, ScopeOwner};
     ///
     /// struct Outer;
     /// struct Inner;
     /// let mut req = http::Request::new(());
-    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Outer>(), Dependency::new("search-api"), None, Some(1)));
-    /// assert!(CallContext::claim(&mut req, ScopeOwner::of::<Inner>(), Dependency::new("search-api"), None, None));
+    /// assert!(CallContext::claim(&mut req, Claim::new(ScopeOwner::of::<Outer>(), "search-api").attempt(1)));
+    /// assert!(CallContext::claim(&mut req, Claim::new(ScopeOwner::of::<Inner>(), "search-api")));
     /// // The outer layer still owns the call; the inner one is recorded beside it.
     /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
     /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Inner>()));
     /// assert_eq!(CallContext::attempt_of(&req), Some(1));
     /// ```
-    #[inline]
-    pub fn claim<R: HasExtensions + ?Sized>(
-        req: &mut R,
-        owner: ScopeOwner,
-        dependency: Dependency,
-        deadline: Option<Deadline>,
-        attempt: Option<u32>,
-    ) -> bool {
+    pub fn claim<R: HasExtensions + ?Sized>(req: &mut R, claim: Claim) -> bool {
+        let Claim {
+            owner,
+            dependency,
+            deadline,
+            attempt,
+        } = claim;
         let ctx = CallContext::of_mut(req);
         let recorded = match (ctx.owner, ctx.inner_owner) {
             (None, _) => {
@@ -200,10 +244,7 @@ mod tests {
         struct Outer;
         CallContext::claim(
             &mut req,
-            ScopeOwner::of::<Outer>(),
-            Dependency::new("outer"),
-            None,
-            Some(1),
+            Claim::new(ScopeOwner::of::<Outer>(), "outer").attempt(1),
         );
         assert!(RetryScope::is_marked(&req));
         assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
@@ -222,9 +263,8 @@ mod tests {
         struct Inner;
         struct Third;
         let mut req = http::Request::new(());
-        let claim = |req: &mut http::Request<()>, owner| {
-            CallContext::claim(req, owner, Dependency::new("d"), None, None)
-        };
+        let claim =
+            |req: &mut http::Request<()>, owner| CallContext::claim(req, Claim::new(owner, "d"));
         assert!(claim(&mut req, ScopeOwner::of::<Outer>()));
         assert!(claim(&mut req, ScopeOwner::of::<Inner>()));
         assert!(

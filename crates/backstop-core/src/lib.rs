@@ -46,7 +46,7 @@ mod run;
 mod verdict;
 
 pub use budget::{NoBudget, RetryBudget};
-pub use context::{CallContext, ScopeOwner};
+pub use context::{CallContext, Claim, ScopeOwner};
 pub use deadline::{Deadline, instant_after};
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{

@@ -20,7 +20,7 @@ use crate::{
 };
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{
-    BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, Outcome, ReplaySafe, Run,
+    BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency, Outcome, ReplaySafe, Run,
 };
 use pin_project::pin_project;
 use std::{
@@ -213,9 +213,12 @@ impl<T: Retryable> Call<T> {
         let mut req = req(&mut self.template, &shared.resend);
         // The call's context travels with each attempt's copy, across tasks and futures. A
         // nested layer leaves the outer layer's attempt number.
-        let attempt = (!self.nested).then_some(self.attempt);
-        let dependency = self.dependency.clone();
-        CallContext::claim(&mut req, crate::owner(), dependency, self.deadline, attempt);
+        let mut claim =
+            Claim::new(crate::owner(), self.dependency.clone()).deadline_if(self.deadline);
+        if !self.nested {
+            claim = claim.attempt(self.attempt);
+        }
+        CallContext::claim(&mut req, claim);
         if self.attempt > 1 {
             crate::obs::retry(&self.dependency);
         }

@@ -241,7 +241,7 @@ impl<C> Learning<C> {
 mod tests {
     use super::*;
     use crate::{LatencyConfig, LatencyTimeouts};
-    use backstop_core::{AttemptTimedOut, Outcome, ScopeOwner};
+    use backstop_core::{AttemptTimedOut, Claim, Outcome, ScopeOwner};
     use tower::{ServiceExt, service_fn};
 
     /// Judges `Ok(true)` a success, anything else a failure; every request is replay-safe
@@ -279,10 +279,7 @@ mod tests {
         struct Retries;
         CallContext::claim(
             &mut req,
-            ScopeOwner::of::<Retries>(),
-            Dependency::new("search-api"),
-            None,
-            Some(n),
+            Claim::new(ScopeOwner::of::<Retries>(), "search-api").attempt(n),
         );
         req
     }

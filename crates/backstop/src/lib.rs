@@ -239,7 +239,7 @@ pub mod timeout {
 /// ```
 pub mod retry {
     #[doc(inline)]
-    pub use backstop_core::{CallContext, RetryScope, ScopeOwner};
+    pub use backstop_core::{CallContext, Claim, RetryScope, ScopeOwner};
     #[doc(inline)]
     pub use backstop_retry::{
         Attempt, AttemptRecord, Budgets, BufferBody, BufferBodyLayer, BufferedBody, CallWaits,
@@ -437,12 +437,12 @@ pub mod journal {
     pub use crate::journaled::HttpJudge;
     #[doc(inline)]
     pub use backstop_journal::{
-        ByOutcome, CallArgs, CallIdentity, CallResult, Change, Clock, Journal, JournalError,
-        JournalLayer, Journaled, JournaledError, Judge, NewStep, Next, Reconcile, Reconciled,
-        Reconcilers, RequestLine, Resolution, ResumeReport, RunContext, RunEnd, RunError, RunEvent,
-        RunFilter, RunOutcome, RunRecord, RunReport, RunState, RunSummary, StatedArgs, Step,
-        StepArgs, StepId, StepKind, StepState, StepTransition, UnknownState, Worker,
-        WorkflowResult, digest,
+        ByOutcome, CallArgs, CallIdentity, CallResult, Change, Clock, ForkPoint, Journal,
+        JournalError, JournalLayer, Journaled, JournaledError, Judge, NewStep, Next, Reconcile,
+        Reconciled, Reconcilers, RequestLine, Resolution, ResumeReport, RunContext, RunEnd,
+        RunError, RunEvent, RunFilter, RunOutcome, RunRecord, RunReport, RunState, RunSummary,
+        StatedArgs, Step, StepArgs, StepId, StepKind, StepState, StepTransition, UnknownState,
+        Worker, WorkflowResult, digest,
     };
 }
 

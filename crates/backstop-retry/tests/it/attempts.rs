@@ -6,8 +6,8 @@
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{HttpClassifier, Outcome};
 use backstop_core::{
-    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency, RetryScope,
-    ScopeOwner,
+    AttemptTimedOut, BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency,
+    RetryScope, ScopeOwner,
 };
 use backstop_retry::{HttpResend, RetryError, RetryLayer, StopReason};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
@@ -292,10 +292,7 @@ async fn no_caller_can_make_the_retry_layer_stand_aside() {
     let mut req = get();
     CallContext::claim(
         &mut req,
-        ScopeOwner::of::<NotBackstop>(),
-        Dependency::new("carrier-api"),
-        None,
-        Some(1),
+        Claim::new(ScopeOwner::of::<NotBackstop>(), "carrier-api").attempt(1),
     );
     assert!(RetryScope::is_marked(&req));
     let res = layer()
@@ -319,10 +316,7 @@ where
     service_fn(move |mut req: Req| {
         CallContext::claim(
             &mut req,
-            ScopeOwner::of::<TheirRetries>(),
-            Dependency::new("carrier-api"),
-            None,
-            None,
+            Claim::new(ScopeOwner::of::<TheirRetries>(), "carrier-api"),
         );
         let inner = inner.clone();
         async move { inner.oneshot(req).await }
