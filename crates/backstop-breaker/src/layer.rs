@@ -1,4 +1,4 @@
-use crate::{Breaker, permit::Permit};
+use crate::{Breaker, circuit::Circuit, permit::Permit};
 use backstop_core::{BoxError, CircuitOpen, Classify, Dependency, DependencyKey, HasExtensions};
 use pin_project::pin_project;
 use std::{
@@ -22,6 +22,21 @@ pub struct BreakerLayer<C, K = Dependency> {
     breaker: Breaker,
     classifier: Arc<C>,
     key: K,
+    /// The named dependency's circuit, looked up once.
+    bound: Option<Bound>,
+}
+
+/// A dependency's circuit, looked up once in the breaker's registry.
+#[derive(Clone)]
+struct Bound {
+    dependency: Dependency,
+    circuit: Arc<Circuit>,
+}
+
+impl fmt::Debug for Bound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.dependency.fmt(f)
+    }
 }
 
 impl<C> BreakerLayer<C> {
@@ -33,6 +48,7 @@ impl<C> BreakerLayer<C> {
             breaker,
             classifier: Arc::new(classifier),
             key: Dependency::unnamed(),
+            bound: None,
         }
     }
 }
@@ -47,7 +63,15 @@ impl<C, K> BreakerLayer<C, K> {
     /// its extensions, or the one a retry layer outside made current for the attempt, see
     /// [`Dependency::of`]) wins, so the retry budget and the breaker always agree.
     pub fn dependency(self, name: impl Into<Dependency>) -> BreakerLayer<C, Dependency> {
-        self.dependency_key(name.into())
+        let dependency = name.into();
+        let circuit = self.breaker.inner.circuits.get(&dependency);
+        BreakerLayer {
+            bound: Some(Bound {
+                dependency: dependency.clone(),
+                circuit,
+            }),
+            ..self.dependency_key(dependency)
+        }
     }
 
     /// Derives the dependency from each request when neither it nor the attempt names one.
@@ -56,6 +80,7 @@ impl<C, K> BreakerLayer<C, K> {
             breaker: self.breaker,
             classifier: self.classifier,
             key,
+            bound: None,
         }
     }
 
@@ -65,7 +90,14 @@ impl<C, K> BreakerLayer<C, K> {
             breaker: self.breaker,
             classifier: Arc::new(classifier),
             key: self.key,
+            bound: self.bound,
         }
+    }
+}
+
+impl Bound {
+    fn permit(&self, breaker: &Breaker) -> Result<Permit, CircuitOpen> {
+        Permit::acquire(&breaker.inner, self.circuit.clone(), &self.dependency)
     }
 }
 
@@ -77,6 +109,7 @@ impl<S, C, K: Clone> Layer<S> for BreakerLayer<C, K> {
             breaker: self.breaker.clone(),
             classifier: self.classifier.clone(),
             key: self.key.clone(),
+            bound: self.bound.clone(),
         }
     }
 }
@@ -88,6 +121,7 @@ pub struct CircuitBreaker<S, C, K = Dependency> {
     breaker: Breaker,
     classifier: Arc<C>,
     key: K,
+    bound: Option<Bound>,
 }
 
 impl<S: fmt::Debug, C, K: fmt::Debug> fmt::Debug for CircuitBreaker<S, C, K> {
@@ -136,9 +170,13 @@ where
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
-        let permit = match Dependency::of(&req) {
-            Some(d) => self.breaker.permit(&d),
-            None => self.breaker.permit(&self.key.dependency(&req)),
+        // The layer's own dependency goes to its circuit without a lookup; any other that the
+        // request names, to that one's.
+        let permit = match (Dependency::of(&req), &self.bound) {
+            (None, Some(b)) => b.permit(&self.breaker),
+            (Some(d), Some(b)) if d == b.dependency => b.permit(&self.breaker),
+            (Some(d), _) => self.breaker.permit(&d),
+            (None, None) => self.breaker.permit(&self.key.dependency(&req)),
         };
         let state = match permit {
             // Open: fail at once; the inner service is not touched.

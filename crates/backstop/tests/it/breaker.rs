@@ -670,7 +670,11 @@ fn gated(
         .dependency("breaker-carrier-api")
         .max_attempts(1)
         .unwrap()
-        .layer(backstop::breaker::http_layer(breaker.clone()).layer(dep.service()))
+        .layer(
+            backstop::breaker::http_layer(breaker.clone())
+                .dependency("breaker-carrier-api")
+                .layer(dep.service()),
+        )
 }
 
 #[tokio::test(start_paused = true)]
