@@ -95,7 +95,7 @@ pub struct Backstop<C, P, I, Pol = StandardPolicy> {
     pub(crate) reconcile: Option<Reconcile>,
     pub(crate) otel: crate::telemetry::Otel,
     /// Makes the stack's policy from the standard one the settings configure.
-    pub(crate) policy: Box<dyn FnOnce(StandardPolicy) -> Pol + Send>,
+    pub(crate) policy: MakePolicy<Pol>,
 }
 
 impl<C: fmt::Debug, P, I, Pol> fmt::Debug for Backstop<C, P, I, Pol> {
@@ -400,34 +400,25 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
         self,
         wrap: impl FnOnce(StandardPolicy) -> Pol2 + Send + 'static,
     ) -> Backstop<C, P, I, Pol2> {
-        Backstop {
-            dependency: self.dependency,
-            classifier: self.classifier,
-            resend: self.resend,
-            keys: self.keys,
-            preset: self.preset,
-            max_attempts: self.max_attempts,
-            backoff: self.backoff,
-            rng: self.rng,
-            deadline: self.deadline,
-            attempt_timeout: self.attempt_timeout,
-            latency: self.latency,
-            p99: self.p99,
-            budget: self.budget,
-            throttle: self.throttle,
-            breaker: self.breaker,
-            idempotency: self.idempotency,
-            honours_keys: self.honours_keys,
-            attempt_header: self.attempt_header,
-            sink: self.sink,
-            reconcile: self.reconcile,
-            otel: self.otel,
-            policy: Box::new(wrap),
-        }
+        self.with_parts(|classifier, _| (classifier, Box::new(wrap)))
     }
 
     /// Replaces the classifier.
     pub fn classifier<C2>(self, classifier: C2) -> Backstop<C2, P, I, Pol> {
+        self.with_parts(|_, policy| (classifier, policy))
+    }
+}
+
+/// How a builder makes its stack's policy.
+type MakePolicy<Pol> = Box<dyn FnOnce(StandardPolicy) -> Pol + Send>;
+
+impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
+    /// This builder's settings with the classifier and the policy `parts` makes from its own.
+    fn with_parts<C2, Pol2>(
+        self,
+        parts: impl FnOnce(C, MakePolicy<Pol>) -> (C2, MakePolicy<Pol2>),
+    ) -> Backstop<C2, P, I, Pol2> {
+        let (classifier, policy) = parts(self.classifier, self.policy);
         Backstop {
             dependency: self.dependency,
             classifier,
@@ -450,7 +441,7 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             sink: self.sink,
             reconcile: self.reconcile,
             otel: self.otel,
-            policy: self.policy,
+            policy,
         }
     }
 }
