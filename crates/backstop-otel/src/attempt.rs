@@ -39,7 +39,7 @@ impl<S> Layer<S> for AttemptMetricsLayer {
 /// Records each request it passes on as one attempt: its duration to the response's head
 /// (`http.client.request.duration`), with `http.request.method`, `server.address`,
 /// `server.port`, `url.scheme`, `http.response.status_code`, `error.type` and
-/// `http.request.resend_count` (from the retry layer's attempt number), and the same
+/// `http.request.resend_count` (on a resend: the retry layer's attempt number less one), and the same
 /// attributes on the span current when it is called (the retry layer's attempt span). An
 /// attempt dropped before its answer (cut by its limit, a hedge that lost) is recorded too.
 #[derive(Clone, Debug)]

@@ -15,7 +15,7 @@
 //!
 //! | OpenTelemetry instrument | kind, unit | attributes | `metrics` name it mirrors |
 //! |---|---|---|---|
-//! | `http.client.request.duration` | histogram, s | `http.request.method`, `server.address`, `server.port`, `url.scheme`, `http.response.status_code`, `error.type`, `http.request.resend_count`, `backstop.dependency` | `backstop_attempts_total` (its count) |
+//! | `http.client.request.duration` | histogram, s | `http.request.method`, `server.address`, `server.port`, `url.scheme`, `http.response.status_code`, `error.type`, `http.request.resend_count` (on resends), `backstop.dependency` | `backstop_attempts_total` (its count) |
 //! | `backstop.client.call.duration` | histogram, s | `backstop.dependency`, `server.address`, `backstop.outcome`, `error.type` | `backstop_calls_total` (its count) |
 //! | `backstop.client.call.attempts` | histogram, {attempt} | `backstop.dependency`, `server.address`, `backstop.outcome` | `backstop_success_after_attempt_total` |
 //! | `grpc.client.call.retries` | histogram, {retry} | `grpc.method`, `grpc.target` | `backstop_retries_total` |

@@ -26,14 +26,19 @@ impl Started {
         // The instrument's attributes, made only when there is an instrument to record into.
         let mut attrs = Vec::new();
         if telemetry.is_some() {
-            let resend = CallContext::attempt_of(req).map_or(0, |n| n.saturating_sub(1));
             attrs.extend([
                 KeyValue::new("http.request.method", method),
                 KeyValue::new("server.address", uri.host().unwrap_or_default().to_owned()),
                 KeyValue::new("server.port", i64::from(port)),
                 KeyValue::new("url.scheme", if https { "https" } else { "http" }),
-                KeyValue::new("http.request.resend_count", i64::from(resend)),
             ]);
+            // The semantic conventions set it only on a request that was resent, as the span.
+            if let Some(resend) = CallContext::attempt_of(req).filter(|n| *n > 1) {
+                attrs.push(KeyValue::new(
+                    "http.request.resend_count",
+                    i64::from(resend - 1),
+                ));
+            }
             if let Some(d) = Dependency::on(req) {
                 attrs.push(KeyValue::new("backstop.dependency", d.metric_label()));
             }
