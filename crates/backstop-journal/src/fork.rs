@@ -135,7 +135,7 @@ impl Journal {
                 for row in rows {
                     steps.push(step_from_row!(row));
                 }
-                let before = copied_steps(&steps, from_step).map_err(refused)?;
+                let before = copied_steps(&steps, run, from_step)?;
                 let (workflow, input): (Option<String>, Option<String>) = sqlx::query_as(&sql(
                     "SELECT workflow, input FROM backstop_journal_runs WHERE run_id = $1",
                 ))
@@ -214,28 +214,35 @@ impl Journal {
     }
 }
 
-/// The steps recorded before the first call of `from_step`, each over; or why the fork is
-/// refused.
-fn copied_steps<'a>(steps: &'a [Step], from_step: &str) -> Result<&'a [Step], String> {
+/// The steps of `run` recorded before the first call of `from_step`, each over; or why the fork
+/// is refused: a step the run does not have is not found, as every missing run or step is.
+fn copied_steps<'a>(
+    steps: &'a [Step],
+    run: &str,
+    from_step: &str,
+) -> Result<&'a [Step], JournalError> {
     let Some(at) = steps.iter().position(|s| *s.id.step == *from_step) else {
         let mut names: Vec<&str> = steps.iter().map(|s| &*s.id.step).collect();
         names.dedup();
-        return Err(if names.is_empty() {
-            format!("it has no step {from_step:?}: it recorded no steps")
+        let recorded = if names.is_empty() {
+            "it recorded no steps".to_owned()
         } else {
-            format!(
-                "it has no step {from_step:?}: its steps are {}",
-                names.join(", ")
-            )
-        });
+            format!("its steps are {}", names.join(", "))
+        };
+        return Err(JournalError::NotFound(format!(
+            "step {from_step:?} of run {run} ({recorded})"
+        )));
     };
     let before = &steps[..at];
     if let Some(open) = before.iter().find(|s| !s.state.is_final()) {
-        return Err(format!(
-            "step {} before the fork point is {}: its outcome must be known first (resolve it, \
-             or fork from it)",
-            open.id, open.state
-        ));
+        return Err(JournalError::RunRefused {
+            run: run.to_owned(),
+            why: format!(
+                "step {} before the fork point is {}: its outcome must be known first (resolve \
+                 it, or fork from it)",
+                open.id, open.state
+            ),
+        });
     }
     Ok(before)
 }
@@ -274,15 +281,16 @@ mod tests {
             step("d", StepState::Succeeded),
         ];
         let names = |s: &[Step]| s.iter().map(|s| s.id.step.to_string()).collect::<Vec<_>>();
-        assert_eq!(names(copied_steps(&steps, "c").unwrap()), ["a", "b"]);
+        assert_eq!(names(copied_steps(&steps, "r", "c").unwrap()), ["a", "b"]);
         assert_eq!(
-            names(copied_steps(&steps, "a").unwrap()),
+            names(copied_steps(&steps, "r", "a").unwrap()),
             Vec::<String>::new()
         );
-        let why = copied_steps(&steps, "x").unwrap_err();
+        let missing = copied_steps(&steps, "r", "x").unwrap_err();
+        assert!(matches!(missing, JournalError::NotFound(_)), "{missing:?}");
         assert!(
-            why.contains("no step \"x\": its steps are a, b, c, d"),
-            "{why}"
+            (missing.to_string()).contains("step \"x\" of run r (its steps are a, b, c, d)"),
+            "{missing}"
         );
     }
 
@@ -292,12 +300,12 @@ mod tests {
             step("a", StepState::Unknown),
             step("b", StepState::FailedAfterExecution),
         ];
-        let why = copied_steps(&steps, "b").unwrap_err();
+        let why = copied_steps(&steps, "r", "b").unwrap_err().to_string();
         assert!(
             why.contains("step r/a before the fork point is unknown"),
             "{why}"
         );
         // From the step in doubt itself, nothing before it needs to be known.
-        assert!(copied_steps(&steps, "a").unwrap().is_empty());
+        assert!(copied_steps(&steps, "r", "a").unwrap().is_empty());
     }
 }
