@@ -86,6 +86,19 @@ pub fn verdict_of(e: &ToolError) -> Verdict {
             after: None,
         },
         ToolError::Rpc(rpc) => verdict_of_rpc(rpc),
+        ToolError::Status {
+            status,
+            retry_after,
+        } => {
+            // The status as the HTTP stack judges it: 429 and 503 not sent, after their
+            // Retry-After; other 5xx unknown; 4xx final.
+            let mut res = http::Response::new(());
+            *res.status_mut() = *status;
+            if let Some(after) = retry_after.as_deref().and_then(|a| a.parse().ok()) {
+                res.headers_mut().insert(http::header::RETRY_AFTER, after);
+            }
+            backstop_classify::HttpClassifier::new().classify_response(&res)
+        }
     }
 }
 

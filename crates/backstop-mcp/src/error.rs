@@ -124,6 +124,15 @@ pub enum ToolError {
     Lost(BoxError),
     /// The server answered with a JSON-RPC error.
     Rpc(RpcError),
+    /// The HTTP server in front of the MCP server answered with a status and no JSON-RPC message
+    /// (a proxy's `503`, a gateway's `429`): judged as the HTTP stack judges that status and its
+    /// `Retry-After`.
+    Status {
+        /// The HTTP status.
+        status: http::StatusCode,
+        /// The `Retry-After` value it sent, as it was.
+        retry_after: Option<String>,
+    },
 }
 
 impl ToolError {
@@ -142,6 +151,16 @@ impl fmt::Display for ToolError {
             ToolError::NotSent(e) => write!(f, "the tool call was not sent: {e}"),
             ToolError::Lost(e) => write!(f, "the tool call may or may not have run: {e}"),
             ToolError::Rpc(e) => e.fmt(f),
+            ToolError::Status {
+                status,
+                retry_after,
+            } => {
+                write!(f, "the MCP server answered HTTP {status}")?;
+                match retry_after {
+                    Some(after) => write!(f, " (Retry-After: {after})"),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }
@@ -151,6 +170,7 @@ impl Error for ToolError {
         match self {
             ToolError::NotSent(e) | ToolError::Lost(e) => Some(&**e),
             ToolError::Rpc(e) => Some(e),
+            ToolError::Status { .. } => None,
         }
     }
 }

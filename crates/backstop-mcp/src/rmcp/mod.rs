@@ -125,11 +125,21 @@ pub fn to_params(call: &ToolCall) -> CallToolRequestParams {
     params
 }
 
-/// rmcp's error as a [`ToolError`]: the server's JSON-RPC error as it is; a transport failure
-/// as not sent when its cause shows the call never left (a refused connection), else as lost.
+/// rmcp's error as a [`ToolError`]: the server's JSON-RPC error as it is; an HTTP status the
+/// server answered without a JSON-RPC message as that status (rmcp's `HttpStatusError`, as its
+/// reqwest client reports it: feature `rmcp-reqwest`); a transport failure as not sent when its
+/// cause shows the call never left (a refused connection), else as lost.
 pub fn from_service_error(e: ServiceError) -> ToolError {
     match e {
         ServiceError::McpError(data) => ToolError::Rpc(from_error_data(data)),
+        ServiceError::TransportSend(t) if http_status(&*t.error).is_some() => {
+            let answered = http_status(&*t.error).expect("checked by the guard");
+            ToolError::Status {
+                status: http::StatusCode::from_u16(answered.status)
+                    .unwrap_or(http::StatusCode::BAD_GATEWAY),
+                retry_after: answered.retry_after.clone(),
+            }
+        }
         ServiceError::TransportSend(t) => {
             let never_left = matches!(
                 classify_error(&t),
@@ -147,6 +157,28 @@ pub fn from_service_error(e: ServiceError) -> ToolError {
         }
         other => ToolError::Lost(Box::new(ReplyLost::new(other))),
     }
+}
+
+/// The HTTP status rmcp's streamable HTTP client reports in `error`'s chain, if any: a custom
+/// client's boxed `HttpStatusError`, or the reqwest client's (feature `rmcp-reqwest`).
+fn http_status<'a>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a rmcp::transport::streamable_http_client::HttpStatusError> {
+    #[cfg(feature = "rmcp-reqwest")]
+    type ReqwestError =
+        rmcp::transport::streamable_http_client::StreamableHttpError<reqwest::Error>;
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(status) = e.downcast_ref() {
+            return Some(status);
+        }
+        #[cfg(feature = "rmcp-reqwest")]
+        if let Some(ReqwestError::HttpStatus(status)) = e.downcast_ref() {
+            return Some(status);
+        }
+        current = e.source();
+    }
+    None
 }
 
 /// rmcp's error object as an [`RpcError`].
@@ -405,5 +437,63 @@ impl<C: StreamableHttpClient> StreamableHttpClient for KeyHeader<C> {
             custom_headers,
             max_sse_event_size,
         )
+    }
+}
+
+#[cfg(all(test, feature = "rmcp-reqwest"))]
+mod tests {
+    use super::*;
+    use crate::verdict_of;
+    use rmcp::transport::{
+        DynamicTransportError,
+        streamable_http_client::{HttpStatusError, StreamableHttpError},
+    };
+    use std::time::Duration;
+
+    /// What rmcp's reqwest client reports for a status without a JSON-RPC message.
+    fn answered(status: u16, retry_after: Option<&str>) -> ServiceError {
+        let error: StreamableHttpError<reqwest::Error> =
+            HttpStatusError::new(status, retry_after.map(str::to_owned)).into();
+        ServiceError::TransportSend(DynamicTransportError::from_parts(
+            "streamable-http",
+            std::any::TypeId::of::<()>(),
+            Box::new(error),
+        ))
+    }
+
+    #[test]
+    fn a_status_the_server_answered_is_judged_as_the_http_stack_judges_it() {
+        let busy = from_service_error(answered(503, Some("2")));
+        assert!(matches!(busy, ToolError::Status { .. }), "{busy:?}");
+        assert_eq!(
+            busy.to_string(),
+            "the MCP server answered HTTP 503 Service Unavailable (Retry-After: 2)"
+        );
+        // Refused before anything ran: not sent, retried after the server's 2 s.
+        assert_eq!(
+            verdict_of(&busy),
+            Verdict::Retryable {
+                outcome: Outcome::NotSent,
+                after: Some(Duration::from_secs(2)),
+            }
+        );
+        let limited = from_service_error(answered(429, None));
+        assert_eq!(
+            verdict_of(&limited),
+            Verdict::Retryable {
+                outcome: Outcome::NotSent,
+                after: None,
+            }
+        );
+        // A 500: the server may have run the tool.
+        let failed = verdict_of(&from_service_error(answered(500, None)));
+        assert_eq!(failed.outcome(), Outcome::Unknown);
+        // A reset is still a lost reply.
+        let reset = ServiceError::TransportSend(DynamicTransportError::from_parts(
+            "streamable-http",
+            std::any::TypeId::of::<()>(),
+            Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset)),
+        ));
+        assert!(matches!(from_service_error(reset), ToolError::Lost(_)));
     }
 }
