@@ -264,8 +264,7 @@ impl Inner {
         }
     }
 
-    /// Records how a call ended. `now` dates a success in the ratio window (a gate passes the
-    /// attempt's start, which it has already read); failures read the clock themselves.
+    /// Records how a call ended, at `now` (the permit reads the clock when the call ends).
     #[inline]
     pub(crate) fn record(
         &self,
@@ -472,7 +471,7 @@ mod tests {
     /// A caller reads the generation of one half-open period, is paused for longer than a
     /// cooldown, and only then takes its trial slot: by then the trial failed, the circuit
     /// opened and went half-open again. The late caller must not take the new period's slot
-    /// (its ticket would carry the old generation, the slot would never come back, and with one
+    /// (its permit would carry the old generation, the slot would never come back, and with one
     /// trial the circuit would stay half-open for good).
     #[tokio::test(start_paused = true)]
     async fn a_caller_paused_between_reading_the_generation_and_taking_a_slot_takes_none() {

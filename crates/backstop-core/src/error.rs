@@ -352,7 +352,7 @@ impl fmt::Display for CircuitOpen {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let d = &self.dependency;
         match self.state {
-            // A refusal is never made while closed; a gate that says so is read as open.
+            // A refusal is never made while closed; a breaker that says so is read as open.
             CircuitState::Open | CircuitState::Closed => {
                 write!(f, "{d} is unavailable (circuit open); do not retry now")?;
                 match self.retry_in {

@@ -85,9 +85,9 @@ impl fmt::Display for StopReason {
 pub struct AttemptRecord {
     /// 1 for the first attempt.
     pub attempt: u32,
-    /// Whether the request was handed to the dependency's service. A refusal by the gate (an
-    /// open circuit), a deadline that passed before the attempt, or a service that did not
-    /// become ready in time is recorded, but it is no attempt sent.
+    /// Whether the request was handed to the dependency's service. A refusal by a layer further
+    /// in (an open circuit, the throttle), a deadline that passed before the attempt, or a
+    /// service that did not become ready in time is recorded, but it is no attempt sent.
     pub sent: bool,
     /// The classifier's verdict.
     pub verdict: Verdict,
@@ -174,8 +174,8 @@ impl RetryError {
         &self.history.dependency
     }
 
-    /// How many attempts were sent (handed to the dependency's service): an attempt the gate
-    /// refused, or one the deadline stopped before it started, does not count.
+    /// How many attempts were sent (handed to the dependency's service): an attempt the breaker
+    /// or the throttle refused, or one the deadline stopped before it started, does not count.
     pub fn attempts(&self) -> u32 {
         self.history.sent()
     }
