@@ -306,7 +306,10 @@ impl<T: Retryable> Call<T> {
             replay_safe: &replay_safe,
         };
         let decision = self.policy.retry(&attempt);
-        let run = request.and_then(Run::of);
+        // The run is told only of a retry (the event's field and the run's metric).
+        let run = (decision.is_ok())
+            .then(|| request.and_then(Run::of))
+            .flatten();
         crate::obs::decided(&self.dependency, &decision, self.attempt, verdict, run);
         // A call that succeeds at once keeps no history.
         if !(self.history.is_empty() && decision == Err(StopReason::Succeeded)) {

@@ -41,7 +41,7 @@ pub(crate) fn retry(d: &Dependency) {
 }
 
 /// The policy's decision after an attempt: a `retrying` event for a retry, and the budgets'
-/// metrics (`run` is the call's run, when it belongs to one).
+/// metrics (`run` is the call's run, when it belongs to one and the call is retried).
 pub(crate) fn decided(
     d: &Dependency,
     decision: &Result<Duration, StopReason>,

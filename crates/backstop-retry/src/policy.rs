@@ -290,21 +290,6 @@ impl StandardPolicy {
     pub fn budget(self, budget: Arc<dyn RetryBudget>) -> Self {
         self.with(|p| p.budgets = Budgets::new(budget))
     }
-
-    /// The attempt cap it keeps.
-    pub fn attempts(&self) -> MaxAttempts {
-        self.parts.attempts
-    }
-
-    /// How it waits between attempts.
-    pub fn waits(&self) -> &Waits {
-        &self.parts.waits
-    }
-
-    /// The budgets it asks.
-    pub fn budgets(&self) -> &Budgets {
-        &self.parts.budgets
-    }
 }
 
 impl<Req: HasExtensions, Res> Policy<Req, Res> for StandardPolicy {
@@ -361,11 +346,6 @@ impl MaxAttempts {
         Ok(MaxAttempts(n))
     }
 
-    /// The cap.
-    pub fn get(self) -> u32 {
-        self.0
-    }
-
     /// `Err` when `attempt` was the last one allowed.
     pub fn check<Req: HasExtensions, Res>(
         self,
@@ -417,11 +397,6 @@ impl Waits {
         Waits { backoff, rng }
     }
 
-    /// The backoff.
-    pub fn backoff(&self) -> Backoff {
-        self.backoff
-    }
-
     /// One call's waits: a schedule of its own, and a random stream of its own.
     pub fn for_call(&self) -> CallWaits {
         CallWaits(self.backoff.schedule(), self.rng.rng())
@@ -468,11 +443,6 @@ impl Budgets {
     /// The run's budget, and `dependency`'s.
     pub fn new(dependency: Arc<dyn RetryBudget>) -> Self {
         Budgets(dependency)
-    }
-
-    /// The dependency's budget.
-    pub fn dependency(&self) -> &Arc<dyn RetryBudget> {
-        &self.0
     }
 
     /// Pays in for `attempt`'s call, once (at its first attempt).
