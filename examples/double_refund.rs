@@ -28,7 +28,7 @@ use backstop::{
     chaos::{ChaosLayer, FaultPlan},
     idempotency::{ActionContext, IdempotencyLayer},
     replay::{BodyError, MemoryStore, ReplayLayer, ReplayRequestBody, ReplayResponseBody},
-    retry::{RetryError, RetryHistory, RetryLayer},
+    retry::{RetryHistory, RetryLayer},
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
 };
 use backstop_testkit::TestServer;
@@ -132,7 +132,9 @@ pub(crate) async fn main() -> Result<(), BoxError> {
         .oneshot(refund_request(&server.url("/refunds")))
         .await
         .expect_err("the reply is lost");
-    let err = err.downcast::<RetryError>().expect("a RetryError");
+    let err = err
+        .downcast::<backstop::Error>()
+        .expect("a backstop::Error");
     println!("   error for the model: {err}");
     let without_key = refunds.lock().unwrap().len();
     println!("   refunds booked: {without_key}\n");

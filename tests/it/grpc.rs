@@ -183,15 +183,15 @@ fn with_pushback(mut status: Status, ms: &str) -> Status {
 
 type Stack = backstop::BackstopService<
     tonic::transport::Channel,
-    backstop::grpc::GrpcClassifier,
-    backstop::grpc::StreamingResend,
+    backstop::classify::GrpcClassifier,
+    backstop::retry::StreamingResend,
     backstop::idempotency::HttpKeys,
 >;
 
 /// The builder of a gRPC stack.
 type GrpcBackstop = Backstop<
-    backstop::grpc::GrpcClassifier,
-    backstop::grpc::StreamingResend,
+    backstop::classify::GrpcClassifier,
+    backstop::retry::StreamingResend,
     backstop::idempotency::HttpKeys,
 >;
 

@@ -3,11 +3,12 @@
 //! bounds what retries add meanwhile. Real clock, short durations.
 
 use backstop::{
-    BoxError, CircuitOpen, Dependency, Outcome,
+    BoxError, Dependency, Outcome,
     backoff::{Backoff, RngSource},
     breaker::{Breaker, BreakerConfig, CircuitState},
     budget::Budget,
-    retry::{RetryError, RetryLayer},
+    core::CircuitOpen,
+    retry::RetryLayer,
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
 };
 use backstop_testkit::{Action, Seen, TestServer};
@@ -44,7 +45,7 @@ fn stack(
                 .rng(RngSource::seeded(2))
                 .budget(Arc::new(budget.clone())),
         )
-        .layer(backstop::breaker::http_layer(breaker.clone()))
+        .layer(backstop::breaker::BreakerLayer::http(breaker.clone()))
         .layer(AttemptTimeoutLayer::new(Duration::from_secs(1)))
         .service(Client::builder(TokioExecutor::new()).build_http())
 }
@@ -89,9 +90,9 @@ async fn the_breaker_opens_during_an_outage_and_closes_after_it() {
             .oneshot(get(server.url("/rates")))
             .await
             .unwrap_err();
-        let e = e.downcast::<RetryError>().unwrap();
-        let open = e
-            .cause()
+        let e = e.downcast::<backstop::Error>().unwrap();
+        let open = std::error::Error::source(&*e)
+            .unwrap()
             .downcast_ref::<CircuitOpen>()
             .expect("refused by the circuit");
         assert_eq!(e.outcome(), Outcome::NotSent);

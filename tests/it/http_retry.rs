@@ -7,7 +7,7 @@ use backstop::{
     BoxError, Outcome,
     backoff::{Backoff, RngSource},
     classify::HttpClassifier,
-    retry::{RetryError, RetryHistory, RetryLayer, StopReason},
+    retry::{RetryHistory, RetryLayer, StopReason},
     timeout::{AttemptTimeoutLayer, DeadlineLayer},
 };
 use backstop_testkit::{Action, Seen, TestServer, refused_addr};
@@ -73,10 +73,10 @@ async fn text(res: Response<Incoming>) -> String {
     String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
 }
 
-fn retry_error(e: BoxError) -> Box<RetryError> {
-    match e.downcast::<RetryError>() {
+fn retry_error(e: BoxError) -> Box<backstop::Error> {
+    match e.downcast::<backstop::Error>() {
         Ok(e) => e,
-        Err(e) => panic!("expected a RetryError, got {e}"),
+        Err(e) => panic!("expected a got {e}"),
     }
 }
 
@@ -123,7 +123,10 @@ async fn a_lost_reply_to_a_post_without_a_key_is_not_repeated() {
     assert_eq!(server.requests(), 1);
     assert_eq!(refunds.lock().unwrap().len(), 1, "exactly one refund");
     assert_eq!(err.outcome(), Outcome::Unknown);
-    assert_eq!(err.stop_reason(), &StopReason::NotReplaySafe);
+    assert_eq!(
+        err.history().expect("a history").stopped,
+        StopReason::NotReplaySafe
+    );
     let text = err.to_string();
     assert!(
         text.starts_with("the call to http-retry-payments-api may or may not have taken effect"),
@@ -295,7 +298,7 @@ async fn a_hanging_server_meets_the_deadline() {
     // The first attempt times out at 200 ms; the second is cut to what is left of 250 ms and
     // ends exactly at the deadline (or the wait does not fit and the layer stops).
     assert!(err.attempts() <= 2, "{err}");
-    assert_eq!(err.side_effect(), Outcome::Unknown);
+    assert_eq!(err.outcome(), Outcome::Unknown);
     assert!(elapsed >= Duration::from_millis(200), "{elapsed:?}");
     assert!(elapsed < Duration::from_secs(2), "{elapsed:?}");
     let text = err.to_string();
@@ -313,8 +316,8 @@ async fn a_refused_connection_is_not_sent_and_is_retried_even_for_a_post() {
     assert_eq!(err.attempts(), 3);
     assert_eq!(err.outcome(), Outcome::NotSent);
     assert_eq!(
-        err.stop_reason(),
-        &StopReason::AttemptsExhausted { max_attempts: 3 }
+        err.history().expect("a history").stopped,
+        StopReason::AttemptsExhausted { max_attempts: 3 }
     );
     assert!(err.to_string().contains("safe to try again later"), "{err}");
 }

@@ -7,7 +7,7 @@ use backstop::{
     backoff::{Backoff, RngSource},
     mcp::{
         META_KEY, META_KEY_ALIAS, ToolCall, ToolCatalog, ToolError, ToolHints, ToolPolicy,
-        ToolResult, rmcp::error_result,
+        ToolResult,
     },
     retry::StopReason,
 };
@@ -86,7 +86,8 @@ async fn a_lost_refund_reply_and_the_model_repeating_itself_books_one_refund() {
         "{err}"
     );
     // What the model receives: the error as a tool result, via rmcp's own type.
-    let told = error_result(&err, None);
+    let told: rmcp::model::CallToolResult =
+        serde_json::from_value(err.to_tool_result(None)).expect("rmcp reads it");
     assert_eq!(told.is_error, Some(true));
     assert_eq!(
         told.structured_content.as_ref().unwrap()["outcome"],
@@ -506,10 +507,8 @@ async fn one_failing_tool_cannot_spend_more_than_the_run_s_retries() {
         "{}",
         e2.next_action()
     );
-    let retry = std::error::Error::source(&e2)
-        .and_then(|e| e.downcast_ref::<backstop::retry::RetryError>());
     assert!(matches!(
-        retry.map(|r| &r.history().stopped),
+        e2.history().map(|h| &h.stopped),
         Some(StopReason::RunBudgetExhausted { retries: 6 })
     ));
     // Another tool of the same run gets its first attempt, and no retry.

@@ -75,7 +75,7 @@ fn telemetry(
 
 #[rustfmt::skip]
 async fn journal() -> Result<(), BoxError> {
-    use backstop::journal::{CallResult, HttpJudge, Judge, RunContext, Worker};
+    use backstop::{HttpJudge, journal::{CallResult, Judge, RunContext, Worker}};
     use backstop::Outcome;
     use http_body_util::BodyExt;
     use tower::ServiceExt;

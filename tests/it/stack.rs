@@ -419,7 +419,7 @@ async fn the_json_lines_sink_writes_one_object_per_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_that_did_not_come_from_backstop_keep_their_text() {
-    let err = Error::from_box(BoxError::from("tls handshake failed"));
+    let err = Error::new(None, "tls handshake failed");
     assert_eq!(err.kind(), ErrorKind::Failed);
     assert_eq!(err.outcome(), Outcome::Unknown);
     assert!(err.to_string().contains("tls handshake failed"), "{err}");

@@ -15,8 +15,8 @@ use tower_service::Service;
 /// Applies [`CircuitBreaker`] to a service.
 ///
 /// Place it inside the retry layer (each attempt counts) and outside the attempt timeout (a
-/// timed-out attempt is a failure). `C` judges each result (an HTTP classifier, say: the facade's
-/// `backstop::breaker::http_layer` gives one); `K` finds each request's dependency.
+/// timed-out attempt is a failure). `C` judges each result (an HTTP classifier, say:
+/// [`BreakerLayer::http`] takes the default one); `K` finds each request's dependency.
 #[derive(Clone, Debug)]
 pub struct BreakerLayer<C, K = Dependency> {
     breaker: Breaker,
@@ -50,6 +50,32 @@ impl<C> BreakerLayer<C> {
             key: Dependency::unnamed(),
             bound: None,
         }
+    }
+}
+
+impl BreakerLayer<backstop_classify::HttpClassifier, backstop_core::ByAuthority> {
+    /// A breaker for HTTP: the default [`HttpClassifier`](backstop_classify::HttpClassifier)
+    /// judges each result, and each URI authority has its own circuit unless
+    /// [`dependency`](Self::dependency) names one.
+    ///
+    /// ```
+    /// use backstop_breaker::{Breaker, BreakerConfig, BreakerLayer};
+    /// use tower::{Layer, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
+    /// let down = service_fn(|_req: http::Request<()>| async {
+    ///     Ok::<_, std::io::Error>(http::Response::builder().status(503).body(()).unwrap())
+    /// });
+    /// let svc = BreakerLayer::http(breaker).dependency("carrier-api").layer(down);
+    /// assert_eq!(svc.clone().oneshot(http::Request::new(())).await.unwrap().status(), 503);
+    /// assert!(svc.oneshot(http::Request::new(())).await.is_err(), "open: refused");
+    /// # }
+    /// ```
+    pub fn http(breaker: Breaker) -> Self {
+        BreakerLayer::new(breaker, backstop_classify::HttpClassifier::new())
+            .dependency_key(backstop_core::ByAuthority)
     }
 }
 

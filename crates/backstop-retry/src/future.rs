@@ -12,15 +12,16 @@ pub use crate::hedge::HedgeFuture;
 pub use crate::parts::Retryable;
 
 use crate::{
-    Attempt, AttemptRecord, NotCopyable, Policy, Resend, RetryHistory, StopReason,
-    error_kind::refused_before_sending,
+    Attempt, AttemptRecord, Error, NotCopyable, Policy, Resend, RetryHistory, StopReason,
+    error::refused_before_sending,
     obs::AttemptSpan,
     parts::{EndOf, Ended, Err, Fut, NOT_SENT, Res, SharedOf},
     resend::Template,
 };
 use backstop_classify::{Classify, Verdict};
 use backstop_core::{
-    BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency, Outcome, ReplaySafe, Run,
+    BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
+    ReplaySafe, Run,
 };
 use pin_project::pin_project;
 use std::{
@@ -108,7 +109,7 @@ impl<T: Retryable> ResponseFuture<T> {
 }
 
 impl<T: Retryable> Future for ResponseFuture<T> {
-    type Output = Result<Res<T>, BoxError>;
+    type Output = Result<Res<T>, Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -325,16 +326,18 @@ impl<T: Retryable> Call<T> {
     }
 
     /// The one exit of every call: its metrics, once, and its result with the history of its
-    /// attempts, on the response or in the [`RetryError`](crate::RetryError) (`stopped` is
-    /// `None` for a nested call: its raw result goes to the layer outside).
+    /// attempts, on the response or in the [`Error`] (`stopped` is `None` for a nested call:
+    /// its one attempt's result goes to the layer outside, which tells it).
     fn finish(
         &mut self,
         ended: Ended<Res<T>, Err<T>>,
         verdict: Verdict,
         stopped: Option<StopReason>,
-    ) -> Result<Res<T>, BoxError> {
+    ) -> Result<Res<T>, Error> {
         let Some(stopped) = stopped else {
-            return ended.into_result();
+            return ended
+                .into_result()
+                .map_err(|e| Error::new(Some(&self.dependency), e));
         };
         // A first attempt that succeeded: no history to keep, the response as it is.
         if self.history.is_empty()
@@ -351,6 +354,12 @@ impl<T: Retryable> Call<T> {
             stopped,
         };
         crate::obs::stopped(&history, self.attempt, verdict);
-        history.attach(ended, verdict)
+        match ended.into_result() {
+            Ok(mut res) => {
+                res.extensions_mut().insert(history);
+                Ok(res)
+            }
+            Err(cause) => Err(Error::ended(history, verdict, cause)),
+        }
     }
 }

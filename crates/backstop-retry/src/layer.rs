@@ -1,5 +1,5 @@
 use crate::{
-    CloneResend, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
+    CloneResend, Error, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
     future::{Call, ResponseFuture},
     parts::Shared,
 };
@@ -256,12 +256,12 @@ where
     Pol: Policy<Req, S::Response>,
 {
     type Response = S::Response;
-    type Error = BoxError;
+    type Error = Error;
     type Future = ResponseFuture<(S, Req, C, P, Pol)>;
 
     /// What the inner service answers.
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        self.inner.poll_ready(cx).map_err(|e| Error::new(None, e))
     }
 
     fn call(&mut self, req: Req) -> Self::Future {

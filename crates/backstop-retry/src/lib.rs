@@ -43,7 +43,7 @@
 //!
 //! When it stops, it says why. A retryable *response* that could not be retried is returned as
 //! it is (HTTP callers expect the response) with a [`RetryHistory`] in its extensions; an
-//! *error* becomes a [`RetryError`] naming the dependency, the attempts, the time spent, the last
+//! *error* becomes an [`Error`] naming the dependency, the attempts, the time spent, the last
 //! cause, why it stopped and what is known of the side effect, in words a model can act on.
 //!
 //! ```
@@ -84,9 +84,9 @@
 
 mod body;
 mod error;
-mod error_kind;
 pub mod future;
 mod hedge;
+mod history;
 mod layer;
 mod obs;
 mod parts;
@@ -98,16 +98,9 @@ pub use backstop_core::RetryScope;
 pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
 pub use backstop_core::{NoBudget, RetryBudget};
 pub use body::{BufferBody, BufferBodyLayer, BufferedBody};
-pub use error::{AttemptRecord, RetryError, RetryHistory, StopReason};
-pub use error_kind::ErrorKind;
-
-/// Not part of the public API: what the Backstop crates use to reach each other (the facade's
-/// `Error` tells a failure in [`RetryError`]'s words). Anything here may change in any release.
-#[doc(hidden)]
-pub mod plumbing {
-    pub use crate::error_kind::{Diagnosis, Told};
-}
+pub use error::{Error, ErrorKind};
 pub use hedge::{Hedge, HedgeLayer, Hedging};
+pub use history::{AttemptRecord, RetryHistory, StopReason};
 pub use layer::{DEFAULT_MAX_ATTEMPTS, Retry, RetryLayer};
 pub use policy::{
     Attempt, Budgets, CallWaits, DeadlineFit, MaxAttempts, Policy, ReplaySafety, StandardPolicy,

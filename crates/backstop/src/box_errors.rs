@@ -10,9 +10,7 @@ use tower_service::Service;
 /// Turns a service's errors into `BoxError`, so that one classifier (which walks a boxed
 /// error's chain) serves every client the stack wraps. A named type rather than tower's
 /// `MapErr` with a function: the compiler then proves `Send` for the whole stack without
-/// tripping over a higher-ranked function pointer. The raw error that a nested Backstop stack
-/// passes out (its call is owned by this one) is unwrapped again, so one logical call makes
-/// one [`Error`](crate::Error).
+/// tripping over a higher-ranked function pointer.
 #[derive(Clone, Debug)]
 pub struct BoxErrors<S>(pub S);
 
@@ -26,7 +24,7 @@ where
     type Future = BoxErrorsFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.0.poll_ready(cx).map_err(crate::error::unpass)
+        self.0.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
@@ -47,6 +45,6 @@ where
     type Output = Result<T, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Poll::Ready(ready!(self.project().0.poll(cx)).map_err(crate::error::unpass))
+        Poll::Ready(ready!(self.project().0.poll(cx)).map_err(Into::into))
     }
 }

@@ -10,7 +10,6 @@ use backstop_idempotency::{
 };
 use backstop_retry::RetryHistory;
 use std::{fmt, sync::Arc};
-use tokio::time::Instant;
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
 
@@ -72,9 +71,6 @@ pub(crate) struct CallState {
     letterhead: Option<Box<Letterhead>>,
     /// The call's start, when the stack records telemetry.
     otel: Slot,
-    /// When the caller began waiting for the stack's readiness, when it had to wait: a call
-    /// that ends before any attempt has been waiting since then.
-    waited_since: Option<Instant>,
 }
 
 impl fmt::Debug for CallState {
@@ -94,7 +90,6 @@ impl<I> CallWork<I> {
         &self,
         req: &mut Req,
         grpc: fn(&Req) -> Option<(String, String)>,
-        waited_since: Option<Instant>,
     ) -> Result<CallState, Error>
     where
         Req: HasExtensions,
@@ -164,15 +159,12 @@ impl<I> CallWork<I> {
             span: (!span.is_disabled()).then(|| Box::new(span)),
             letterhead,
             otel,
-            waited_since,
         })
     }
 
     /// An error of this stack's (a refusal, a `poll_ready` error) as the call's [`Error`].
     pub(crate) fn error(&self, error: BoxError) -> Error {
-        let mut err = Error::from_box(error);
-        err.set_dependency_if_missing(&self.dependency);
-        err
+        Error::new(Some(&self.dependency), error)
     }
 }
 
@@ -206,10 +198,9 @@ impl CallState {
             }
             Err(e) => e,
         };
-        let mut err = Error::from_box(e);
-        if let Some(since) = self.waited_since {
-            err.waited_at_least(since.elapsed());
-        }
+        // The retry layer's error, or (when a layer around it ended the call) one told by the
+        // cause, which names the dependency.
+        let err = Error::new(None, e);
         if let Some(otel) = self.otel.take() {
             let kind = err.kind().as_str();
             otel.end(err.attempts(), err.history(), err.outcome(), Some(kind));

@@ -1,8 +1,8 @@
 //! The composed stack for MCP tool calls.
 
-use crate::{Backstop, Error};
+use crate::Backstop;
 use backstop_idempotency::ToolKeys;
-use backstop_mcp::{McpClassifier, ToolResult};
+use backstop_mcp::McpClassifier;
 use backstop_retry::CloneResend;
 
 impl Backstop<McpClassifier, CloneResend, ToolKeys> {
@@ -48,7 +48,7 @@ impl Backstop<McpClassifier, CloneResend, ToolKeys> {
 
 #[cfg(feature = "rmcp")]
 impl crate::BackstopLayer<McpClassifier, CloneResend, ToolKeys> {
-    /// The stack over an rmcp client's `call_tool`: every error a typed [`Error`], keys in
+    /// The stack over an rmcp client's `call_tool`: every error a typed [`Error`](crate::Error), keys in
     /// `_meta`, the deadline and the retries as for any other client.
     pub fn rmcp(
         &self,
@@ -57,22 +57,4 @@ impl crate::BackstopLayer<McpClassifier, CloneResend, ToolKeys> {
     {
         tower_layer::Layer::layer(self, backstop_mcp::rmcp::RmcpClient::new(peer))
     }
-}
-
-impl Error {
-    /// This error as an MCP tool result ([`ToolResult`] with `isError: true`), as
-    /// [`to_tool_result`](Error::to_tool_result) says. Feature `mcp`.
-    pub fn to_mcp_result(&self, idempotency_key: Option<&str>) -> ToolResult {
-        ToolResult::from_json(self.to_tool_result(idempotency_key))
-            .unwrap_or_else(|_| ToolResult::error_text(self.to_string()))
-    }
-}
-
-/// A Backstop error as rmcp's `CallToolResult` (`isError: true`, the error's words and its
-/// structured outcome), for an rmcp-based runtime to hand to its model. Feature `rmcp`.
-#[cfg(feature = "rmcp")]
-pub fn error_result(error: &Error, idempotency_key: Option<&str>) -> rmcp::model::CallToolResult {
-    backstop_mcp::rmcp::to_rmcp_result(&error.to_mcp_result(idempotency_key)).unwrap_or_else(|_| {
-        rmcp::model::CallToolResult::error(vec![rmcp::model::ContentBlock::text(error.to_string())])
-    })
 }

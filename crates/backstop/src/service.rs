@@ -30,7 +30,6 @@ use std::{
     task::{Context, Poll, ready},
     time::Duration,
 };
-use tokio::time::Instant;
 use tower::util::Either;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -69,9 +68,6 @@ type Stack<S, C, P, Pol> =
 pub struct BackstopService<S, C, P: Transport<S>, I, Pol = StandardPolicy> {
     inner: Stack<S, C, P, Pol>,
     call: Arc<CallWork<I>>,
-    /// When the wait for readiness began, while the stack answers `Pending`: the next call
-    /// started then.
-    unready_since: Option<Instant>,
 }
 
 impl<S, C, P: Transport<S>, I, Pol: Clone> Clone for BackstopService<S, C, P, I, Pol>
@@ -83,7 +79,6 @@ where
         BackstopService {
             inner: self.inner.clone(),
             call: self.call.clone(),
-            unready_since: None,
         }
     }
 }
@@ -119,23 +114,17 @@ where
     type Future = BackstopFuture<S, C, P, Req, Pol>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
-        let polled = self.inner.poll_ready(cx);
-        if polled.is_pending() {
-            self.unready_since.get_or_insert_with(Instant::now);
-        }
-        polled.map_err(|e| self.call.error(e))
+        self.inner.poll_ready(cx).map_err(|e| self.call.error(e))
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        // Another Backstop stack outside owns this call: its work is that stack's, and the raw
-        // error goes back to it (its `BoxErrors` takes it out again: one `Error` per call).
+        // Another Backstop stack outside owns this call: its work is that stack's, which tells
+        // this attempt's error in its own words.
         if backstop_retry::retried_outside(&req) {
-            self.unready_since = None;
             let inner = self.inner.call(req);
             return BackstopFuture(Calling::Passed { inner });
         }
-        let waited_since = self.unready_since.take();
-        match self.call.begin(&mut req, P::grpc_method, waited_since) {
+        match self.call.begin(&mut req, P::grpc_method) {
             Ok(state) => {
                 // The first attempt is sent from here: its span is the call's child.
                 let inner = {
@@ -214,7 +203,7 @@ where
                 Poll::Ready(state.end(result))
             }
             CallingProj::Passed { inner } => {
-                Poll::Ready(ready!(inner.poll(cx)).map_err(crate::Error::passing))
+                Poll::Ready(ready!(inner.poll(cx)).map_err(|e| crate::Error::new(None, e)))
             }
             CallingProj::Refused { error } => Poll::Ready(Err(error
                 .take()
@@ -350,7 +339,6 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone, Pol: Clone> Layer<S>
         BackstopService {
             inner: self.deadline.layer(self.retry.layer(attempt)),
             call: self.call.clone(),
-            unready_since: None,
         }
     }
 }

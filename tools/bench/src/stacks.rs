@@ -331,7 +331,7 @@ pub fn retry_gate_timeout() -> impl Bench {
 
 /// The breaker alone.
 pub fn breaker_only() -> impl Bench {
-    backstop::breaker::http_layer(Breaker::default())
+    backstop::breaker::BreakerLayer::http(Breaker::default())
         .dependency("carrier-api")
         .layer(ok_service())
 }
@@ -353,7 +353,7 @@ pub fn open_breaker() -> (Svc, Arc<std::sync::atomic::AtomicU64>) {
     breaker.isolate(&"carrier-api".into());
     (
         boxed(
-            backstop::breaker::http_layer(breaker)
+            backstop::breaker::BreakerLayer::http(breaker)
                 .dependency("carrier-api")
                 .layer(counting),
         ),

@@ -3,13 +3,14 @@
 //! that tells layers further in (and nested retry layers) about the call. Paused clock, seeded
 //! RNGs.
 
+use crate::SourceCause;
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{HttpClassifier, Outcome};
 use backstop_core::{
     AttemptTimedOut, BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency,
     RetryScope, ScopeOwner,
 };
-use backstop_retry::{HttpResend, RetryError, RetryLayer, StopReason};
+use backstop_retry::{Error, HttpResend, RetryLayer, StopReason};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
 use bytes::Bytes;
 use http::{Request, Response};
@@ -53,6 +54,7 @@ where
 {
     ServiceBuilder::new()
         .option_layer(deadline.map(DeadlineLayer::new))
+        .map_err(Into::<BoxError>::into)
         .layer(layer())
         .option_layer(attempt_timeout.map(AttemptTimeoutLayer::new))
         .service(svc)
@@ -72,8 +74,10 @@ fn slow(
     })
 }
 
-fn retry_error(e: BoxError) -> Box<RetryError> {
-    e.downcast::<RetryError>().expect("a RetryError")
+fn retry_error(e: impl Into<BoxError>) -> Box<Error> {
+    e.into()
+        .downcast::<Error>()
+        .expect("a backstop_retry::Error")
 }
 
 #[tokio::test(start_paused = true)]
@@ -89,10 +93,10 @@ async fn each_attempt_is_cut_at_the_attempt_timeout_and_retried() {
     .await
     .unwrap_err();
     let err = retry_error(err);
-    assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
+    assert!(err.source_cause().is::<AttemptTimedOut>(), "{err}");
     assert_eq!(err.outcome(), Outcome::Unknown);
     assert_eq!(
-        err.history().stopped,
+        err.history().expect("a history").stopped,
         StopReason::AttemptsExhausted { max_attempts: 3 }
     );
     // Three attempts of 1 s, 100 ms apart.
@@ -139,7 +143,7 @@ async fn the_deadline_cuts_an_attempt_in_flight_with_an_unknown_outcome() {
     assert_eq!(start.elapsed(), Duration::from_secs(2));
     let err = retry_error(err);
     let cut = err
-        .cause()
+        .source_cause()
         .downcast_ref::<DeadlineExceeded>()
         .expect("DeadlineExceeded");
     assert_eq!(cut.outcome(), Outcome::Unknown);
@@ -163,7 +167,7 @@ async fn the_last_attempt_is_cut_to_the_deadline_not_to_the_attempt_timeout() {
     // Attempt 1: 0..1 s (timed out); wait 100 ms; attempt 2: 1.1 s..1.5 s, cut by the deadline.
     assert_eq!(start.elapsed(), Duration::from_millis(1_500));
     assert_eq!(seen.lock().unwrap().len(), 2);
-    assert!(retry_error(err).cause().is::<DeadlineExceeded>());
+    assert!(retry_error(err).source_cause().is::<DeadlineExceeded>());
 }
 
 #[tokio::test(start_paused = true)]
@@ -181,7 +185,7 @@ async fn a_caller_deadline_already_passed_sends_nothing() {
     .unwrap_err();
     let err = retry_error(err);
     let d = err
-        .cause()
+        .source_cause()
         .downcast_ref::<DeadlineExceeded>()
         .expect("DeadlineExceeded");
     assert_eq!(d.outcome(), Outcome::NotSent);
@@ -223,7 +227,10 @@ async fn layers_further_in_see_the_attempt_scope() {
 /// worker pool does: the attempt scope does not cross that boundary.
 fn across_a_task<S>(inner: S) -> impl Service<Req, Response = Res, Error = BoxError> + Clone
 where
-    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+    S: Service<Req, Response = Res, Error: Into<BoxError> + Send, Future: Send>
+        + Clone
+        + Send
+        + 'static,
 {
     service_fn(move |req: Req| {
         let inner = inner.clone();
@@ -231,6 +238,7 @@ where
             tokio::spawn(inner.oneshot(req))
                 .await
                 .expect("the worker does not panic")
+                .map_err(Into::into)
         }
     })
 }
@@ -249,11 +257,11 @@ fn lazily<S>(
     inner: S,
 ) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static
 where
-    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+    S: Service<Req, Response = Res, Error: Into<BoxError>, Future: Send> + Clone + Send + 'static,
 {
     service_fn(move |req: Req| {
         let inner = inner.clone();
-        async move { inner.oneshot(req).await }
+        async move { inner.oneshot(req).await.map_err(Into::into) }
     })
 }
 
@@ -310,7 +318,7 @@ fn claiming<S>(
     inner: S,
 ) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static
 where
-    S: Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone + Send + 'static,
+    S: Service<Req, Response = Res, Error: Into<BoxError>, Future: Send> + Clone + Send + 'static,
 {
     struct TheirRetries;
     service_fn(move |mut req: Req| {
@@ -319,7 +327,7 @@ where
             Claim::new(ScopeOwner::of::<TheirRetries>(), "carrier-api"),
         );
         let inner = inner.clone();
-        async move { inner.oneshot(req).await }
+        async move { inner.oneshot(req).await.map_err(Into::into) }
     })
 }
 
@@ -424,8 +432,8 @@ async fn a_nested_layer_still_applies_its_own_attempt_timeout() {
     assert_eq!(seen.lock().unwrap().len(), 2);
     assert_eq!(start.elapsed(), Duration::from_millis(2_100));
     let err = retry_error(err);
-    assert!(err.cause().is::<AttemptTimedOut>(), "{err}");
-    assert_eq!(err.history().attempts.len(), 2);
+    assert!(err.source_cause().is::<AttemptTimedOut>(), "{err}");
+    assert_eq!(err.history().expect("a history").attempts.len(), 2);
 }
 
 /// Answers 503 to its first call, then is never ready again.
@@ -464,11 +472,11 @@ async fn a_retry_still_waiting_for_readiness_at_the_deadline_ends_the_call_not_s
     assert_eq!(start.elapsed(), Duration::from_secs(2));
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the retry was never sent");
     let cut = err
-        .cause()
+        .source_cause()
         .downcast_ref::<DeadlineExceeded>()
         .expect("DeadlineExceeded");
     assert_eq!(cut.outcome(), Outcome::NotSent);
-    let attempts = &err.history().attempts;
+    let attempts = &err.history().expect("a history").attempts;
     assert_eq!(attempts.len(), 2);
     assert!(attempts[0].sent && !attempts[1].sent);
 }

@@ -3,3 +3,14 @@
 mod attempts;
 mod policy;
 mod retry;
+
+/// The last cause of a call's error, as its `source()` gives it.
+trait SourceCause {
+    fn source_cause(&self) -> &(dyn std::error::Error + 'static);
+}
+
+impl SourceCause for backstop_retry::Error {
+    fn source_cause(&self) -> &(dyn std::error::Error + 'static) {
+        std::error::Error::source(self).expect("a cause")
+    }
+}

@@ -1,11 +1,11 @@
 //! The retry layer's rules, on tokio's paused clock with seeded RNGs.
 
+use crate::SourceCause;
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, Outcome, Verdict};
 use backstop_core::{AttemptTimedOut, BoxError, Deadline, Dependency, HasExtensions};
 use backstop_retry::{
-    BufferBodyLayer, NotCopyable, Resend, RetryBudget, RetryError, RetryHistory, RetryLayer,
-    StopReason,
+    BufferBodyLayer, Error, NotCopyable, Resend, RetryBudget, RetryHistory, RetryLayer, StopReason,
 };
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -121,8 +121,10 @@ fn keyed_post() -> Req {
     r
 }
 
-fn retry_error(e: BoxError) -> Box<RetryError> {
-    e.downcast::<RetryError>().expect("a RetryError")
+fn retry_error(e: impl Into<BoxError>) -> Box<Error> {
+    e.into()
+        .downcast::<Error>()
+        .expect("a backstop_retry::Error")
 }
 
 #[tokio::test(start_paused = true)]
@@ -233,7 +235,10 @@ async fn an_unknown_outcome_is_not_retried_for_a_post_without_a_key() {
         "a lost reply to a POST must not be repeated"
     );
     let err = retry_error(err);
-    assert_eq!(err.stop_reason(), &StopReason::NotReplaySafe);
+    assert_eq!(
+        err.history().expect("a history").stopped,
+        StopReason::NotReplaySafe
+    );
     assert_eq!(err.outcome(), Outcome::Unknown);
     let text = err.to_string();
     assert!(
@@ -307,7 +312,7 @@ async fn errors_name_dependency_attempts_time_cause_and_outcome() {
         "the call to carrier-api failed (3 attempts in 500 ms): connection refused; \
          the request did not take effect, so it is safe to try again later"
     );
-    assert!(err.cause().downcast_ref::<io::Error>().is_some());
+    assert!(err.source_cause().downcast_ref::<io::Error>().is_some());
 }
 
 #[tokio::test(start_paused = true)]
@@ -375,7 +380,10 @@ async fn the_budget_is_consulted_before_each_retry() {
     assert_eq!(budget.deposits.load(Ordering::SeqCst), 1);
     assert_eq!(budget.withdrawals.load(Ordering::SeqCst), 2);
     let err = retry_error(err);
-    assert_eq!(err.stop_reason(), &StopReason::BudgetExhausted);
+    assert_eq!(
+        err.history().expect("a history").stopped,
+        StopReason::BudgetExhausted
+    );
     assert!(
         err.to_string()
             .contains("and its retry budget is exhausted after 2 attempts"),
@@ -570,7 +578,10 @@ async fn non_http_tool_calls_work_the_same_way() {
         extensions: http::Extensions::new(),
     };
     let err = retry_error(svc.clone().oneshot(write.clone()).await.unwrap_err());
-    assert_eq!(err.stop_reason(), &StopReason::NotReplaySafe);
+    assert_eq!(
+        err.history().expect("a history").stopped,
+        StopReason::NotReplaySafe
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 
     let mut marked = write;

@@ -5,7 +5,7 @@
 use backstop::{
     Backstop, BoxError,
     backoff::{Backoff, RngSource},
-    retry::CallContext,
+    core::CallContext,
     timeout::BodyTimedOut,
 };
 use bytes::Bytes;

@@ -7,7 +7,7 @@ use backstop_breaker::{
 };
 use backstop_budget::Budget;
 use backstop_core::{AttemptTimedOut, Dependency};
-use backstop_retry::{RetryError, RetryLayer, StopReason};
+use backstop_retry::{RetryLayer, StopReason};
 use http::{Request, Response};
 use std::{
     future::Future,
@@ -101,9 +101,12 @@ fn recorder() -> (Seen, impl Fn(&CircuitTransition) + Send + Sync + 'static) {
 
 async fn call<S>(svc: &S) -> Result<Res, backstop_core::BoxError>
 where
-    S: Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone,
+    S: Service<Req, Response = Res, Error: Into<backstop_core::BoxError>> + Clone,
 {
-    svc.clone().oneshot(Request::new(())).await
+    svc.clone()
+        .oneshot(Request::new(()))
+        .await
+        .map_err(Into::into)
 }
 
 fn open_error(e: backstop_core::BoxError) -> CircuitOpen {
@@ -117,7 +120,7 @@ async fn opens_after_consecutive_failures_and_fails_fast_without_touching_the_de
     let (transitions, hook) = recorder();
     let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
 
@@ -158,7 +161,7 @@ async fn a_failed_trial_reopens_for_the_same_cooldown_by_default() {
         .cooldown(Duration::from_millis(100));
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Status(500));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
@@ -185,7 +188,7 @@ async fn a_successful_trial_closes_and_a_failed_one_reopens_with_a_growing_coold
         .on_transition(hook);
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Status(500));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
 
@@ -248,7 +251,7 @@ async fn half_open_admits_exactly_the_trial_calls_and_fails_the_rest_fast() {
     )
     .unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
@@ -285,7 +288,7 @@ fn poll_once<F: Future>(f: std::pin::Pin<&mut F>) -> Poll<F::Output> {
 async fn a_cancelled_trial_gives_its_slot_back() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     call(&svc).await.unwrap();
@@ -297,7 +300,7 @@ async fn a_cancelled_trial_gives_its_slot_back() {
 /// slot, so the next call is admitted and its success closes the circuit.
 async fn cancelled_trials_give_their_slots_back<S>(svc: &S, breaker: &Breaker, dep: &Dep)
 where
-    S: Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone,
+    S: Service<Req, Response = Res, Error: Into<backstop_core::BoxError>> + Clone,
 {
     advance(Duration::from_secs(30)).await;
     dep.set(Answer::Hang);
@@ -308,9 +311,13 @@ where
         assert!(poll_once(fut.as_mut()).is_pending());
         assert_eq!(breaker.state(&carrier()), CircuitState::HalfOpen);
         let e = call(svc).await.unwrap_err();
-        // As a layer the breaker's own error comes back; as a gate, inside the retry error.
-        let open = match e.downcast::<RetryError>() {
-            Ok(r) => r.cause().downcast_ref::<CircuitOpen>().cloned().unwrap(),
+        // Alone, the breaker's own error comes back; under the retry layer, as its cause.
+        let open = match e.downcast::<backstop_retry::Error>() {
+            Ok(r) => std::error::Error::source(&*r)
+                .unwrap()
+                .downcast_ref::<CircuitOpen>()
+                .cloned()
+                .unwrap(),
             Err(e) => open_error(e),
         };
         assert_eq!(open.state(), CircuitState::HalfOpen);
@@ -330,7 +337,7 @@ where
 async fn a_cancelled_call_while_closed_is_no_failure() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Hang);
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     for _ in 0..10 {
@@ -346,7 +353,7 @@ async fn a_cancelled_call_while_closed_is_no_failure() {
 async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
     let breaker = Breaker::new(BreakerConfig::default()).unwrap();
     let dep = Dep::new(Answer::Ok);
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     // Alternate success and failure: never 5 in a row.
@@ -371,7 +378,7 @@ async fn opens_on_the_failure_ratio_when_failures_are_not_consecutive() {
 async fn old_failures_leave_the_window() {
     let breaker = Breaker::new(BreakerConfig::default().no_consecutive_rule()).unwrap();
     let dep = Dep::new(Answer::Status(502));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     for _ in 0..15 {
@@ -394,7 +401,7 @@ async fn old_failures_leave_the_window() {
 async fn client_errors_are_successes_for_the_breaker() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(2)).unwrap();
     let dep = Dep::new(Answer::Status(400));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     for status in [400, 404, 409, 422, 400, 401, 403, 400] {
@@ -412,7 +419,7 @@ async fn slow_calls_count_as_failures_when_configured() {
         .slow_call(Duration::from_millis(500));
     let breaker = Breaker::new(config).unwrap();
     let dep = Dep::new(Answer::Slow(Duration::from_millis(400)));
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     for _ in 0..5 {
@@ -431,7 +438,7 @@ async fn isolate_and_reset_by_hand() {
     let (transitions, hook) = recorder();
     let breaker = Breaker::new(BreakerConfig::default().on_transition(hook)).unwrap();
     let dep = Dep::new(Answer::Ok);
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     breaker.isolate(&carrier());
@@ -463,13 +470,13 @@ async fn each_dependency_has_its_own_circuit_and_stacks_share_one_breaker() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let down = Dep::new(Answer::Status(503));
     let up = Dep::new(Answer::Ok);
-    let carrier_a = backstop::breaker::http_layer(breaker.clone())
+    let carrier_a = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(down.service());
-    let carrier_b = backstop::breaker::http_layer(breaker.clone())
+    let carrier_b = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(up.service());
-    let billing = backstop::breaker::http_layer(breaker.clone())
+    let billing = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-billing-api")
         .layer(up.service());
     call(&carrier_a).await.unwrap();
@@ -526,11 +533,11 @@ async fn many_tasks_hammering_one_dependency_lose_no_count() {
     )
     .unwrap();
     let dep = Dep::new(Answer::Ok);
-    let svc = backstop::breaker::http_layer(breaker.clone())
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(dep.service());
     let failing = Dep::new(Answer::Status(503));
-    let bad = backstop::breaker::http_layer(breaker.clone())
+    let bad = backstop::breaker::BreakerLayer::http(breaker.clone())
         .dependency("breaker-carrier-api")
         .layer(failing.service());
     let mut tasks = Vec::new();
@@ -563,7 +570,7 @@ async fn under_the_retry_layer_an_open_circuit_stops_retries_at_once() {
     let (breaker, budget, dep) = story_parts();
     let svc = story_retry()
         .budget(Arc::new(budget.bind(&carrier())))
-        .layer(backstop::breaker::http_layer(breaker.clone()).layer(dep.service()));
+        .layer(backstop::breaker::BreakerLayer::http(breaker.clone()).layer(dep.service()));
     an_open_circuit_stops_retries_at_once(&svc, &dep, &breaker, &budget).await;
 
     // After the cooldown a trial is admitted; its success closes the circuit.
@@ -599,17 +606,20 @@ async fn an_open_circuit_stops_retries_at_once<S>(
     breaker: &Breaker,
     budget: &Budget,
 ) where
-    S: Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone,
+    S: Service<Req, Response = Res, Error: Into<backstop_core::BoxError>> + Clone,
 {
     assert_eq!(call(svc).await.unwrap().status(), 503);
     let e = call(svc).await.unwrap_err();
     assert_eq!(dep.calls(), 4);
-    let e = e.downcast::<RetryError>().unwrap();
+    let e = e.downcast::<backstop_retry::Error>().unwrap();
     // Two attempts were made; the second was refused by the circuit, so only one was sent.
-    assert_eq!(e.history().attempts.len(), 2);
+    assert_eq!(e.history().expect("a history").attempts.len(), 2);
     assert_eq!(e.attempts(), 1);
-    assert_eq!(e.stop_reason(), &StopReason::NotRetryable);
-    assert!(e.cause().is::<CircuitOpen>());
+    assert_eq!(
+        e.history().expect("a history").stopped,
+        StopReason::NotRetryable
+    );
+    assert!(std::error::Error::source(&*e).unwrap().is::<CircuitOpen>());
     assert!(
         e.to_string()
             .contains("breaker-carrier-api is unavailable (circuit open); do not retry now"),
@@ -621,7 +631,7 @@ async fn an_open_circuit_stops_retries_at_once<S>(
     let e = call(svc)
         .await
         .unwrap_err()
-        .downcast::<RetryError>()
+        .downcast::<backstop_retry::Error>()
         .unwrap();
     assert_eq!(
         e.attempts(),
@@ -640,7 +650,7 @@ async fn an_open_circuit_stops_retries_at_once<S>(
 async fn per_authority_circuits_when_no_name_is_given() {
     let breaker = Breaker::new(BreakerConfig::default().consecutive_failures(1)).unwrap();
     let dep = Dep::new(Answer::Status(503));
-    let svc = backstop::breaker::http_layer(breaker.clone()).layer(dep.service());
+    let svc = backstop::breaker::BreakerLayer::http(breaker.clone()).layer(dep.service());
     svc.clone()
         .oneshot(Request::get("http://a.example/x").body(()).unwrap())
         .await
@@ -665,13 +675,13 @@ async fn per_authority_circuits_when_no_name_is_given() {
 fn gated(
     breaker: &Breaker,
     dep: &Dep,
-) -> impl Service<Req, Response = Res, Error = backstop_core::BoxError> + Clone + use<> {
+) -> impl Service<Req, Response = Res, Error = backstop_retry::Error> + Clone + use<> {
     RetryLayer::http()
         .dependency("breaker-carrier-api")
         .max_attempts(1)
         .unwrap()
         .layer(
-            backstop::breaker::http_layer(breaker.clone())
+            backstop::breaker::BreakerLayer::http(breaker.clone())
                 .dependency("breaker-carrier-api")
                 .layer(dep.service()),
         )
