@@ -3,8 +3,8 @@
 
 use backstop::timeout::TimedBody;
 use backstop::{
-    Backstop, BoxError, DeadLetterSink, Error, ErrorKind, JsonLinesSink, MemorySink, Outcome,
-    Preset,
+    Backstop, BoxError, DeadLetterSink, Error, ErrorKind, HasExtensions, JsonLinesSink, MemorySink,
+    Outcome, Preset,
     backoff::{Backoff, RngSource},
     breaker::{Breaker, BreakerConfig},
     budget::Budget,

@@ -88,7 +88,7 @@ impl Default for Backoff {
     }
 }
 
-pub use backstop_core::InvalidConfig;
+use backstop_core::InvalidConfig;
 
 impl Backoff {
     fn exp(kind: Kind, base: Duration, cap: Duration) -> Result<Self, InvalidConfig> {
@@ -132,16 +132,6 @@ impl Backoff {
             base: delay,
             cap: delay,
         }
-    }
-
-    /// The base delay.
-    pub fn base(&self) -> Duration {
-        self.base
-    }
-
-    /// The largest delay this backoff ever produces.
-    pub fn cap(&self) -> Duration {
-        self.cap
     }
 
     /// The upper bound of the delay before retry `n` (counting from 0).
@@ -312,10 +302,10 @@ mod tests {
             for i in 0..n {
                 let d = s.next_delay(&mut rng);
                 prop_assert!(d <= b.bound(i as u32), "retry {} delay {:?} over {:?}", i, d, b.bound(i as u32));
-                prop_assert!(d <= b.cap());
+                prop_assert!(d <= b.cap);
                 match b.kind {
                     Kind::Equal => prop_assert!(d >= b.bound(i as u32) / 2),
-                    Kind::Decorrelated | Kind::Exponential => prop_assert!(d >= b.base()),
+                    Kind::Decorrelated | Kind::Exponential => prop_assert!(d >= b.base),
                     _ => {}
                 }
             }

@@ -135,19 +135,9 @@ impl BreakerConfig {
         self
     }
 
-    /// Whether the failure-ratio rule is on.
-    pub fn has_ratio_rule(&self) -> bool {
-        self.failure_ratio.is_some()
-    }
-
-    /// The failure-ratio window.
-    pub fn window(&self) -> Duration {
-        self.window
-    }
-
-    /// The first cooldown after the circuit opens.
-    pub fn base_cooldown(&self) -> Duration {
-        self.cooldown
+    /// The failure-ratio rule's window, when the rule is on.
+    pub fn ratio_window(&self) -> Option<Duration> {
+        self.failure_ratio.map(|_| self.window)
     }
 
     pub(crate) fn validate(&self) -> Result<(), InvalidConfig> {

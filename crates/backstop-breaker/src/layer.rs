@@ -161,10 +161,6 @@ impl<S: fmt::Debug, C, K: fmt::Debug> fmt::Debug for CircuitBreaker<S, C, K> {
 }
 
 impl<S, C, K> CircuitBreaker<S, C, K> {
-    /// The breaker.
-    pub fn breaker(&self) -> &Breaker {
-        &self.breaker
-    }
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner

@@ -42,7 +42,7 @@
 //! `on_transition` hook; with the `metrics` feature, `backstop_breaker_transitions_total{from,to}`
 //! and `backstop_breaker_rejections_total` are counted per dependency.
 //!
-//! State lives per [`Dependency`] in a [`Breaker`], shared by every clone and every stack given
+//! State lives per [`Dependency`](backstop_core::Dependency) in a [`Breaker`], shared by every clone and every stack given
 //! the same `Breaker`. The success path is lock-free: an atomic state load, and a sliding-window
 //! increment when the ratio rule is on; a mutex per dependency is taken only for state
 //! transitions, and never across an `.await`.
@@ -91,8 +91,7 @@ mod permit;
 mod slots;
 mod sync;
 
-pub use backstop_core::InvalidConfig;
-pub use backstop_core::{CircuitOpen, CircuitState, Dependency};
+pub use backstop_core::{CircuitOpen, CircuitState};
 pub use breaker::Breaker;
 pub use circuit::{CircuitStats, CircuitTransition};
 pub use config::BreakerConfig;

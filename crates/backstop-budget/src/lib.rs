@@ -67,7 +67,8 @@ pub mod future {
 pub use throttle::{AdaptiveThrottle, ThrottleConfig, ThrottleStats};
 
 use backstop_core::Dependency;
-pub use backstop_core::{InvalidConfig, NoBudget, RetryBudget};
+use backstop_core::InvalidConfig;
+pub use backstop_core::{NoBudget, RetryBudget};
 use backstop_state::{Registry, SlidingCount};
 use std::{fmt, sync::Arc, time::Duration};
 use tokio::time::Instant;

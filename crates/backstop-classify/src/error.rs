@@ -1,5 +1,7 @@
 use crate::Verdict;
-use backstop_core::{AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome, Throttled};
+use backstop_core::{
+    AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome, ReportsOutcome, Throttled,
+};
 use std::{error::Error, io};
 
 /// Views an error as `&dyn Error` so that its `source()` chain can be walked.

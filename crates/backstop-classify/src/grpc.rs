@@ -2,50 +2,10 @@ use crate::{AsError, classify_error};
 use backstop_core::{Classify, Outcome, ReplaySafe, Verdict};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response};
 use std::{fmt, time::Duration};
+use tonic::Code;
 use tower_http::classify::{
     ClassifiedResponse, ClassifyEos, ClassifyResponse, GrpcErrorsAsFailures, GrpcFailureClass,
 };
-
-/// A gRPC status code, by number (`grpc-status`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GrpcCode(pub u8);
-
-impl GrpcCode {
-    /// 0: the call succeeded.
-    pub const OK: GrpcCode = GrpcCode(0);
-    /// 1: the caller cancelled.
-    pub const CANCELLED: GrpcCode = GrpcCode(1);
-    /// 2: unknown error.
-    pub const UNKNOWN: GrpcCode = GrpcCode(2);
-    /// 3: the arguments are invalid.
-    pub const INVALID_ARGUMENT: GrpcCode = GrpcCode(3);
-    /// 4: the deadline passed before the call completed.
-    pub const DEADLINE_EXCEEDED: GrpcCode = GrpcCode(4);
-    /// 5: not found.
-    pub const NOT_FOUND: GrpcCode = GrpcCode(5);
-    /// 6: already exists.
-    pub const ALREADY_EXISTS: GrpcCode = GrpcCode(6);
-    /// 7: permission denied.
-    pub const PERMISSION_DENIED: GrpcCode = GrpcCode(7);
-    /// 8: a quota or resource is exhausted.
-    pub const RESOURCE_EXHAUSTED: GrpcCode = GrpcCode(8);
-    /// 9: a precondition failed.
-    pub const FAILED_PRECONDITION: GrpcCode = GrpcCode(9);
-    /// 10: aborted (a concurrency conflict).
-    pub const ABORTED: GrpcCode = GrpcCode(10);
-    /// 11: out of range.
-    pub const OUT_OF_RANGE: GrpcCode = GrpcCode(11);
-    /// 12: not implemented.
-    pub const UNIMPLEMENTED: GrpcCode = GrpcCode(12);
-    /// 13: internal error.
-    pub const INTERNAL: GrpcCode = GrpcCode(13);
-    /// 14: the service is unavailable.
-    pub const UNAVAILABLE: GrpcCode = GrpcCode(14);
-    /// 15: data loss.
-    pub const DATA_LOSS: GrpcCode = GrpcCode(15);
-    /// 16: not authenticated.
-    pub const UNAUTHENTICATED: GrpcCode = GrpcCode(16);
-}
 
 /// The header a gRPC server sends to ask for a delay before a retry (gRPC's retry design, A6).
 pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
@@ -72,8 +32,8 @@ pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 /// tower-http's `GrpcErrorsAsFailures` reads the status from headers and trailers.
 ///
 /// ```
-/// use backstop_classify::{Classify, GrpcClassifier, Outcome, Verdict};
-/// use backstop_core::BoxError;
+/// use backstop_classify::{Classify, GrpcClassifier, Verdict};
+/// use backstop_core::{BoxError, Outcome};
 /// use std::time::Duration;
 ///
 /// let grpc = GrpcClassifier::new();
@@ -117,7 +77,7 @@ impl GrpcClassifier {
     /// `idempotency-key` metadata.
     pub fn new() -> Self {
         GrpcClassifier {
-            retryable: (1 << GrpcCode::UNAVAILABLE.0) | (1 << GrpcCode::RESOURCE_EXHAUSTED.0),
+            retryable: (1 << Code::Unavailable as u32) | (1 << Code::ResourceExhausted as u32),
             max_pushback: Duration::from_secs(60),
             key_header: HeaderName::from_static("idempotency-key"),
         }
@@ -125,11 +85,11 @@ impl GrpcClassifier {
 
     /// The retryable codes (A6's `retryableStatusCodes`), instead of the default two.
     #[must_use]
-    pub fn retry_on(mut self, codes: impl IntoIterator<Item = GrpcCode>) -> Self {
+    pub fn retry_on(mut self, codes: impl IntoIterator<Item = Code>) -> Self {
         self.retryable = codes
             .into_iter()
-            .filter(|c| c.0 < 32 && *c != GrpcCode::OK)
-            .fold(0, |m, c| m | (1 << c.0));
+            .filter(|c| *c != Code::Ok)
+            .fold(0, |m, c| m | (1 << c as u32));
         self
     }
 
@@ -149,17 +109,17 @@ impl GrpcClassifier {
 
     /// The verdict on a gRPC status code, with the pushback header (if any) of the same
     /// headers or trailers.
-    pub fn classify_code(&self, code: GrpcCode, pushback: Option<&HeaderValue>) -> Verdict {
-        if code == GrpcCode::OK {
+    pub fn classify_code(&self, code: Code, pushback: Option<&HeaderValue>) -> Verdict {
+        if code == Code::Ok {
             return Verdict::Success;
         }
-        let retryable = code.0 < 32 && self.retryable & (1 << code.0) != 0;
+        let retryable = self.retryable & (1 << code as u32) != 0;
         if !retryable {
             return Verdict::Fatal {
                 outcome: Outcome::Completed,
             };
         }
-        let outcome = if code == GrpcCode::RESOURCE_EXHAUSTED {
+        let outcome = if code == Code::ResourceExhausted {
             Outcome::NotSent
         } else {
             Outcome::Unknown
@@ -205,8 +165,7 @@ impl GrpcClassifier {
     fn failure(&self, failure: GrpcFailureClass, pushback: Option<&HeaderValue>) -> Verdict {
         match failure {
             GrpcFailureClass::Code(code) => {
-                let code = u8::try_from(code.get()).unwrap_or(u8::MAX);
-                self.classify_code(GrpcCode(code), pushback)
+                self.classify_code(Code::from_i32(code.get()), pushback)
             }
             GrpcFailureClass::Error(_) => Verdict::Fatal {
                 outcome: Outcome::Unknown,
@@ -333,7 +292,7 @@ mod tests {
             );
         }
         // The retryable codes are configurable.
-        let c = GrpcClassifier::new().retry_on([GrpcCode::ABORTED]);
+        let c = GrpcClassifier::new().retry_on([Code::Aborted]);
         assert_eq!(
             verdict(&c, &[("grpc-status", "10")]),
             retry(Outcome::Unknown, None)

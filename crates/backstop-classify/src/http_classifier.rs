@@ -183,7 +183,7 @@ impl HttpClassifier {
     /// idempotent method, a [`ReplaySafe`] marker, or an idempotency key that someone vouched
     /// for (one the stack attached on its own, marked `UnvouchedKey`, does not count).
     pub fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
-        backstop_core::is_idempotent_method(req.method())
+        backstop_core::plumbing::is_idempotent_method(req.method())
             || ReplaySafe::is_marked(req)
             || (req
                 .headers()

@@ -5,8 +5,8 @@
 //! or a connection reset may pass; a `400` will fail identically every time. *Could the first
 //! attempt have taken effect?* A refused connection did nothing, but a timeout only says the
 //! reply was lost: the refund may already be booked. A [`Verdict`] answers both, and the retry
-//! layer repeats a request whose side effect is [`Outcome::Unknown`] only when the request is
-//! replay-safe (an idempotent method, an `Idempotency-Key`, or an explicit [`ReplaySafe`]
+//! layer repeats a request whose side effect is [`Outcome::Unknown`](backstop_core::Outcome::Unknown) only when the request is
+//! replay-safe (an idempotent method, an `Idempotency-Key`, or an explicit [`ReplaySafe`](backstop_core::ReplaySafe)
 //! marker).
 //!
 //! [`Classify`] is generic over request, response and error types, so a non-HTTP tool call
@@ -14,8 +14,8 @@
 //! [`parse_retry_after`] reads `Retry-After` in both of its forms.
 //!
 //! ```
-//! use backstop_classify::{Classify, HttpClassifier, Outcome, Verdict};
-//! use backstop_core::BoxError;
+//! use backstop_classify::{Classify, HttpClassifier, Verdict};
+//! use backstop_core::{BoxError, Outcome};
 //! use http::{Request, Response, StatusCode};
 //! use std::time::Duration;
 //!
@@ -46,9 +46,9 @@ mod grpc;
 mod http_classifier;
 mod retry_after;
 
-pub use backstop_core::{Classify, Outcome, ReplaySafe, Verdict};
+pub use backstop_core::{Classify, Verdict};
 pub use error::{AsError, classify_error, is_attempt_timeout};
 #[cfg(feature = "grpc")]
-pub use grpc::{GrpcClassifier, GrpcCode, RETRY_PUSHBACK, grpc_timeout};
+pub use grpc::{GrpcClassifier, RETRY_PUSHBACK, grpc_timeout};
 pub use http_classifier::{HttpClassifier, StatusClass};
 pub use retry_after::{parse_retry_after, parse_retry_after_value};

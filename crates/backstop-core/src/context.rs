@@ -10,7 +10,7 @@ use tokio::time::Instant;
 /// under a type private to it: a caller cannot name that type, so no caller can set the mark
 /// that silences Backstop's retry layers; it can only claim calls for a retrying layer of its
 /// own ([`CallContext::claim`]), which Backstop's layers see as "someone outside retries"
-/// ([`RetryScope::is_marked`](crate::RetryScope::is_marked)) and nothing more.
+/// ([`CallContext::in_retry_scope`]) and nothing more.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ScopeOwner(TypeId);
 
@@ -33,25 +33,24 @@ impl ScopeOwner {
 /// writes the deadline, the attempt timeout the attempt's end; nested retry layers, the
 /// attempt timeout, the breaker, the body timer, the idempotency layer and any client read it
 /// through
-/// [`Deadline::of`], [`Dependency::of`], [`RetryScope::is_marked`](crate::RetryScope::is_marked)
-/// and the readers here.
+/// [`Deadline::of`], [`Dependency::of`] and the readers here.
 ///
 /// Those readers also accept a bare `Deadline` or `Dependency` that a caller put in the
 /// extensions itself.
 ///
 /// ```
-/// use backstop_core::{CallContext, Claim, Deadline, Dependency, RetryScope, ScopeOwner};
+/// use backstop_core::{CallContext, Claim, Deadline, Dependency, ScopeOwner};
 /// use std::time::Duration;
 ///
 /// // A retrying layer of one's own claims calls under a type of its own.
 /// struct MyRetries;
 /// let mut req = http::Request::new(());
-/// assert!(!RetryScope::is_marked(&req));
+/// assert!(!CallContext::of(&req).is_some_and(CallContext::in_retry_scope));
 /// let deadline = Deadline::after(Duration::from_secs(2));
 /// let claim = Claim::new(ScopeOwner::of::<MyRetries>(), "search-api").deadline(deadline).attempt(1);
 /// CallContext::claim(&mut req, claim);
-/// assert!(RetryScope::is_marked(&req));
-/// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<MyRetries>()));
+/// assert!(CallContext::of(&req).is_some_and(CallContext::in_retry_scope));
+/// assert!(CallContext::of(&req).is_some_and(|c| c.owned_by(ScopeOwner::of::<MyRetries>())));
 /// assert_eq!(Dependency::of(&req).unwrap().as_str(), "search-api");
 /// assert_eq!(Deadline::of(&req), Some(deadline));
 /// ```
@@ -101,13 +100,6 @@ impl Claim {
         self
     }
 
-    /// The call's deadline, if it has one.
-    #[must_use]
-    pub fn deadline_if(mut self, deadline: Option<Deadline>) -> Self {
-        self.deadline = deadline;
-        self
-    }
-
     /// This attempt's number (1 for the first).
     #[must_use]
     pub fn attempt(mut self, n: u32) -> Self {
@@ -140,12 +132,12 @@ impl CallContext {
     ///
     /// A claim never takes the call from an owner already recorded: the first retrying layer
     /// to claim it owns it, and a layer of another kind further in is recorded beside it
-    /// ([`RetryScope::is_owned_by`](crate::RetryScope::is_owned_by) answers for both), so no
+    /// ([`owned_by`](Self::owned_by) answers for both), so no
     /// layer inside can unmark the call for the layers outside. Returns whether `owner` is
     /// recorded; `false` only when two other kinds already are.
     ///
     /// ```
-    /// use backstop_core::{CallContext, Claim, RetryScope, ScopeOwner};
+    /// use backstop_core::{CallContext, Claim, ScopeOwner};
     ///
     /// struct Outer;
     /// struct Inner;
@@ -153,8 +145,8 @@ impl CallContext {
     /// assert!(CallContext::claim(&mut req, Claim::new(ScopeOwner::of::<Outer>(), "search-api").attempt(1)));
     /// assert!(CallContext::claim(&mut req, Claim::new(ScopeOwner::of::<Inner>(), "search-api")));
     /// // The outer layer still owns the call; the inner one is recorded beside it.
-    /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
-    /// assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Inner>()));
+    /// assert!(CallContext::of(&req).is_some_and(|c| c.owned_by(ScopeOwner::of::<Outer>())));
+    /// assert!(CallContext::of(&req).is_some_and(|c| c.owned_by(ScopeOwner::of::<Inner>())));
     /// assert_eq!(CallContext::attempt_of(&req), Some(1));
     /// ```
     pub fn claim<R: HasExtensions + ?Sized>(req: &mut R, claim: Claim) -> bool {
@@ -236,7 +228,6 @@ impl CallContext {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::RetryScope;
 
     #[test]
     fn claim_marks_the_request_and_nothing_else() {
@@ -246,14 +237,14 @@ mod tests {
             &mut req,
             Claim::new(ScopeOwner::of::<Outer>(), "outer").attempt(1),
         );
-        assert!(RetryScope::is_marked(&req));
-        assert!(RetryScope::is_owned_by(&req, ScopeOwner::of::<Outer>()));
-        assert!(!RetryScope::is_owned_by(&req, ScopeOwner::of::<()>()));
+        assert!(CallContext::of(&req).is_some_and(CallContext::in_retry_scope));
+        assert!(CallContext::of(&req).is_some_and(|c| c.owned_by(ScopeOwner::of::<Outer>())));
+        assert!(!CallContext::of(&req).is_some_and(|c| c.owned_by(ScopeOwner::of::<()>())));
         assert_eq!(CallContext::attempt_of(&req), Some(1));
         assert_eq!(Dependency::of(&req).unwrap().as_str(), "outer");
         // Another request made meanwhile carries nothing.
         let other = http::Request::new(());
-        assert!(!RetryScope::is_marked(&other));
+        assert!(!CallContext::of(&other).is_some_and(CallContext::in_retry_scope));
         assert!(Dependency::of(&other).is_none());
     }
 

@@ -11,7 +11,7 @@ const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 /// that `Duration::MAX` means "never" and never panics.
 ///
 /// ```
-/// use backstop_core::instant_after;
+/// use backstop_core::plumbing::instant_after;
 /// use std::time::Duration;
 /// use tokio::time::Instant;
 ///

@@ -58,11 +58,6 @@ impl Dependency {
         &self.name
     }
 
-    /// The name as a shared string.
-    pub fn as_arc(&self) -> Arc<str> {
-        self.name.clone()
-    }
-
     /// The name to label metrics with, bounded per process: the first
     /// [`MAX_METRIC_LABELS`](Self::MAX_METRIC_LABELS) distinct names keep their own label, any
     /// later one is labelled `"(other)"`, so a flood of hostile host names cannot make a

@@ -102,11 +102,6 @@ impl AttemptTimedOut {
     pub fn limit(&self) -> Duration {
         self.limit
     }
-
-    /// Always [`Outcome::Unknown`]: the request was sent, the reply was not seen.
-    pub fn outcome(&self) -> Outcome {
-        Outcome::Unknown
-    }
 }
 
 impl fmt::Display for AttemptTimedOut {
@@ -127,7 +122,7 @@ impl Error for AttemptTimedOut {}
 /// session). Its side effect is [`Outcome::Unknown`]. Its source is the transport's own error.
 ///
 /// ```
-/// use backstop_core::{Outcome, ReplyLost};
+/// use backstop_core::{Outcome, ReplyLost, ReportsOutcome};
 ///
 /// let lost = ReplyLost::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
 /// assert_eq!(lost.outcome(), Outcome::Unknown);
@@ -144,11 +139,6 @@ impl ReplyLost {
         ReplyLost {
             source: source.into(),
         }
-    }
-
-    /// Always [`Outcome::Unknown`]: the request left, its answer was not seen.
-    pub fn outcome(&self) -> Outcome {
-        Outcome::Unknown
     }
 }
 
@@ -172,7 +162,7 @@ impl Error for ReplyLost {
 #[derive(Clone, Debug)]
 pub struct DeadlineExceeded {
     dependency: Option<Dependency>,
-    outcome: Outcome,
+    pub(crate) outcome: Outcome,
     length: Option<Duration>,
 }
 
@@ -201,11 +191,6 @@ impl DeadlineExceeded {
     /// The dependency, when known.
     pub fn dependency(&self) -> Option<&Dependency> {
         self.dependency.as_ref()
-    }
-
-    /// What is known about the side effect.
-    pub fn outcome(&self) -> Outcome {
-        self.outcome
     }
 }
 
@@ -340,11 +325,6 @@ impl CircuitOpen {
     /// The time until a trial call may go through, when known.
     pub fn retry_in(&self) -> Option<Duration> {
         self.retry_in
-    }
-
-    /// Always [`Outcome::NotSent`].
-    pub fn outcome(&self) -> Outcome {
-        Outcome::NotSent
     }
 }
 

@@ -113,16 +113,6 @@ impl<T> WithExtensions<T> {
     pub fn into_parts(self) -> (T, http::Extensions) {
         (self.value, self.extensions)
     }
-
-    /// The extensions (also through [`HasExtensions`], without importing it).
-    pub fn extensions(&self) -> &http::Extensions {
-        &self.extensions
-    }
-
-    /// The extensions, mutably.
-    pub fn extensions_mut(&mut self) -> &mut http::Extensions {
-        &mut self.extensions
-    }
 }
 
 impl<T> From<T> for WithExtensions<T> {
@@ -182,48 +172,12 @@ impl UnvouchedKey {
     }
 }
 
-/// The mark of the outermost retry layer. A retry layer that finds its own kind's mark makes
-/// exactly one attempt and leaves retrying to the outer one.
-///
-/// Only a retry layer sets it, in the request's call context before it sends the request, so
-/// it reaches every layer further in, across tasks and futures too. The mark names its owner
-/// ([`ScopeOwner`](crate::ScopeOwner)): Backstop's retry layer honours only its own, under a
-/// type no caller can name, so no caller can silence it. Any other retrying code can read
-/// the mark: if a request carries one, someone outside is already retrying.
-///
-/// ```compile_fail
-/// // A caller cannot make the mark.
-/// let mark = backstop_core::RetryScope { _owner: () };
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RetryScope {
-    _owner: (),
-}
-
-impl RetryScope {
-    /// Whether a retry layer (any) already owns the call.
-    #[inline]
-    pub fn is_marked<R: HasExtensions + ?Sized>(req: &R) -> bool {
-        req.extensions()
-            .get::<crate::context::CallContext>()
-            .is_some_and(crate::context::CallContext::in_retry_scope)
-    }
-
-    /// Whether the retrying layer `owner` already owns the call.
-    #[inline]
-    pub fn is_owned_by<R: HasExtensions + ?Sized>(req: &R, owner: crate::ScopeOwner) -> bool {
-        req.extensions()
-            .get::<crate::context::CallContext>()
-            .is_some_and(|c| c.owned_by(owner))
-    }
-}
-
 /// The name of one of HTTP's own methods (RFC 9110 §9 and PATCH), as a `'static` string for
 /// telemetry; `None` for any other method (the semantic conventions then say `_OTHER`).
 ///
 /// ```
-/// assert_eq!(backstop_core::known_method(&http::Method::PATCH), Some("PATCH"));
-/// assert_eq!(backstop_core::known_method(&http::Method::from_bytes(b"PURGE").unwrap()), None);
+/// assert_eq!(backstop_core::plumbing::known_method(&http::Method::PATCH), Some("PATCH"));
+/// assert_eq!(backstop_core::plumbing::known_method(&http::Method::from_bytes(b"PURGE").unwrap()), None);
 /// ```
 pub fn known_method(method: &http::Method) -> Option<&'static str> {
     use http::Method;

@@ -47,16 +47,13 @@ mod verdict;
 
 pub use budget::{NoBudget, RetryBudget};
 pub use context::{CallContext, Claim, ScopeOwner};
-pub use deadline::{Deadline, instant_after};
+pub use deadline::Deadline;
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
-    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    DeadlineWords, HumanDuration, InvalidConfig, ReplyLost, Throttled,
+    AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, InvalidConfig,
+    ReplyLost, Throttled,
 };
-pub use extensions::{
-    HasExtensions, ReplaySafe, RetryScope, UnvouchedKey, WithExtensions, is_idempotent_method,
-    known_method,
-};
+pub use extensions::{HasExtensions, ReplaySafe, UnvouchedKey, WithExtensions};
 pub use outcome::{Outcome, ReportsOutcome};
 pub use run::{AttemptLimit, Run};
 pub use verdict::{Classify, Verdict};
@@ -65,6 +62,10 @@ pub use verdict::{Classify, Verdict};
 /// may change in any release; nothing else in this crate is public for that reason alone.
 #[doc(hidden)]
 pub mod plumbing {
+    pub use crate::deadline::instant_after;
+    pub use crate::error::{CauseChain, DeadlineWords, HumanDuration};
+    pub use crate::extensions::{is_idempotent_method, known_method};
+
     /// The dependency name's hash (per process, randomly keyed), which picks a registry shard.
     #[inline]
     pub fn prehash(dependency: &crate::Dependency) -> u64 {

@@ -76,7 +76,13 @@ impl ReportsOutcome for crate::AttemptTimedOut {
 
 impl ReportsOutcome for crate::DeadlineExceeded {
     fn outcome(&self) -> Outcome {
-        crate::DeadlineExceeded::outcome(self)
+        self.outcome
+    }
+}
+
+impl ReportsOutcome for crate::ReplyLost {
+    fn outcome(&self) -> Outcome {
+        Outcome::Unknown
     }
 }
 

@@ -1,5 +1,7 @@
 use crate::{ActionContext, IdempotencyKey, KeyFormat};
-use backstop_core::{BoxError, HasExtensions, InvalidConfig, ReplaySafe, RetryScope, UnvouchedKey};
+use backstop_core::{
+    BoxError, CallContext, HasExtensions, InvalidConfig, ReplaySafe, UnvouchedKey,
+};
 use http::{HeaderName, Request};
 use pin_project::pin_project;
 use rand::{TryRng, rngs::SysRng};
@@ -67,7 +69,7 @@ impl Default for HttpKeys {
 
 impl<B> Inject<Request<B>> for HttpKeys {
     fn needs_key(&self, req: &Request<B>) -> bool {
-        !backstop_core::is_idempotent_method(req.method())
+        !backstop_core::plumbing::is_idempotent_method(req.method())
     }
     fn has_key(&self, req: &Request<B>) -> bool {
         req.headers().contains_key(&self.header)
@@ -327,7 +329,7 @@ where
         }
         None => match ext.get::<ActionContext>() {
             Some(action) => Some(action.key()),
-            None if RetryScope::is_marked(req) => {
+            None if CallContext::of(req).is_some_and(CallContext::in_retry_scope) => {
                 return Err(InvalidConfig::new(
                     "the idempotency layer must be placed outside the retry layer: inside it, \
                      each attempt would get a new key and a lost reply could be acted on twice",

@@ -20,7 +20,7 @@ pub(crate) struct Started {
 impl Started {
     pub(crate) fn new<B>(telemetry: Option<Telemetry>, req: &http::Request<B>, span: Span) -> Self {
         let uri = req.uri();
-        let method = backstop_core::known_method(req.method()).unwrap_or("_OTHER");
+        let method = backstop_core::plumbing::known_method(req.method()).unwrap_or("_OTHER");
         let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
         let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
         // The instrument's attributes, made only when there is an instrument to record into.

@@ -2,7 +2,7 @@
 //! the key released, or, dropped before either, the outcome recorded as unknown.
 
 use crate::{config::Config, problem::unknown_record, store::StoredResponse};
-use backstop_core::HumanDuration;
+use backstop_core::plumbing::HumanDuration;
 use std::{sync::Arc, time::Duration};
 use tokio::sync::watch;
 

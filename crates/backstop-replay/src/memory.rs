@@ -244,7 +244,7 @@ impl MemoryStore {
                 fingerprint,
                 slot: Slot::InFlight {
                     token,
-                    lease_until: backstop_core::instant_after(now, lease),
+                    lease_until: backstop_core::plumbing::instant_after(now, lease),
                 },
                 scope: scope.into(),
             },
@@ -305,7 +305,7 @@ impl ReplayStore for MemoryStore {
                     ..
                 }) = st.map.get_mut(key)
                 {
-                    *lease_until = backstop_core::instant_after(Instant::now(), lease);
+                    *lease_until = backstop_core::plumbing::instant_after(Instant::now(), lease);
                 }
             })
             .is_some();
@@ -324,7 +324,7 @@ impl ReplayStore for MemoryStore {
                 if let Some(e) = st.map.get_mut(key) {
                     e.slot = Slot::Done {
                         response: response.clone(),
-                        expires: backstop_core::instant_after(Instant::now(), ttl),
+                        expires: backstop_core::plumbing::instant_after(Instant::now(), ttl),
                     };
                 }
             })

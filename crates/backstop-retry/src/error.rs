@@ -2,9 +2,11 @@
 
 use crate::{RetryHistory, StopReason};
 use backstop_classify::Verdict;
+use backstop_core::ReportsOutcome;
+use backstop_core::plumbing::{CauseChain, DeadlineWords, HumanDuration};
 use backstop_core::{
-    AttemptTimedOut, BoxError, CauseChain, CircuitOpen, CircuitState, DeadlineExceeded,
-    DeadlineWords, Dependency, HumanDuration, InvalidConfig, Outcome, ReplyLost, Throttled,
+    AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, Dependency,
+    InvalidConfig, Outcome, ReplyLost, Throttled,
 };
 use std::{error::Error as StdError, fmt, time::Duration};
 

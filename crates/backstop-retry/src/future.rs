@@ -214,8 +214,10 @@ impl<T: Retryable> Call<T> {
         let mut req = req(&mut self.template, &shared.resend);
         // The call's context travels with each attempt's copy, across tasks and futures. A
         // nested layer leaves the outer layer's attempt number.
-        let mut claim =
-            Claim::new(crate::owner(), self.dependency.clone()).deadline_if(self.deadline);
+        let mut claim = Claim::new(crate::owner(), self.dependency.clone());
+        if let Some(deadline) = self.deadline {
+            claim = claim.deadline(deadline);
+        }
         if !self.nested {
             claim = claim.attempt(self.attempt);
         }

@@ -2,7 +2,8 @@
 
 use crate::NotCopyable;
 use backstop_classify::Verdict;
-use backstop_core::{Dependency, HumanDuration};
+use backstop_core::Dependency;
+use backstop_core::plumbing::HumanDuration;
 use std::{borrow::Cow, fmt, time::Duration};
 
 /// Why the retry layer made no further attempt.

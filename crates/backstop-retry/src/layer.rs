@@ -1,13 +1,13 @@
 use crate::{
-    CloneResend, Error, HttpResend, Policy, Resend, RetryBudget, StandardPolicy,
+    CloneResend, Error, HttpResend, Policy, Resend, StandardPolicy,
     future::{Call, ResponseFuture},
     parts::Shared,
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{
-    BoxError, ByAuthority, Deadline, Dependency, DependencyKey, HasExtensions, InvalidConfig,
-    RetryScope,
+    BoxError, ByAuthority, CallContext, Deadline, Dependency, DependencyKey, HasExtensions,
+    InvalidConfig, RetryBudget,
 };
 use std::{
     fmt,
@@ -267,7 +267,7 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         // An outer retry layer owns retrying: one attempt here (still gated), under
         // this layer's own dependency name, and none of the call-level work.
-        let nested = RetryScope::is_owned_by(&req, crate::owner());
+        let nested = CallContext::of(&req).is_some_and(|c| c.owned_by(crate::owner()));
         let shared = self.shared.clone();
         let dependency = match Dependency::on(&req) {
             Some(d) if !nested => d.clone(),

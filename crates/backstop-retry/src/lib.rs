@@ -10,12 +10,12 @@
 //! - the [classifier](backstop_classify::Classify) calls the attempt retryable (a timeout, a
 //!   reset, a 429 or 5xx; never a validation error);
 //! - the side effect of the attempt is known not to have happened, **or** the request is
-//!   replay-safe (an idempotent method, an idempotency key, a [`ReplaySafe`] marker): a timeout
+//!   replay-safe (an idempotent method, an idempotency key, a [`ReplaySafe`](backstop_core::ReplaySafe) marker): a timeout
 //!   means *unknown*, not *failed*;
 //! - attempts are left (3 by default: one call and two retries);
 //! - the wait (the server's `Retry-After`, else the [backoff](backstop_backoff::Backoff), full
-//!   jitter from 200 ms up to 5 s) ends before the request's [`Deadline`];
-//! - the run's and the dependency's [`RetryBudget`] allow another retry;
+//!   jitter from 200 ms up to 5 s) ends before the request's [`Deadline`](backstop_core::Deadline);
+//! - the run's and the dependency's [`RetryBudget`](backstop_core::RetryBudget) allow another retry;
 //! - the request can be copied ([`Resend`]): any `Clone` request, or an `http::Request` whose
 //!   body can be replayed (`Full<Bytes>`, or a body buffered by [`BufferBodyLayer`] up to a
 //!   limit).
@@ -25,7 +25,7 @@
 //! call, not sent) and the attempt timeout (`AttemptTimeoutLayer`).
 //!
 //! **Retries happen in exactly one place.** The retry layer puts the call's context (the
-//! [`RetryScope`] mark, the dependency, the deadline, the attempt's number:
+//! retry-scope mark, the dependency, the deadline, the attempt's number:
 //! `backstop_core::CallContext`) in each attempt's extensions; every retry layer further in sees
 //! the mark and makes a single attempt, so three nested stacks against a failing dependency make
 //! 3 attempts, not 27, whether the inner stack is called from `call`, from a future, or from
@@ -94,9 +94,6 @@ mod policy;
 mod resend;
 mod stream_body;
 
-pub use backstop_core::RetryScope;
-pub use backstop_core::{Deadline, Dependency, InvalidConfig, ReplaySafe};
-pub use backstop_core::{NoBudget, RetryBudget};
 pub use body::{BufferBody, BufferBodyLayer, BufferedBody};
 pub use error::{Error, ErrorKind};
 pub use hedge::{Hedge, HedgeLayer, Hedging};
@@ -122,5 +119,5 @@ fn owner() -> backstop_core::ScopeOwner {
 /// inside makes one attempt and leaves the call-level work (the key, the call's span, the
 /// error's words) to the stack outside.
 pub fn retried_outside<R: backstop_core::HasExtensions + ?Sized>(req: &R) -> bool {
-    RetryScope::is_owned_by(req, owner())
+    backstop_core::CallContext::of(req).is_some_and(|c| c.owned_by(owner()))
 }

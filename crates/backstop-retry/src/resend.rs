@@ -88,7 +88,7 @@ impl<B: ResendableBody> Resend<http::Request<B>> for HttpResend {
 
     fn attempt_name(&self, req: &http::Request<B>) -> Option<Cow<'static, str>> {
         // The semantic conventions name a client span by its method, or `HTTP`.
-        let method = backstop_core::known_method(req.method()).unwrap_or("HTTP");
+        let method = backstop_core::plumbing::known_method(req.method()).unwrap_or("HTTP");
         Some(Cow::Borrowed(method))
     }
 }

@@ -4,7 +4,7 @@
 //! clone of a service and every stack that uses the same budget or breaker. Two pieces make that
 //! cheap and safe:
 //!
-//! - [`Registry`] maps a [`Dependency`] to its state. It is sharded (a lookup takes one shard's
+//! - [`Registry`] maps a [`Dependency`](backstop_core::Dependency) to its state. It is sharded (a lookup takes one shard's
 //!   read lock, never held across an `.await`) and **bounded**: past `max` dependencies, a new
 //!   name takes the place of the least recently used idle entry, or gets state of its own that
 //!   is not kept, so requests to a million distinct hosts cannot exhaust memory and no two
@@ -43,7 +43,6 @@ mod registry;
 mod sync;
 mod window;
 
-pub use backstop_core::Dependency;
 pub use draws::Draws;
 pub use registry::Registry;
 pub use window::SlidingCount;

@@ -17,7 +17,7 @@ pub struct AttemptTimeoutLayer {
 
 impl AttemptTimeoutLayer {
     /// Each attempt may take at most `limit` (or the time left before the request's
-    /// [`Deadline`], when that is shorter).
+    /// [`Deadline`](backstop_core::Deadline), when that is shorter).
     pub const fn new(limit: Duration) -> Self {
         AttemptTimeoutLayer {
             limit,
@@ -49,8 +49,8 @@ impl<S> Layer<S> for AttemptTimeoutLayer {
     }
 }
 
-/// Fails an attempt that takes longer than its limit with [`AttemptTimedOut`](crate::AttemptTimedOut) (outcome
-/// unknown), or with [`DeadlineExceeded`](crate::DeadlineExceeded) when the request's deadline was the tighter limit.
+/// Fails an attempt that takes longer than its limit with [`AttemptTimedOut`](backstop_core::AttemptTimedOut) (outcome
+/// unknown), or with [`DeadlineExceeded`](backstop_core::DeadlineExceeded) when the request's deadline was the tighter limit.
 #[derive(Clone, Debug)]
 pub struct AttemptTimeout<S> {
     inner: S,
@@ -115,6 +115,7 @@ pub type AttemptFuture<F> = TimedFuture<F>;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use backstop_core::ReportsOutcome;
     use backstop_core::{AttemptTimedOut, DeadlineExceeded, Outcome};
     use tower::{ServiceExt, service_fn};
 

@@ -22,7 +22,7 @@ use tower_service::Service;
 /// server that sends its headers at once and then stalls, or trickles a byte every few hundred
 /// milliseconds, would otherwise hold the caller's `collect()` for as long as it likes. This
 /// layer, inside the retry layer, gives each response body the same end as its attempt
-/// (`min(attempt timeout, time left before the request's` [`Deadline`]`)`, measured from when the
+/// (`min(attempt timeout, time left before the request's` [`Deadline`](backstop_core::Deadline)`)`, measured from when the
 /// attempt started): a body still streaming then ends with a [`BodyTimedOut`] error. Dropping
 /// the body drops its timer.
 ///
@@ -285,7 +285,8 @@ impl BodyTimedOut {
 
 impl fmt::Display for BodyTimedOut {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use backstop_core::{AttemptTimedOut, DeadlineExceeded, DeadlineWords, HumanDuration};
+        use backstop_core::plumbing::{DeadlineWords, HumanDuration};
+        use backstop_core::{AttemptTimedOut, DeadlineExceeded};
         let (dependency, limit) = if let Some(t) = self.cause.downcast_ref::<AttemptTimedOut>() {
             (
                 t.dependency(),

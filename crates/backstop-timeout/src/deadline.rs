@@ -20,7 +20,7 @@ pub struct DeadlineLayer {
 
 impl DeadlineLayer {
     /// Each call, with all its attempts and backoff sleeps, must end within `budget` (or the
-    /// caller's own [`Deadline`], when that is earlier).
+    /// caller's own [`Deadline`](backstop_core::Deadline), when that is earlier).
     pub const fn new(budget: Duration) -> Self {
         DeadlineLayer {
             budget: Some(budget),
@@ -28,7 +28,7 @@ impl DeadlineLayer {
         }
     }
 
-    /// No budget of its own: a call ends by the [`Deadline`] its caller put on the request, and
+    /// No budget of its own: a call ends by the [`Deadline`](backstop_core::Deadline) its caller put on the request, and
     /// runs unbounded without one.
     pub const fn inherited() -> Self {
         DeadlineLayer {
@@ -63,8 +63,8 @@ impl<S> Layer<S> for DeadlineLayer {
     }
 }
 
-/// Records a [`Deadline`] on each request (keeping a tighter one the caller set) and fails the
-/// call with [`DeadlineExceeded`](crate::DeadlineExceeded) when it passes.
+/// Records a [`Deadline`](backstop_core::Deadline) on each request (keeping a tighter one the caller set) and fails the
+/// call with [`DeadlineExceeded`](backstop_core::DeadlineExceeded) when it passes.
 ///
 /// Inner Backstop layers end the call by themselves before the deadline with a precise
 /// verdict (the retry layer waits no longer than it, the attempt timeout cuts the last attempt
@@ -187,6 +187,7 @@ pub type DeadlineFuture<F> = TimedFuture<F>;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use backstop_core::ReportsOutcome;
     use backstop_core::{DeadlineExceeded, Outcome};
     use tokio::time::Instant;
     use tower::{ServiceExt, service_fn};

@@ -31,7 +31,7 @@ use tower_service::Service;
 /// apart. Only replay-safe requests (an idempotent method, a key the dependency honours,
 /// [`ReplaySafe`]) are planned from and recorded in the record: an attempt cut there may be sent
 /// again. Any other request keeps the fixed `limit`, since a cut would leave its outcome unknown
-/// for good. The request's [`Deadline`] still bounds every attempt.
+/// for good. The request's [`Deadline`](backstop_core::Deadline) still bounds every attempt.
 ///
 /// ```
 /// use backstop_classify::HttpClassifier;
@@ -95,8 +95,8 @@ impl<S, C> Layer<S> for LearnedTimeoutLayer<C> {
 }
 
 /// See [`LearnedTimeoutLayer`]. Fails an attempt still running at its limit with
-/// [`AttemptTimedOut`](crate::AttemptTimedOut), or with
-/// [`DeadlineExceeded`](crate::DeadlineExceeded) when the deadline came first.
+/// [`AttemptTimedOut`](backstop_core::AttemptTimedOut), or with
+/// [`DeadlineExceeded`](backstop_core::DeadlineExceeded) when the deadline came first.
 #[derive(Debug)]
 pub struct LearnedTimeout<S, C> {
     inner: S,
@@ -221,7 +221,7 @@ impl<C> Learning<C> {
     {
         match result {
             Err(e)
-                if e.downcast_ref::<crate::AttemptTimedOut>()
+                if e.downcast_ref::<backstop_core::AttemptTimedOut>()
                     .map(|t| t.limit())
                     == Some(self.limit) =>
             {

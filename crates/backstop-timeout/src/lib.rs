@@ -4,7 +4,7 @@
 //! Two limits work together:
 //!
 //! - [`DeadlineLayer`] bounds the whole logical call, every attempt and every backoff sleep. It
-//!   records a [`Deadline`] in the request's extensions; a deadline the caller already put there
+//!   records a [`Deadline`](backstop_core::Deadline) in the request's extensions; a deadline the caller already put there
 //!   wins when it is tighter, so a call never outlives its caller. A request whose deadline has
 //!   already passed fails at once without reaching the inner service.
 //! - [`AttemptTimeoutLayer`] bounds one attempt, inside the retry layer. It reads the deadline
@@ -17,7 +17,7 @@
 //!
 //! Choose the attempt timeout from the dependency's observed latency (a high percentile plus
 //! margin, for example p99 1.2 s -> 3 s), not from hope. A timed-out attempt's side effect is
-//! *unknown*, never "failed": the errors say so ([`AttemptTimedOut`], [`DeadlineExceeded`]).
+//! *unknown*, never "failed": the errors say so ([`AttemptTimedOut`](backstop_core::AttemptTimedOut), [`DeadlineExceeded`](backstop_core::DeadlineExceeded)).
 //!
 //! - [`BodyTimeoutLayer`] keeps the attempt's limit and the deadline running over the
 //!   response body, which the layers above stop at when the headers arrive. Inside an attempt
@@ -64,11 +64,17 @@ mod timed;
 
 pub use adaptive::{BoundLatency, LatencyConfig, LatencyTimeouts};
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
-pub use backstop_core::{AttemptTimedOut, Deadline, DeadlineExceeded};
 pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};
 pub use deadline::{DeadlineLayer, WithDeadline};
 pub use learned::{LearnedTimeout, LearnedTimeoutLayer};
-pub use timed::{AttemptCutoff, DeadlinePassed, Expiry};
+
+/// Not part of the public API: what the Backstop crates use to reach each other (the facade's
+/// gRPC transport writes `grpc-timeout` from the attempt's end). Anything here may change in any
+/// release.
+#[doc(hidden)]
+pub mod plumbing {
+    pub use crate::timed::{AttemptCutoff, DeadlinePassed, Expiry};
+}
 
 /// Future types.
 pub mod future {

@@ -14,12 +14,12 @@ use tokio::time::{Instant, Sleep, sleep_until};
 /// Which limit ends an attempt that runs out of time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expiry {
-    /// Its own attempt timeout: an [`AttemptTimedOut`] error (outcome unknown).
+    /// Its own attempt timeout: an [`AttemptTimedOut`](backstop_core::AttemptTimedOut) error (outcome unknown).
     Attempt {
         /// The attempt timeout.
         limit: Duration,
     },
-    /// The call's deadline, which came first: a [`DeadlineExceeded`] error (outcome unknown).
+    /// The call's deadline, which came first: a [`DeadlineExceeded`](backstop_core::DeadlineExceeded) error (outcome unknown).
     Deadline {
         /// How long the deadline was, when known.
         length: Option<Duration>,
@@ -33,7 +33,7 @@ pub enum Expiry {
 ///
 /// ```
 /// use backstop_core::Deadline;
-/// use backstop_timeout::{AttemptCutoff, Expiry};
+/// use backstop_timeout::plumbing::{AttemptCutoff, Expiry};
 /// use std::time::Duration;
 /// use tokio::time::Instant;
 ///
@@ -64,7 +64,7 @@ pub struct DeadlinePassed {
 }
 
 impl DeadlinePassed {
-    /// The error for it: [`DeadlineExceeded`], outcome not sent.
+    /// The error for it: [`DeadlineExceeded`](backstop_core::DeadlineExceeded), outcome not sent.
     pub fn error(self, dependency: Option<Dependency>) -> BoxError {
         Box::new(DeadlineExceeded::new(dependency, Outcome::NotSent).with_length(self.length))
     }
@@ -80,7 +80,7 @@ impl AttemptCutoff {
         deadline: Option<Deadline>,
     ) -> Result<Option<AttemptCutoff>, DeadlinePassed> {
         let own = limit.map(|limit| AttemptCutoff {
-            at: backstop_core::instant_after(now, limit),
+            at: backstop_core::plumbing::instant_after(now, limit),
             expiry: Expiry::Attempt { limit },
         });
         let Some(deadline) = deadline else {

@@ -11,7 +11,8 @@ use crate::{
 };
 use backstop_breaker::{Breaker, BreakerLayer};
 use backstop_budget::{Budget, ThrottleLayer};
-use backstop_core::{HumanDuration, InvalidConfig, RetryBudget};
+use backstop_core::plumbing::HumanDuration;
+use backstop_core::{InvalidConfig, RetryBudget};
 use backstop_idempotency::IdempotencyLayer;
 use backstop_retry::{RetryLayer, StandardPolicy};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer, LearnedTimeoutLayer};
@@ -68,16 +69,15 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             Some(b) => b.clone(),
             None => Some(Breaker::process_wide()),
         };
-        if let Some(b) = &breaker {
-            let window = b.config().window();
-            if b.config().has_ratio_rule() && window < timeout.saturating_mul(2) {
-                return Err(InvalidConfig::new(format!(
-                    "the breaker's failure window ({}) is shorter than two attempt timeouts (2 x {}): \
-                     lengthen the window (BreakerConfig::failure_ratio) or shorten attempt_timeout",
-                    HumanDuration(window),
-                    HumanDuration(timeout)
-                )));
-            }
+        if let Some(window) = breaker.as_ref().and_then(|b| b.config().ratio_window())
+            && window < timeout.saturating_mul(2)
+        {
+            return Err(InvalidConfig::new(format!(
+                "the breaker's failure window ({}) is shorter than two attempt timeouts (2 x {}): \
+                 lengthen the window (BreakerConfig::failure_ratio) or shorten attempt_timeout",
+                HumanDuration(window),
+                HumanDuration(timeout)
+            )));
         }
         let max_attempts = match (self.preset, self.max_attempts) {
             (Preset::Destructive, Some(n)) if n > 1 => {

@@ -10,7 +10,7 @@ use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{BoxError, CallContext, Deadline, Dependency};
 use backstop_idempotency::{HttpKeys, IdempotencyLayer};
 use backstop_retry::StreamingResend;
-use backstop_timeout::{AttemptCutoff, BodyTimeout, BodyTimeoutLayer};
+use backstop_timeout::{BodyTimeout, BodyTimeoutLayer, plumbing::AttemptCutoff};
 use pin_project::pin_project;
 use std::{
     future::Future,

@@ -5,10 +5,12 @@
 
 use crate::SourceCause;
 use backstop_backoff::{Backoff, RngSource};
-use backstop_classify::{HttpClassifier, Outcome};
+use backstop_classify::HttpClassifier;
+use backstop_core::Outcome;
+use backstop_core::ReportsOutcome;
 use backstop_core::{
     AttemptTimedOut, BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency,
-    RetryScope, ScopeOwner,
+    ScopeOwner,
 };
 use backstop_retry::{Error, HttpResend, RetryLayer, StopReason};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
@@ -202,7 +204,7 @@ async fn layers_further_in_see_the_attempt_scope() {
     let start = Instant::now();
     let inner = service_fn(move |req: Req| {
         s.lock().unwrap().push((
-            RetryScope::is_marked(&req),
+            CallContext::of(&req).is_some_and(CallContext::in_retry_scope),
             Deadline::of(&req),
             Dependency::of(&req),
         ));
@@ -219,7 +221,7 @@ async fn layers_further_in_see_the_attempt_scope() {
     assert_eq!(deadline.unwrap().instant(), start + Duration::from_secs(5));
     assert_eq!(dependency.as_ref().unwrap().as_str(), "carrier-api");
     // Outside the call, nothing is current.
-    assert!(!RetryScope::is_marked(&get()));
+    assert!(!CallContext::of(&get()).is_some_and(CallContext::in_retry_scope));
     assert!(Deadline::of(&get()).is_none());
 }
 
@@ -302,7 +304,7 @@ async fn no_caller_can_make_the_retry_layer_stand_aside() {
         &mut req,
         Claim::new(ScopeOwner::of::<NotBackstop>(), "carrier-api").attempt(1),
     );
-    assert!(RetryScope::is_marked(&req));
+    assert!(CallContext::of(&req).is_some_and(CallContext::in_retry_scope));
     let res = layer()
         .layer(always_503(Arc::clone(&attempts)))
         .oneshot(req)
@@ -390,9 +392,11 @@ async fn work_inside_call_that_is_not_this_request_sees_no_context() {
     let unmarked = Arc::new(AtomicU32::new(0));
     let seen = Arc::clone(&unmarked);
     let svc = service_fn(move |req: Req| {
-        assert!(RetryScope::is_marked(&req));
+        assert!(CallContext::of(&req).is_some_and(CallContext::in_retry_scope));
         let fresh = get();
-        if !RetryScope::is_marked(&fresh) && Deadline::of(&fresh).is_none() {
+        if !CallContext::of(&fresh).is_some_and(CallContext::in_retry_scope)
+            && Deadline::of(&fresh).is_none()
+        {
             seen.fetch_add(1, Ordering::SeqCst);
         }
         let side = side.clone();

@@ -2,7 +2,8 @@
 //! composed from the standard policy's parts. On tokio's paused clock with seeded RNGs.
 
 use backstop_backoff::{Backoff, RngSource};
-use backstop_classify::{Outcome, Verdict};
+use backstop_classify::Verdict;
+use backstop_core::Outcome;
 use backstop_core::{BoxError, Dependency, HasExtensions, ReplaySafe};
 use backstop_retry::{
     Attempt, DeadlineFit, Error, MaxAttempts, Policy, ReplaySafety, RetryHistory, RetryLayer,

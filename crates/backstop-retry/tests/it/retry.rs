@@ -2,10 +2,11 @@
 
 use crate::SourceCause;
 use backstop_backoff::{Backoff, RngSource};
-use backstop_classify::{Classify, Outcome, Verdict};
-use backstop_core::{AttemptTimedOut, BoxError, Deadline, Dependency, HasExtensions};
+use backstop_classify::{Classify, Verdict};
+use backstop_core::Outcome;
+use backstop_core::{AttemptTimedOut, BoxError, Deadline, Dependency, HasExtensions, RetryBudget};
 use backstop_retry::{
-    BufferBodyLayer, Error, NotCopyable, Resend, RetryBudget, RetryHistory, RetryLayer, StopReason,
+    BufferBodyLayer, Error, NotCopyable, Resend, RetryHistory, RetryLayer, StopReason,
 };
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};

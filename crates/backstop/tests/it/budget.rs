@@ -1,9 +1,9 @@
 //! The budget under the retry layer, and under contention.
 
 use backstop_backoff::{Backoff, RngSource};
-use backstop_budget::{Budget, BudgetConfig};
+use backstop_budget::{Budget, BudgetConfig, RetryBudget};
 use backstop_core::Dependency;
-use backstop_retry::{RetryBudget, RetryHistory, RetryLayer, StopReason};
+use backstop_retry::{RetryHistory, RetryLayer, StopReason};
 use http::{Request, Response};
 use std::{
     sync::{
