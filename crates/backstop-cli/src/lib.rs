@@ -43,7 +43,8 @@
 #![deny(missing_docs)]
 
 use args::{Cli, Command, JournalArgs, JournalCommand};
-use backstop_journal::{Journal, JournalError};
+use backstop_core::plumbing::CauseChain;
+use backstop_journal::{ErrorKind, Journal, JournalError};
 use clap::Parser;
 
 mod actions;
@@ -61,16 +62,14 @@ struct Failure {
 
 impl From<JournalError> for Failure {
     fn from(e: JournalError) -> Self {
-        let code = match e {
-            JournalError::NotFound(_) => 3,
-            JournalError::Conflict { .. }
-            | JournalError::AlreadyDone(_)
-            | JournalError::RunRefused { .. } => 4,
+        let code = match e.kind() {
+            ErrorKind::NotFound => 3,
+            ErrorKind::Refused => 4,
             _ => 1,
         };
         Failure {
             code,
-            message: e.to_string(),
+            message: CauseChain(&e).to_string(),
         }
     }
 }
@@ -118,7 +117,7 @@ async fn open(db: &str) -> Result<Journal, Failure> {
     }
     Journal::open(db).await.map_err(|e| Failure {
         code: 1,
-        message: format!("cannot open the journal at {db}: {e}"),
+        message: format!("cannot open the journal at {db}: {}", CauseChain(&e)),
     })
 }
 

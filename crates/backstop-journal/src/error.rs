@@ -4,14 +4,30 @@ use crate::{
     journal::CallIdentity,
     model::{Step, StepId, StepState},
 };
-use std::fmt;
+use backstop_core::BoxError;
+use std::{error::Error, fmt};
+
+/// What kind of failure a [`JournalError`] is: the one classification the CLI's exit codes and
+/// the console's HTTP statuses both come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// No such run or step (the CLI exits 3, the console answers 404).
+    NotFound,
+    /// The run or the step is not in a state that allows it, or another worker moved it first:
+    /// nothing was written (the CLI exits 4, the console answers 409).
+    Refused,
+    /// The journal's database failed (the CLI exits 1, the console answers 503).
+    Store,
+}
 
 /// Why a journal operation failed. Nothing is half-written: each operation is one transaction.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum JournalError {
-    /// The database could not be reached or refused the statement.
-    Store(String),
+    /// The database could not be reached, refused the statement, or holds a row this journal
+    /// cannot read: the database's own error is the `source()`.
+    Store(BoxError),
     /// The step is not where the caller expected (another worker moved it, or the move is not
     /// allowed): nothing was written.
     Conflict {
@@ -55,7 +71,7 @@ pub enum JournalError {
 impl fmt::Display for JournalError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            JournalError::Store(e) => write!(f, "the journal's database failed: {e}"),
+            JournalError::Store(_) => f.write_str("the journal's database failed"),
             JournalError::Conflict {
                 id,
                 expected,
@@ -110,7 +126,42 @@ impl fmt::Display for JournalError {
     }
 }
 
-impl std::error::Error for JournalError {}
+impl Error for JournalError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self {
+            JournalError::Store(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+impl JournalError {
+    /// The database failed with `cause`.
+    pub(crate) fn store(cause: impl Into<BoxError>) -> Self {
+        JournalError::Store(cause.into())
+    }
+
+    /// What kind of failure this is.
+    ///
+    /// ```
+    /// use backstop_journal::{ErrorKind, JournalError};
+    ///
+    /// let missing = JournalError::NotFound("run r-1".into());
+    /// assert_eq!(missing.kind(), ErrorKind::NotFound);
+    /// ```
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            JournalError::Store(_) => ErrorKind::Store,
+            JournalError::NotFound(_) => ErrorKind::NotFound,
+            JournalError::Conflict { .. }
+            | JournalError::ArgsChanged { .. }
+            | JournalError::NeedsReconciliation(_)
+            | JournalError::AlreadyDone(_)
+            | JournalError::Parked(_)
+            | JournalError::RunRefused { .. } => ErrorKind::Refused,
+        }
+    }
+}
 
 /// A digest as shown in words: its first 12 characters.
 fn short(digest: &str) -> String {
@@ -122,6 +173,34 @@ fn short(digest: &str) -> String {
 
 impl From<sqlx::Error> for JournalError {
     fn from(e: sqlx::Error) -> Self {
-        JournalError::Store(e.to_string())
+        JournalError::store(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_database_failure_keeps_the_databases_error_as_its_source() {
+        let e = JournalError::from(sqlx::Error::PoolTimedOut);
+        assert_eq!(e.kind(), ErrorKind::Store);
+        let source = e.source().expect("the database's error");
+        assert!(source.is::<sqlx::Error>(), "{source:?}");
+        assert_eq!(e.to_string(), "the journal's database failed");
+    }
+
+    #[test]
+    fn every_refusal_is_one_kind() {
+        let refusal = JournalError::RunRefused {
+            run: "r-1".into(),
+            why: "it is over".into(),
+        };
+        assert_eq!(refusal.kind(), ErrorKind::Refused);
+        assert_eq!(
+            JournalError::NotFound("run r-1".into()).kind(),
+            ErrorKind::NotFound
+        );
+        assert!(refusal.source().is_none());
     }
 }

@@ -202,8 +202,8 @@ impl Journal {
             #[cfg(feature = "postgres")]
             return Journal::postgres(url).await;
             #[cfg(not(feature = "postgres"))]
-            return Err(JournalError::Store(
-                "this build has no PostgreSQL support (feature `postgres`)".into(),
+            return Err(JournalError::store(
+                "this build has no PostgreSQL support (feature `postgres`)",
             ));
         }
         #[cfg(feature = "sqlite")]
@@ -215,7 +215,7 @@ impl Journal {
             Journal::sqlite(path).await
         }
         #[cfg(not(feature = "sqlite"))]
-        Err(JournalError::Store(format!(
+        Err(JournalError::store(format!(
             "{url}: this build has no SQLite support (feature `sqlite`)"
         )))
     }

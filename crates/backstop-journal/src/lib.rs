@@ -66,7 +66,7 @@ mod steps;
 mod worker;
 mod workflow;
 
-pub use error::JournalError;
+pub use error::{ErrorKind, JournalError};
 pub use journal::{CallIdentity, Clock, Journal};
 pub use layer::{
     ByOutcome, CallArgs, JournalLayer, Journaled, JournaledError, Judge, RequestLine, StatedArgs,

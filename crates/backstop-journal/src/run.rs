@@ -167,7 +167,7 @@ macro_rules! run_from_row {
             input: row.try_get("input")?,
             state: state
                 .parse()
-                .map_err(|e: crate::UnknownState| JournalError::Store(e.to_string()))?,
+                .map_err(|e: crate::UnknownState| JournalError::store(e))?,
             output: row.try_get("output")?,
             error: row.try_get("error")?,
             claimed_by: row.try_get("claimed_by")?,
@@ -386,7 +386,7 @@ impl Journal {
                         workflow,
                         state: st
                             .parse()
-                            .map_err(|e: crate::UnknownState| JournalError::Store(e.to_string()))?,
+                            .map_err(|e: crate::UnknownState| JournalError::store(e))?,
                         steps: count(steps),
                         done: count(done),
                         needs_human: count(human),

@@ -36,11 +36,11 @@ impl StepConnections {
             tokio::time::timeout(Duration::from_secs(5), self.permits.clone().acquire_owned())
                 .await
                 .map_err(|_| {
-                    JournalError::Store(format!(
+                    JournalError::store(format!(
                         "all {MAX} of the journal's step connections stayed busy for 5 s"
                     ))
                 })?
-                .map_err(|_| JournalError::Store("the journal is closed".into()))?;
+                .map_err(|_| JournalError::store("the journal is closed"))?;
         let idle = self.idle.lock().expect("step connections").pop();
         let conn = match idle {
             Some(conn) => conn,
@@ -49,7 +49,7 @@ impl StepConnections {
                 PgConnection::connect_with(&self.options),
             )
             .await
-            .map_err(|_| JournalError::Store("connecting to PostgreSQL timed out".into()))??,
+            .map_err(|_| JournalError::store("connecting to PostgreSQL timed out"))??,
         };
         Ok(Checkout {
             conn: Some(conn),
@@ -100,7 +100,11 @@ mod tests {
             panic!("a ninth connection while eight are held");
         };
         assert!(started.elapsed() >= Duration::from_secs(5));
-        assert!(e.to_string().contains("stayed busy for 5 s"), "{e}");
+        let cause = std::error::Error::source(&e).map(ToString::to_string);
+        assert!(
+            cause.is_some_and(|c| c.contains("stayed busy for 5 s")),
+            "{e:?}"
+        );
         held.pop().unwrap().keep();
         assert!(
             conns.checkout().await.is_ok(),

@@ -60,7 +60,7 @@ macro_rules! step_from_row {
             kind: $crate::model::StepKind::parse(&kind),
             state: state
                 .parse()
-                .map_err(|e: crate::model::UnknownState| JournalError::Store(e.to_string()))?,
+                .map_err(|e: crate::model::UnknownState| JournalError::store(e))?,
             attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
             last_error: row.try_get("last_error")?,
             result: row.try_get("result")?,
@@ -354,10 +354,7 @@ impl Journal {
             }
             q.fetch_all(pool).await?
         });
-        let parse = |s: &str| {
-            s.parse::<StepState>()
-                .map_err(|e| JournalError::Store(e.to_string()))
-        };
+        let parse = |s: &str| s.parse::<StepState>().map_err(JournalError::store);
         rows.into_iter()
             .map(
                 |(step_id, call_id, from, to, at_ms, attempts, error, actor, reason)| {

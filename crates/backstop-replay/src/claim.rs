@@ -74,7 +74,7 @@ async fn renew_while_running(
                 held.send_replace(false);
             }
             Err(e) => {
-                tracing::warn!(target: "backstop::replay", error = %e, "could not renew a claim");
+                tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not renew a claim");
                 if last.elapsed() >= lease {
                     tracing::error!(target: "backstop::replay", "no renewal for a whole lease: the claim may have expired, and a repeat may run the handler again");
                     held.send_replace(false);

@@ -19,6 +19,7 @@ pub(crate) type PrincipalFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 pub(crate) type BusinessFn = dyn Fn(&Parts, &Bytes) -> Option<String> + Send + Sync;
 pub(crate) type StorePolicy = dyn Fn(StatusCode) -> bool + Send + Sync;
 
+#[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn ReplayStore>,
     pub(crate) header: HeaderName,

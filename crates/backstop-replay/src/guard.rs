@@ -77,12 +77,12 @@ impl ClaimGuard {
                     break;
                 }
                 Err(e) if *self.held.borrow() => {
-                    tracing::warn!(target: "backstop::replay", error = %e, "could not store a result; trying again while the claim is held");
+                    tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not store a result; trying again while the claim is held");
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(self.cfg.lease / 3);
                 }
                 Err(e) => {
-                    tracing::error!(target: "backstop::replay", error = %e, "could not store a result before the claim was lost; a repeat may run the handler again");
+                    tracing::error!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not store a result before the claim was lost; a repeat may run the handler again");
                     break;
                 }
             }
@@ -94,7 +94,7 @@ impl ClaimGuard {
     pub(crate) async fn release(mut self) {
         self.disarm();
         if let Err(e) = self.cfg.store.release(&self.key, self.token).await {
-            tracing::warn!(target: "backstop::replay", error = %e, "could not release a claim; it will expire with its lease");
+            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not release a claim; it will expire with its lease");
         }
     }
 }

@@ -133,9 +133,9 @@ impl ReplayLayer {
         layer.edit(|c| c.transactional = Some(store))
     }
 
+    /// Changes this layer's configuration; a clone made earlier keeps its own.
     fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
-        let cfg = Arc::get_mut(&mut self.cfg).expect("configure a ReplayLayer before cloning it");
-        f(cfg);
+        f(Arc::make_mut(&mut self.cfg));
         self
     }
 

@@ -11,7 +11,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 fn err(e: sqlx::Error) -> StoreError {
-    StoreError::new(format!("postgres: {e}"))
+    StoreError::with_source("the PostgreSQL store failed", e)
 }
 
 fn secs(d: Duration) -> f64 {
@@ -177,7 +177,7 @@ impl PgStore {
             loop {
                 tokio::time::sleep(every).await;
                 if let Err(e) = store.purge_expired().await {
-                    tracing::warn!(target: "backstop::replay", error = %e, "could not purge expired rows");
+                    tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not purge expired rows");
                 }
             }
         })

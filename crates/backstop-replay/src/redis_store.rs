@@ -165,7 +165,7 @@ impl Primary {
 }
 
 fn err(e: redis::RedisError) -> StoreError {
-    StoreError::new(format!("redis: {e}"))
+    StoreError::with_source("the Redis store failed", e)
 }
 
 fn ms(d: Duration) -> u64 {
@@ -219,8 +219,9 @@ impl RedisStore {
         for node in nodes {
             let node = node.as_ref();
             let persistence = Self::open(node)?.persistence().await?;
-            Self::judge(persistence, on_volatile)
-                .map_err(|e| StoreError::new(format!("{e} (cluster node {node})")))?;
+            Self::judge(persistence, on_volatile).map_err(|e| {
+                StoreError::with_source(format!("Redis cluster node {node} failed"), e)
+            })?;
         }
         Ok(store)
     }

@@ -95,11 +95,11 @@ where
             )));
         }
         Err(e) if cfg.fail_open => {
-            tracing::warn!(target: "backstop::replay", error = %e, "store unavailable; running the request without deduplication (fail_open)");
+            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "store unavailable; running the request without deduplication (fail_open)");
             return call_inner(svc, rebuilt(keyed.parts, keyed.bytes)).await;
         }
         Err(e) => {
-            tracing::warn!(target: "backstop::replay", error = %e, "store unavailable; refusing the request");
+            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "store unavailable; refusing the request");
             return Ok(store_unavailable());
         }
     };

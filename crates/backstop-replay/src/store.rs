@@ -1,6 +1,7 @@
+use backstop_core::BoxError;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
-use std::{error::Error, fmt, future::Future, pin::Pin, time::Duration};
+use std::{error::Error, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 /// The SHA-256 fingerprint of a request: method, path and query, and a digest of the body.
 pub type Fingerprint = [u8; 32];
@@ -44,10 +45,12 @@ pub enum Claim {
     },
 }
 
-/// The store could not answer (unreachable, full, or returned something unreadable).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The store could not answer (unreachable, full, or returned something unreadable). The
+/// database's own error, when there is one, is the `source()`.
+#[derive(Clone, Debug)]
 pub struct StoreError {
     message: String,
+    source: Option<Arc<dyn Error + Send + Sync>>,
 }
 
 impl StoreError {
@@ -55,6 +58,15 @@ impl StoreError {
     pub fn new(message: impl Into<String>) -> Self {
         StoreError {
             message: message.into(),
+            source: None,
+        }
+    }
+
+    /// An error with a message, caused by `source` (the database client's error).
+    pub fn with_source(message: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        StoreError {
+            message: message.into(),
+            source: Some(Arc::from(source.into())),
         }
     }
 }
@@ -65,7 +77,11 @@ impl fmt::Display for StoreError {
     }
 }
 
-impl Error for StoreError {}
+impl Error for StoreError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn Error + 'static))
+    }
+}
 
 /// The scope of a store key: the digest of its principal. Keys are `<scope>:<digest>`, so a
 /// store can bound (and evict) each principal's entries apart from the others'.

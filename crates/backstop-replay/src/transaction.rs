@@ -45,7 +45,7 @@ where
     let tx = match pg.begin().await {
         Ok(tx) => tx,
         Err(e) => {
-            tracing::warn!(target: "backstop::replay", error = %e, "could not open a transaction; refusing the request");
+            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not open a transaction; refusing the request");
             guard.release().await;
             return Ok(store_unavailable());
         }
@@ -77,7 +77,7 @@ where
                 Ok(res)
             }
             Err(e) => {
-                tracing::warn!(target: "backstop::replay", error = %e, "the commit failed: nothing happened; the key is released");
+                tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "the commit failed: nothing happened; the key is released");
                 guard.release().await;
                 Ok(store_unavailable())
             }
@@ -97,7 +97,7 @@ where
             )))
         }
         Err(e) => {
-            tracing::warn!(target: "backstop::replay", error = %e, "could not record the result: nothing was committed; the key is released");
+            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "could not record the result: nothing was committed; the key is released");
             drop(tx);
             guard.release().await;
             Ok(store_unavailable())

@@ -1,7 +1,6 @@
 use crate::{
-    CloneResend, Error, HttpResend, Policy, Resend, StandardPolicy,
-    future::{Call, ResponseFuture},
-    parts::Shared,
+    CloneResend, Error, HttpResend, Policy, Resend, StandardPolicy, call::Call,
+    future::ResponseFuture, parts::Shared,
 };
 use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, HttpClassifier};

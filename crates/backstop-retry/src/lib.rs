@@ -83,6 +83,7 @@
 #![deny(missing_docs)]
 
 mod body;
+mod call;
 mod error;
 pub mod future;
 mod hedge;

@@ -31,14 +31,7 @@ impl Who {
 
 /// A journal's refusal as the page an operator sees.
 fn refused(e: JournalError) -> Response {
-    let status = match e {
-        JournalError::NotFound(_) => StatusCode::NOT_FOUND,
-        JournalError::Conflict { .. }
-        | JournalError::AlreadyDone(_)
-        | JournalError::RunRefused { .. } => StatusCode::CONFLICT,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    failed(status, &e.to_string())
+    super::journal_failed(&e)
 }
 
 fn back_to(run: &str) -> Response {

@@ -153,6 +153,18 @@ pub(crate) fn may_act(
 }
 
 /// An error page.
+/// A journal error as the console answers it: the status from its kind (404 not found, 409
+/// refused, 503 the database failed), its words with their causes.
+pub(crate) fn journal_failed(e: &backstop_journal::JournalError) -> Response {
+    use backstop_journal::ErrorKind;
+    let status = match e.kind() {
+        ErrorKind::NotFound => axum::http::StatusCode::NOT_FOUND,
+        ErrorKind::Refused => axum::http::StatusCode::CONFLICT,
+        _ => axum::http::StatusCode::SERVICE_UNAVAILABLE,
+    };
+    failed(status, &backstop_core::plumbing::CauseChain(e).to_string())
+}
+
 pub(crate) fn failed(status: axum::http::StatusCode, message: &str) -> Response {
     (status, pages::error_page(status, message)).into_response()
 }

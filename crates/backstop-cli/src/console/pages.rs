@@ -8,7 +8,7 @@ use axum::{
     http::StatusCode,
     response::{Html, IntoResponse, Response},
 };
-use backstop_journal::{RunFilter, RunState, Step, StepTransition};
+use backstop_journal::{JournalError, RunFilter, RunState, Step, StepTransition};
 use maud::{DOCTYPE, Markup, html};
 use serde::Deserialize;
 use std::sync::Arc;
@@ -50,11 +50,8 @@ pub(crate) fn error_page(status: StatusCode, message: &str) -> Html<String> {
     )
 }
 
-fn journal_failed(e: impl std::fmt::Display) -> Response {
-    failed(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        &format!("the journal failed: {e}"),
-    )
+fn journal_failed(e: JournalError) -> Response {
+    super::journal_failed(&e)
 }
 
 #[derive(Deserialize)]

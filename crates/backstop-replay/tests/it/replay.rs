@@ -224,6 +224,23 @@ async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
     assert_eq!(h.runs(), 3);
 }
 
+/// A layer is a value: configuring a clone (one shared by two routers, say) changes that clone
+/// alone, and never panics.
+#[tokio::test]
+async fn configuring_a_clone_changes_that_clone_alone() {
+    let h = Handler::new(Mode::Ok);
+    let strict = ReplayLayer::new(MemoryStore::default()).single_tenant();
+    let kept = strict.clone();
+    let open = strict.clone().require_key(false);
+    // The clone made before keeps requiring keys; the one configured after runs a keyless POST.
+    for (layer, status) in [(kept, 400), (open, 201)] {
+        let svc = layer.layer(h.service());
+        let res = svc.oneshot(refund(None, "49")).await.unwrap();
+        assert_eq!(res.status(), status);
+    }
+    assert_eq!(h.runs(), 1);
+}
+
 #[tokio::test]
 async fn the_same_key_for_a_different_request_gets_422() {
     let h = Handler::new(Mode::Ok);
@@ -640,6 +657,19 @@ mod redis {
     use super::*;
     use backstop_replay::{OnVolatile, Persistence, RedisStore};
     use backstop_testkit::RedisServer;
+
+    /// A Redis that does not answer: the store's error says which store failed, and keeps
+    /// the Redis client's own error as its source.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_redis_is_a_store_error_with_the_clients_error_as_its_source() {
+        let refused = backstop_testkit::refused_addr().await;
+        let err = RedisStore::connect(&format!("redis://{refused}/"), OnVolatile::Warn)
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_string(), "the Redis store failed");
+        let source = std::error::Error::source(&err).expect("the client's error");
+        assert!(source.is::<::redis::RedisError>(), "{source:?}");
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_redis_that_forgets_is_found_at_start_and_refused_when_asked() {
