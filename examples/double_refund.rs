@@ -309,6 +309,7 @@ async fn transactional_crash() -> Result<i64, BoxError> {
             let svc = ReplayLayer::transactional(store)
                 .single_tenant()
                 .lease(Duration::from_millis(500))
+                .expect("a valid lease")
                 .layer(book(Some(booked_tx)));
             tokio::spawn(svc.oneshot(keyed_refund("refund-A-7")));
         });
@@ -322,6 +323,7 @@ async fn transactional_crash() -> Result<i64, BoxError> {
     let svc = ReplayLayer::transactional(store)
         .single_tenant()
         .lease(Duration::from_millis(500))
+        .expect("a valid lease")
         .layer(book(None));
     // The retry waits out the dead process's claim (409 while it is leased).
     let mut status = 0;

@@ -56,6 +56,7 @@ fn dependency(
         ReplayLayer::new(MemoryStore::default())
             .single_tenant()
             .lease(Duration::from_secs(5))
+            .unwrap()
             .layer(handler),
     );
     let seen: Arc<Mutex<HashMap<Vec<u8>, u32>>> = Arc::default();

@@ -77,6 +77,7 @@ async fn the_stack_survives_faults_and_a_redis_crash_without_a_duplicate() {
         ReplayLayer::new(store)
             .single_tenant()
             .lease(Duration::from_secs(5))
+            .unwrap()
             .layer(handler),
     )
     .await;

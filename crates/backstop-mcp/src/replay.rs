@@ -3,7 +3,7 @@ use crate::{
     call::{META_REPLAYED, ToolCall},
     error::{RpcError, ToolError, codes},
 };
-use backstop_core::HasExtensions;
+use backstop_core::{HasExtensions, InvalidConfig};
 use backstop_idempotency::KeyFormat;
 use backstop_replay::{Lease, Principal, Replay, ReplayLayer, ReplayRequestBody, ReplayStore};
 use bytes::Bytes;
@@ -103,9 +103,11 @@ impl ToolReplayLayer {
     /// method, the key's header and whether a key is required are the adapter's own and are
     /// replaced (keys are optional; say [`require_key`](ToolReplayLayer::require_key) here).
     pub fn from_replay(layer: ReplayLayer) -> Self {
+        let layer = layer
+            .methods([Method::POST])
+            .expect("a list with POST in it is not empty, and the rest was checked when set");
         ToolReplayLayer {
             replay: layer
-                .methods([Method::POST])
                 .header(http::HeaderName::from_static("idempotency-key"))
                 .require_key(false)
                 // Stored with the result, so a replayed tool error is told as one.
@@ -132,16 +134,19 @@ impl ToolReplayLayer {
         self.edit(|r| r.require_key(required))
     }
 
-    /// How long results are kept (24 h).
-    #[must_use]
-    pub fn ttl(self, ttl: Duration) -> Self {
-        self.edit(|r| r.ttl(ttl))
+    /// How long results are kept (24 h); refused when shorter than the lease.
+    pub fn ttl(self, ttl: Duration) -> Result<Self, InvalidConfig> {
+        Ok(ToolReplayLayer {
+            replay: self.replay.ttl(ttl)?,
+        })
     }
 
-    /// The claim's lease (30 s), renewed every third of it while the tool runs.
-    #[must_use]
-    pub fn lease(self, lease: Duration) -> Self {
-        self.edit(|r| r.lease(lease))
+    /// The claim's lease (30 s), renewed every third of it while the tool runs; refused under
+    /// 30 ms or longer than the ttl.
+    pub fn lease(self, lease: Duration) -> Result<Self, InvalidConfig> {
+        Ok(ToolReplayLayer {
+            replay: self.replay.lease(lease)?,
+        })
     }
 
     /// A business identity of a call ("refund of order 4812"): calls with the same one are the

@@ -145,11 +145,11 @@ impl ReplayLayer {
         self.edit(|c| c.header = name)
     }
 
-    /// The methods that are deduplicated (POST and PATCH). Others pass through untouched.
-    #[must_use]
-    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+    /// The methods that are deduplicated (POST and PATCH). Others pass through untouched. An
+    /// empty list is refused: it would deduplicate nothing.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Result<Self, InvalidConfig> {
         let m = methods.into_iter().collect();
-        self.edit(|c| c.methods = m)
+        self.edit(|c| c.methods = m).checked()
     }
 
     /// Whether a request to a deduplicated method without a key is refused with 400 (the
@@ -188,17 +188,17 @@ impl ReplayLayer {
         self.edit(|c| c.business_key = Some(Arc::new(f)))
     }
 
-    /// How long results are kept (24 h).
-    #[must_use]
-    pub fn ttl(self, ttl: Duration) -> Self {
-        self.edit(|c| c.ttl = ttl)
+    /// How long results are kept (24 h). Refused when shorter than the lease: a result must
+    /// outlive the claim that made it.
+    pub fn ttl(self, ttl: Duration) -> Result<Self, InvalidConfig> {
+        self.edit(|c| c.ttl = ttl).checked()
     }
 
     /// How long a claim lasts without renewal (30 s). The layer renews it every third of that
-    /// while the handler runs, so it only expires when the process stops or hangs.
-    #[must_use]
-    pub fn lease(self, lease: Duration) -> Self {
-        self.edit(|c| c.lease = lease)
+    /// while the handler runs, so it only expires when the process stops or hangs. Refused
+    /// under 30 ms (renewals every 10 ms would be all the store does) or longer than the ttl.
+    pub fn lease(self, lease: Duration) -> Result<Self, InvalidConfig> {
+        self.edit(|c| c.lease = lease).checked()
     }
 
     /// The largest request body read (1 MiB); larger requests get 413.
@@ -238,8 +238,9 @@ impl ReplayLayer {
         self.edit(|c| c.fail_open = open)
     }
 
-    /// Checks the configuration.
-    pub fn validate(&self) -> Result<(), InvalidConfig> {
+    /// This layer, when its configuration holds together: every setter that could break it
+    /// checks it, so a `ReplayLayer` that exists is a valid one.
+    fn checked(self) -> Result<Self, InvalidConfig> {
         let c = &self.cfg;
         if c.lease < Duration::from_millis(30) {
             return Err(InvalidConfig::new("replay lease must be at least 30 ms"));
@@ -254,7 +255,7 @@ impl ReplayLayer {
                 "replay methods must name at least one method",
             ));
         }
-        Ok(())
+        Ok(self)
     }
 }
 

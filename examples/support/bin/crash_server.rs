@@ -104,7 +104,8 @@ async fn main() {
         other => panic!("unknown mode {other}"),
     }
     .single_tenant()
-    .lease(Duration::from_millis(600));
+    .lease(Duration::from_millis(600))
+    .expect("a valid lease");
 
     let refunds = service_fn(move |req: Request<backstop::replay::ReplayRequestBody>| {
         let pool = pool.clone();

@@ -298,7 +298,9 @@ async fn a_stale_owner_past_its_lease_commits_nothing() {
         ReplayLayer::transactional(store.clone())
             .single_tenant()
             .lease(lease)
+            .unwrap()
             .ttl(TTL)
+            .unwrap()
     };
     let (stale, stale_wrote, stale_go) = stalling("the stale owner");
     let first = tokio::spawn(layer().layer(stale).oneshot(refund("k-stale", "A-7")));

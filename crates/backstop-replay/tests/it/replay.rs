@@ -224,6 +224,22 @@ async fn bad_keys_and_missing_keys_are_refused_without_running_the_handler() {
     assert_eq!(h.runs(), 3);
 }
 
+/// A setting that would break the layer is refused where it is made, saying what to change: a
+/// `ReplayLayer` that exists is a valid one.
+#[test]
+fn settings_that_cannot_work_are_refused_when_made() {
+    let layer = || ReplayLayer::new(MemoryStore::default());
+    let err = layer().lease(Duration::from_millis(5)).unwrap_err();
+    assert!(err.to_string().contains("at least 30 ms"), "{err}");
+    let err = layer().ttl(Duration::from_secs(10)).unwrap_err();
+    assert!(err.to_string().contains("shorter than the lease"), "{err}");
+    let err = layer().methods([]).unwrap_err();
+    assert!(err.to_string().contains("at least one method"), "{err}");
+    // In the order that holds, the same values are accepted.
+    let short = layer().lease(Duration::from_secs(1)).unwrap();
+    assert!(short.ttl(Duration::from_secs(10)).is_ok());
+}
+
 /// A layer is a value: configuring a clone (one shared by two routers, say) changes that clone
 /// alone, and never panics.
 #[tokio::test]
@@ -348,6 +364,7 @@ async fn results_expire_after_the_ttl() {
     let svc = ReplayLayer::new(MemoryStore::default())
         .single_tenant()
         .ttl(Duration::from_secs(3600))
+        .unwrap()
         .layer(h.service());
     svc.clone().oneshot(refund(Some("k"), "49")).await.unwrap();
     tokio::time::advance(Duration::from_secs(3599)).await;
@@ -400,6 +417,7 @@ async fn a_long_handler_keeps_its_claim_by_renewing_the_lease() {
     let svc = ReplayLayer::new(MemoryStore::default())
         .single_tenant()
         .lease(Duration::from_secs(30))
+        .unwrap()
         .layer(slow.service());
     let first = tokio::spawn(svc.clone().oneshot(refund(Some("k"), "49")));
     for _ in 0..3 {
@@ -786,6 +804,7 @@ return 1
             ReplayLayer::new(RedisStore::open(&redis.url()).unwrap())
                 .single_tenant()
                 .lease(lease)
+                .unwrap()
         };
         // Sends a refund through a handler that stalls after its claim; returns the call, the
         // claim's token once the handler holds it, and the handle that lets the handler go on.
@@ -1143,6 +1162,7 @@ mod redis_cluster {
         let svc = ReplayLayer::new(RedisStore::cluster(&cluster.urls()).unwrap())
             .single_tenant()
             .lease(Duration::from_secs(1))
+            .unwrap()
             .layer(h.service());
         // Thirty requests claimed, their handlers running, when a node dies.
         let mut tasks = tokio::task::JoinSet::new();
@@ -1380,6 +1400,7 @@ async fn a_handler_learns_that_its_lease_was_lost() {
         let res = ReplayLayer::with_store(Arc::new(Flaky::new(0, mode)))
             .single_tenant()
             .lease(Duration::from_secs(3))
+            .unwrap()
             .layer(watchful(lost.clone()))
             .oneshot(refund(Some("k"), "49"))
             .await
@@ -1399,6 +1420,7 @@ async fn a_handler_learns_that_its_lease_was_lost() {
     let res = ReplayLayer::with_store(Arc::new(Flaky::new(0, 0)))
         .single_tenant()
         .lease(Duration::from_secs(3))
+        .unwrap()
         .layer(watchful(lost.clone()))
         .oneshot(refund(Some("k"), "49"))
         .await

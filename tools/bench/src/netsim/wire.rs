@@ -79,6 +79,7 @@ pub(crate) async fn api_host(world: Arc<World>, lease: Duration) -> turmoil::Res
     let svc = ReplayLayer::new(RemoteStore)
         .single_tenant()
         .lease(lease)
+        .expect("a valid lease")
         .layer(handler);
     let listener = TcpListener::bind(("0.0.0.0", API.1)).await?;
     loop {
