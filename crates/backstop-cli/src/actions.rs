@@ -2,9 +2,9 @@
 //! cancel a run, send a failed step again, stub a step's result, fork a run from a step.
 
 use crate::Failure;
-use crate::args::{ResolveArgs, Who};
+use crate::args::{ResolveArgs, StepRef, Who};
 use crate::render::{print_json, run_record_json, step_json};
-use backstop_journal::{Journal, Resolution, StepId};
+use backstop_journal::{Journal, Resolution};
 
 /// `resolve`: repairs a step that is not over.
 pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u8, Failure> {
@@ -15,21 +15,25 @@ pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u
     } else {
         Resolution::Retry
     };
-    let id = StepId::new(&r.run, &r.step, &r.call);
+    let id = r.step.id();
     if j.step(&id).await?.is_none() {
         return Err(Failure {
             code: 3,
             message: format!(
                 "step {id} is not in the journal (see `backstop journal show {}`)",
-                r.run
+                r.step.run
             ),
         });
     }
-    let step = j.resolve(&id, resolution, &r.by, &r.why).await?;
+    let who = &r.who;
+    let step = j.resolve(&id, resolution, &who.by, &who.why).await?;
     if json {
         print_json(&step_json(&step));
     } else {
-        println!("step {id} is now {} (by {}: {})", step.state, r.by, r.why);
+        println!(
+            "step {id} is now {} (by {}: {})",
+            step.state, who.by, who.why
+        );
     }
     Ok(0)
 }
@@ -49,10 +53,10 @@ pub(crate) async fn cancel(j: &Journal, json: bool, run: &str, who: Who) -> Resu
 pub(crate) async fn retry(
     j: &Journal,
     json: bool,
-    (run, step, call): (&str, &str, &str),
+    step: &StepRef,
     who: Who,
 ) -> Result<u8, Failure> {
-    let id = StepId::new(run, step, call);
+    let id = step.id();
     let step = j.retry_step(&id, &who.by, &who.why).await?;
     if json {
         print_json(&step_json(&step));
@@ -69,11 +73,11 @@ pub(crate) async fn retry(
 pub(crate) async fn stub(
     j: &Journal,
     json: bool,
-    (run, step, call): (&str, &str, &str),
+    step: &StepRef,
     result: &str,
     who: Who,
 ) -> Result<u8, Failure> {
-    let id = StepId::new(run, step, call);
+    let id = step.id();
     let step = j.stub_step(&id, result, &who.by, &who.why).await?;
     if json {
         print_json(&step_json(&step));

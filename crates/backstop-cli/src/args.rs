@@ -2,7 +2,7 @@
 
 use crate::letters;
 use backstop_journal::RunState;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::Value;
 
 #[derive(Parser, Debug)]
@@ -51,9 +51,9 @@ pub(crate) enum JournalCommand {
         /// How many runs, most recently changed first.
         #[arg(long, default_value_t = 20)]
         limit: u32,
-        /// Only runs in this state: pending, succeeded, failed, cancelled, needs_human.
-        #[arg(long, value_parser = parse_run_state)]
-        state: Option<RunState>,
+        /// Only runs in this state.
+        #[arg(long, value_enum)]
+        state: Option<StateArg>,
         /// Only runs of this workflow.
         #[arg(long)]
         workflow: Option<String>,
@@ -80,13 +80,8 @@ pub(crate) enum JournalCommand {
     },
     /// Sends a failed step again, with the same key; its run goes back to pending.
     Retry {
-        /// The run.
-        run: String,
-        /// The step.
-        step: String,
-        /// The tool call within the step, when it has one.
-        #[arg(long, default_value = "")]
-        call: String,
+        #[command(flatten)]
+        step: StepRef,
         #[command(flatten)]
         who: Who,
     },
@@ -116,13 +111,8 @@ pub(crate) enum JournalCommand {
     },
     /// Writes the result the workflow will see for a step, instead of calling its tool.
     Stub {
-        /// The run.
-        run: String,
-        /// The step.
-        step: String,
-        /// The tool call within the step, when it has one.
-        #[arg(long, default_value = "")]
-        call: String,
+        #[command(flatten)]
+        step: StepRef,
         /// The result, as JSON.
         #[arg(long, value_parser = parse_json)]
         result: String,
@@ -142,11 +132,51 @@ pub(crate) struct Who {
     pub(crate) why: String,
 }
 
-fn parse_run_state(s: &str) -> Result<RunState, String> {
-    s.parse().map_err(|_| {
-        let names: Vec<_> = RunState::ALL.iter().map(|s| s.as_str()).collect();
-        format!("{s:?} is not a run state: one of {}", names.join(", "))
-    })
+/// One step of a run, as the commands that act on a step name it.
+#[derive(Args, Debug)]
+pub(crate) struct StepRef {
+    /// The run.
+    pub(crate) run: String,
+    /// The step.
+    pub(crate) step: String,
+    /// The tool call within the step, when it has one.
+    #[arg(long, default_value = "")]
+    pub(crate) call: String,
+}
+
+impl StepRef {
+    /// The step's id in the journal.
+    pub(crate) fn id(&self) -> backstop_journal::StepId {
+        backstop_journal::StepId::new(&self.run, &self.step, &self.call)
+    }
+}
+
+/// A run's state, as `--state` takes it (clap lists the values in `--help` and completions).
+#[derive(ValueEnum, Clone, Copy, Debug)]
+#[value(rename_all = "snake_case")]
+pub(crate) enum StateArg {
+    /// Not finished.
+    Pending,
+    /// The workflow finished it.
+    Succeeded,
+    /// The workflow failed.
+    Failed,
+    /// An operator cancelled it.
+    Cancelled,
+    /// A person must decide a step.
+    NeedsHuman,
+}
+
+impl From<StateArg> for RunState {
+    fn from(s: StateArg) -> RunState {
+        match s {
+            StateArg::Pending => RunState::Pending,
+            StateArg::Succeeded => RunState::Succeeded,
+            StateArg::Failed => RunState::Failed,
+            StateArg::Cancelled => RunState::Cancelled,
+            StateArg::NeedsHuman => RunState::NeedsHuman,
+        }
+    }
 }
 
 pub(crate) fn parse_json(s: &str) -> Result<String, String> {
@@ -158,13 +188,8 @@ pub(crate) fn parse_json(s: &str) -> Result<String, String> {
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("resolution").required(true).args(["succeeded", "failed", "retry"])))]
 pub(crate) struct ResolveArgs {
-    /// The run.
-    pub(crate) run: String,
-    /// The step.
-    pub(crate) step: String,
-    /// The tool call within the step, when it has one.
-    #[arg(long, default_value = "")]
-    pub(crate) call: String,
+    #[command(flatten)]
+    pub(crate) step: StepRef,
     /// It happened (you checked with the provider).
     #[arg(long)]
     pub(crate) succeeded: bool,
@@ -177,10 +202,6 @@ pub(crate) struct ResolveArgs {
     /// It did not take effect: send it again, with the same key.
     #[arg(long)]
     pub(crate) retry: bool,
-    /// Who decides.
-    #[arg(long)]
-    pub(crate) by: String,
-    /// Why, in words (recorded in the step's history).
-    #[arg(long)]
-    pub(crate) why: String,
+    #[command(flatten)]
+    pub(crate) who: Who,
 }

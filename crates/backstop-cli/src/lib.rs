@@ -132,7 +132,7 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
             workflow,
         } => {
             let mut filter = backstop_journal::RunFilter::latest(limit);
-            filter.state = state;
+            filter.state = state.map(Into::into);
             filter.workflow = workflow;
             reads::runs(&j, json, now, &filter).await
         }
@@ -140,19 +140,10 @@ async fn journal(args: JournalArgs) -> Result<u8, Failure> {
         JournalCommand::Stuck { fail_if_any } => reads::stuck(&j, json, now, fail_if_any).await,
         JournalCommand::Resolve(r) => actions::resolve(&j, json, r).await,
         JournalCommand::Cancel { run, who } => actions::cancel(&j, json, &run, who).await,
-        JournalCommand::Retry {
-            run,
-            step,
-            call,
-            who,
-        } => actions::retry(&j, json, (&run, &step, &call), who).await,
-        JournalCommand::Stub {
-            run,
-            step,
-            call,
-            result,
-            who,
-        } => actions::stub(&j, json, (&run, &step, &call), &result, who).await,
+        JournalCommand::Retry { step, who } => actions::retry(&j, json, &step, who).await,
+        JournalCommand::Stub { step, result, who } => {
+            actions::stub(&j, json, &step, &result, who).await
+        }
         JournalCommand::Serve {
             listen,
             allow_actions,

@@ -116,7 +116,7 @@ fn steer(db: &str) {
     let (code, _, err) = backstop(db, &["runs", "--state", "done"]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("not a run state") && err.contains("needs_human"),
+        err.contains("invalid value 'done' for '--state") && err.contains("needs_human"),
         "{err}"
     );
 
