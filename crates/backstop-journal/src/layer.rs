@@ -338,7 +338,7 @@ where
                 tracing::warn!(
                     target: "backstop::journal",
                     step = %step.id,
-                    error = %e,
+                    error = %backstop_core::plumbing::CauseChain(&e),
                     "the call's end could not be journaled"
                 );
             }

@@ -11,6 +11,7 @@ use crate::{
     run::{RunOutcome, RunRecord, RunState},
     workflow::{RunContext, RunEnd, RunError, RunReport, WorkflowFn, WorkflowResult},
 };
+use backstop_core::plumbing::CauseChain;
 use std::{collections::HashMap, fmt, future::Future, sync::Arc, time::Duration};
 use tokio::{sync::watch, time::Instant};
 
@@ -174,7 +175,7 @@ impl Worker {
                 Err(e) => tracing::warn!(
                     target: "backstop::journal",
                     worker = %self.id,
-                    error = %e,
+                    error = %CauseChain(&e),
                     "claiming a run failed; trying again"
                 ),
             }
@@ -212,7 +213,7 @@ impl Worker {
             Ok(Prepared::Run(record, workflow)) => self.run_workflow(*record, workflow, stop).await,
             Ok(Prepared::Ended(end)) => end,
             Err(e) => {
-                self.give_back(run, format!("the journal failed: {e}"))
+                self.give_back(run, format!("the journal failed: {}", CauseChain(&e)))
                     .await
             }
         };
@@ -257,7 +258,7 @@ impl Worker {
                 match self.journal.run_needs_human(run, &self.id, &why).await {
                     Ok(_) | Err(JournalError::RunRefused { .. }) => RunEnd::NeedsHuman { why },
                     Err(e) => {
-                        self.give_back(run, format!("the journal failed: {e}"))
+                        self.give_back(run, format!("the journal failed: {}", CauseChain(&e)))
                             .await
                     }
                 },
@@ -321,7 +322,7 @@ impl Worker {
     async fn after_losing(&self, run: &str, lost: Lost) -> RunEnd {
         match lost {
             Lost::Store(e) => RunEnd::Released {
-                why: format!("the lease could not be renewed: {e}"),
+                why: format!("the lease could not be renewed: {}", CauseChain(&e)),
             },
             Lost::Claim => match self.journal.run_record(run).await {
                 Ok(Some(r)) if r.state == RunState::Cancelled => RunEnd::Cancelled,
@@ -336,7 +337,10 @@ impl Worker {
                     why: "the run is gone".into(),
                 },
                 Err(e) => RunEnd::Released {
-                    why: format!("the claim was lost, and the journal failed: {e}"),
+                    why: format!(
+                        "the claim was lost, and the journal failed: {}",
+                        CauseChain(&e)
+                    ),
                 },
             },
         }
@@ -380,7 +384,7 @@ impl Worker {
                 .map(|_| RunEnd::NeedsHuman { why }),
             Err(RunError::Journal(e)) => {
                 return self
-                    .give_back(run, format!("the journal failed: {e}"))
+                    .give_back(run, format!("the journal failed: {}", CauseChain(&e)))
                     .await;
             }
             Err(e @ (RunError::StepFailed(_) | RunError::Failed(_))) => {
@@ -405,7 +409,7 @@ impl Worker {
                 _ => RunEnd::Released { why },
             },
             Err(e) => {
-                self.give_back(run, format!("the journal failed: {e}"))
+                self.give_back(run, format!("the journal failed: {}", CauseChain(&e)))
                     .await
             }
         }
@@ -415,7 +419,7 @@ impl Worker {
     async fn give_back(&self, run: &str, why: String) -> RunEnd {
         if let Err(e) = self.journal.release(run, &self.id).await {
             // The lease runs out by itself.
-            tracing::warn!(target: "backstop::journal", run, error = %e, "release failed");
+            tracing::warn!(target: "backstop::journal", run, error = %CauseChain(&e), "release failed");
         }
         RunEnd::Released { why }
     }
