@@ -2,16 +2,15 @@
 //! again, stub its result or resolve it. Each asks who and why, and records them as the CLI's
 //! commands do; a refusal is shown with the journal's reason and nothing is written.
 
-use super::{Console, encode, failed, may_act};
+use super::{Console, ConsoleError, encode, may_act};
 use crate::args::parse_json;
 use axum::{
     Form,
-    extract::{Path, State},
-    http::{HeaderMap, StatusCode},
-    response::{IntoResponse, Redirect, Response},
+    extract::{FromRequest, Path, Request, State},
+    response::Redirect,
 };
-use backstop_journal::{JournalError, Resolution, StepId};
-use serde::Deserialize;
+use backstop_journal::{Resolution, StepId};
+use serde::{Deserialize, de::DeserializeOwned};
 use std::sync::Arc;
 
 /// The fields every action's form has.
@@ -22,55 +21,61 @@ pub(crate) struct Who {
     why: String,
 }
 
-impl Who {
-    /// Both are said: each is recorded with the action.
-    fn given(&self) -> bool {
-        !self.who.trim().is_empty() && !self.why.trim().is_empty()
+/// A form that carries [`Who`].
+pub(crate) trait Signed {
+    /// Who acts, why, and the form's token.
+    fn who(&self) -> &Who;
+}
+
+impl Signed for Who {
+    fn who(&self) -> &Who {
+        self
     }
 }
 
-/// A journal's refusal as the page an operator sees.
-fn refused(e: JournalError) -> Response {
-    super::journal_failed(&e)
-}
+/// An action's form, once every check an action shares has passed: actions are allowed, the
+/// post comes from this console (its headers, and the form's token), and it says who acts and
+/// why. A handler that takes it runs only then; a refusal is the [`ConsoleError`] it gives.
+pub(crate) struct Acting<T>(pub(crate) T);
 
-fn back_to(run: &str) -> Response {
-    Redirect::to(&format!("/runs/{}", encode(run))).into_response()
-}
-
-/// Runs the checks every action shares, then `act`.
-async fn acting<F, Fut>(c: &Console, headers: &HeaderMap, who: &Who, act: F) -> Response
+impl<T> FromRequest<Arc<Console>> for Acting<T>
 where
-    F: FnOnce() -> Fut,
-    Fut: Future<Output = Result<Response, Response>>,
+    T: Signed + DeserializeOwned + Send,
 {
-    if let Err((status, message)) = may_act(c, headers, &who.token) {
-        return failed(status, &message);
+    type Rejection = ConsoleError;
+
+    async fn from_request(req: Request, console: &Arc<Console>) -> Result<Self, ConsoleError> {
+        may_act(console, req.headers())?;
+        let Form(form) = Form::<T>::from_request(req, console)
+            .await
+            .map_err(|e| ConsoleError::BadRequest(e.body_text()))?;
+        let who = form.who();
+        if who.token != console.token {
+            return Err(ConsoleError::Forbidden(
+                "refused: the form's token is not this console's (reload the page)".into(),
+            ));
+        }
+        if who.who.trim().is_empty() || who.why.trim().is_empty() {
+            return Err(ConsoleError::BadRequest(
+                "say who acts and why: both are recorded with the action".into(),
+            ));
+        }
+        Ok(Acting(form))
     }
-    if !who.given() {
-        return failed(
-            StatusCode::BAD_REQUEST,
-            "say who acts and why: both are recorded with the action",
-        );
-    }
-    act().await.unwrap_or_else(|e| e)
+}
+
+fn back_to(run: &str) -> Redirect {
+    Redirect::to(&format!("/runs/{}", encode(run)))
 }
 
 /// `POST /runs/{run}/cancel`.
 pub(crate) async fn cancel(
     State(c): State<Arc<Console>>,
     Path(run): Path<String>,
-    headers: HeaderMap,
-    Form(who): Form<Who>,
-) -> Response {
-    acting(&c, &headers, &who, || async {
-        c.journal
-            .cancel_run(&run, &who.who, &who.why)
-            .await
-            .map_err(refused)?;
-        Ok(back_to(&run))
-    })
-    .await
+    Acting(who): Acting<Who>,
+) -> Result<Redirect, ConsoleError> {
+    c.journal.cancel_run(&run, &who.who, &who.why).await?;
+    Ok(back_to(&run))
 }
 
 #[derive(Deserialize)]
@@ -81,24 +86,26 @@ pub(crate) struct ForkForm {
     new_run: String,
 }
 
+impl Signed for ForkForm {
+    fn who(&self) -> &Who {
+        &self.who
+    }
+}
+
 /// `POST /runs/{run}/fork`: the new run's page once it is made.
 pub(crate) async fn fork(
     State(c): State<Arc<Console>>,
     Path(run): Path<String>,
-    headers: HeaderMap,
-    Form(f): Form<ForkForm>,
-) -> Response {
-    acting(&c, &headers, &f.who, || async {
-        if f.new_run.trim().is_empty() {
-            return Err(failed(StatusCode::BAD_REQUEST, "the new run needs an id"));
-        }
-        c.journal
-            .fork_run(&run, &f.from, f.new_run.trim(), &f.who.who, &f.who.why)
-            .await
-            .map_err(refused)?;
-        Ok(back_to(f.new_run.trim()))
-    })
-    .await
+    Acting(f): Acting<ForkForm>,
+) -> Result<Redirect, ConsoleError> {
+    let new_run = f.new_run.trim();
+    if new_run.is_empty() {
+        return Err(ConsoleError::BadRequest("the new run needs an id".into()));
+    }
+    c.journal
+        .fork_run(&run, &f.from, new_run, &f.who.who, &f.who.why)
+        .await?;
+    Ok(back_to(new_run))
 }
 
 #[derive(Deserialize)]
@@ -113,41 +120,35 @@ pub(crate) struct StepForm {
     resolution: String,
 }
 
+impl Signed for StepForm {
+    fn who(&self) -> &Who {
+        &self.who
+    }
+}
+
 /// `POST /runs/{run}/steps/{step}/retry`.
 pub(crate) async fn retry(
     State(c): State<Arc<Console>>,
     Path((run, step)): Path<(String, String)>,
-    headers: HeaderMap,
-    Form(f): Form<StepForm>,
-) -> Response {
-    acting(&c, &headers, &f.who, || async {
-        let id = StepId::new(&run, &step, &f.call);
-        c.journal
-            .retry_step(&id, &f.who.who, &f.who.why)
-            .await
-            .map_err(refused)?;
-        Ok(back_to(&run))
-    })
-    .await
+    Acting(f): Acting<StepForm>,
+) -> Result<Redirect, ConsoleError> {
+    let id = StepId::new(&run, &step, &f.call);
+    c.journal.retry_step(&id, &f.who.who, &f.who.why).await?;
+    Ok(back_to(&run))
 }
 
 /// `POST /runs/{run}/steps/{step}/stub`: the result must be JSON, as on the command line.
 pub(crate) async fn stub(
     State(c): State<Arc<Console>>,
     Path((run, step)): Path<(String, String)>,
-    headers: HeaderMap,
-    Form(f): Form<StepForm>,
-) -> Response {
-    acting(&c, &headers, &f.who, || async {
-        let result = parse_json(&f.result).map_err(|e| failed(StatusCode::BAD_REQUEST, &e))?;
-        let id = StepId::new(&run, &step, &f.call);
-        c.journal
-            .stub_step(&id, &result, &f.who.who, &f.who.why)
-            .await
-            .map_err(refused)?;
-        Ok(back_to(&run))
-    })
-    .await
+    Acting(f): Acting<StepForm>,
+) -> Result<Redirect, ConsoleError> {
+    let result = parse_json(&f.result).map_err(ConsoleError::BadRequest)?;
+    let id = StepId::new(&run, &step, &f.call);
+    c.journal
+        .stub_step(&id, &result, &f.who.who, &f.who.why)
+        .await?;
+    Ok(back_to(&run))
 }
 
 /// `POST /runs/{run}/steps/{step}/resolve`: succeeded (with an optional JSON result), failed,
@@ -155,32 +156,24 @@ pub(crate) async fn stub(
 pub(crate) async fn resolve(
     State(c): State<Arc<Console>>,
     Path((run, step)): Path<(String, String)>,
-    headers: HeaderMap,
-    Form(f): Form<StepForm>,
-) -> Response {
-    acting(&c, &headers, &f.who, || async {
-        let resolution = match f.resolution.as_str() {
-            "succeeded" if f.result.trim().is_empty() => Resolution::Succeeded { result: None },
-            "succeeded" => Resolution::Succeeded {
-                result: Some(
-                    parse_json(&f.result).map_err(|e| failed(StatusCode::BAD_REQUEST, &e))?,
-                ),
-            },
-            "failed" => Resolution::Failed,
-            "retry" => Resolution::Retry,
-            other => {
-                return Err(failed(
-                    StatusCode::BAD_REQUEST,
-                    &format!("{other:?} is no resolution: succeeded, failed or retry"),
-                ));
-            }
-        };
-        let id = StepId::new(&run, &step, &f.call);
-        c.journal
-            .resolve(&id, resolution, &f.who.who, &f.who.why)
-            .await
-            .map_err(refused)?;
-        Ok(back_to(&run))
-    })
-    .await
+    Acting(f): Acting<StepForm>,
+) -> Result<Redirect, ConsoleError> {
+    let resolution = match f.resolution.as_str() {
+        "succeeded" if f.result.trim().is_empty() => Resolution::Succeeded { result: None },
+        "succeeded" => Resolution::Succeeded {
+            result: Some(parse_json(&f.result).map_err(ConsoleError::BadRequest)?),
+        },
+        "failed" => Resolution::Failed,
+        "retry" => Resolution::Retry,
+        other => {
+            return Err(ConsoleError::BadRequest(format!(
+                "{other:?} is no resolution: succeeded, failed or retry"
+            )));
+        }
+    };
+    let id = StepId::new(&run, &step, &f.call);
+    c.journal
+        .resolve(&id, resolution, &f.who.who, &f.who.why)
+        .await?;
+    Ok(back_to(&run))
 }

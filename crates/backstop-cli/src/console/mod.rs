@@ -5,6 +5,7 @@
 //! token per server in every form, and the browser's `Origin` and `Sec-Fetch-Site` checked).
 
 mod actions;
+mod error;
 mod forms;
 mod pages;
 
@@ -12,10 +13,11 @@ use crate::Failure;
 use axum::{
     Router,
     http::{HeaderMap, HeaderValue, header},
-    response::{IntoResponse, Response},
+    response::Response,
     routing::{get, post},
 };
 use backstop_journal::Journal;
+use error::ConsoleError;
 use std::{net::SocketAddr, sync::Arc};
 
 /// What every page and action shares.
@@ -112,24 +114,18 @@ pub(crate) async fn serve(
     Ok(0)
 }
 
-/// Whether a post may act: actions allowed, the form's token, and a browser that says the
-/// request comes from this site (when it says where it comes from).
-pub(crate) fn may_act(
-    console: &Console,
-    headers: &HeaderMap,
-    token: &str,
-) -> Result<(), (axum::http::StatusCode, String)> {
-    use axum::http::StatusCode;
+/// Whether a post may act at all, from what its headers say: actions allowed, and a browser
+/// that says the request comes from this site (when it says where it comes from). The form's
+/// token is checked with the form ([`actions::Acting`]).
+pub(crate) fn may_act(console: &Console, headers: &HeaderMap) -> Result<(), ConsoleError> {
     if !console.allow_actions {
-        return Err((
-            StatusCode::FORBIDDEN,
+        return Err(ConsoleError::Forbidden(
             "this console is read-only: start it with --allow-actions to act on runs".into(),
         ));
     }
     let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
     if site.is_some_and(|s| s != "same-origin" && s != "none") {
-        return Err((
-            StatusCode::FORBIDDEN,
+        return Err(ConsoleError::Forbidden(
             "refused: the request came from another site".into(),
         ));
     }
@@ -138,35 +134,11 @@ pub(crate) fn may_act(
         headers.get(header::HOST).and_then(|v| v.to_str().ok()),
     ) && origin != format!("http://{host}")
     {
-        return Err((
-            StatusCode::FORBIDDEN,
-            format!("refused: the request came from {origin}, not from this console"),
-        ));
-    }
-    if token != console.token {
-        return Err((
-            StatusCode::FORBIDDEN,
-            "refused: the form's token is not this console's (reload the page)".into(),
-        ));
+        return Err(ConsoleError::Forbidden(format!(
+            "refused: the request came from {origin}, not from this console"
+        )));
     }
     Ok(())
-}
-
-/// An error page.
-/// A journal error as the console answers it: the status from its kind (404 not found, 409
-/// refused, 503 the database failed), its words with their causes.
-pub(crate) fn journal_failed(e: &backstop_journal::JournalError) -> Response {
-    use backstop_journal::ErrorKind;
-    let status = match e.kind() {
-        ErrorKind::NotFound => axum::http::StatusCode::NOT_FOUND,
-        ErrorKind::Refused => axum::http::StatusCode::CONFLICT,
-        _ => axum::http::StatusCode::SERVICE_UNAVAILABLE,
-    };
-    failed(status, &backstop_core::plumbing::CauseChain(e).to_string())
-}
-
-pub(crate) fn failed(status: axum::http::StatusCode, message: &str) -> Response {
-    (status, pages::error_page(status, message)).into_response()
 }
 
 /// A run's id as one path segment.

@@ -1,14 +1,14 @@
 //! The console's pages: runs (filtered by state and workflow), one run, what needs a person.
 //! Rendered with maud, which escapes every value it is given: a step named `<b>` shows as text.
 
-use super::{Console, encode, failed};
+use super::{Console, ConsoleError, encode};
 use crate::render::{ago, human, short_key, time_in_states, when};
 use axum::{
     extract::{Path, Query, State},
     http::StatusCode,
-    response::{Html, IntoResponse, Response},
+    response::Html,
 };
-use backstop_journal::{JournalError, RunFilter, RunState, Step, StepTransition};
+use backstop_journal::{RunFilter, RunState, Step, StepTransition};
 use maud::{DOCTYPE, Markup, html};
 use serde::Deserialize;
 use std::sync::Arc;
@@ -50,10 +50,6 @@ pub(crate) fn error_page(status: StatusCode, message: &str) -> Html<String> {
     )
 }
 
-fn journal_failed(e: JournalError) -> Response {
-    super::journal_failed(&e)
-}
-
 #[derive(Deserialize)]
 pub(crate) struct RunsQuery {
     state: Option<String>,
@@ -62,27 +58,22 @@ pub(crate) struct RunsQuery {
 
 /// `/`: the 500 most recently changed runs of the state and workflow asked for (the journal
 /// filters before it counts).
-pub(crate) async fn runs(State(c): State<Arc<Console>>, Query(q): Query<RunsQuery>) -> Response {
+pub(crate) async fn runs(
+    State(c): State<Arc<Console>>,
+    Query(q): Query<RunsQuery>,
+) -> Result<Html<String>, ConsoleError> {
     let state = match q.state.as_deref().filter(|s| !s.is_empty()) {
         None => None,
-        Some(s) => match s.parse::<RunState>() {
-            Ok(st) => Some(st),
-            Err(_) => {
-                return failed(
-                    StatusCode::BAD_REQUEST,
-                    &format!("{s:?} is not a run state"),
-                );
-            }
-        },
+        Some(s) => Some(
+            s.parse::<RunState>()
+                .map_err(|_| ConsoleError::BadRequest(format!("{s:?} is not a run state")))?,
+        ),
     };
     let workflow = q.workflow.filter(|w| !w.is_empty());
     let mut filter = RunFilter::latest(500);
     filter.state = state;
     filter.workflow = workflow.clone();
-    let runs = match c.journal.runs(&filter).await {
-        Ok(r) => r,
-        Err(e) => return journal_failed(e),
-    };
+    let runs = c.journal.runs(&filter).await?;
     let now = c.journal.now_ms();
     let body = html! {
         form method="get" action="/" {
@@ -116,15 +107,12 @@ pub(crate) async fn runs(State(c): State<Arc<Console>>, Query(q): Query<RunsQuer
             }
         }
     };
-    page("Runs", body).into_response()
+    Ok(page("Runs", body))
 }
 
 /// `/stuck`: the steps waiting for a person, and the parked ones.
-pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Response {
-    let steps = match c.journal.stuck().await {
-        Ok(s) => s,
-        Err(e) => return journal_failed(e),
-    };
+pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Result<Html<String>, ConsoleError> {
+    let steps = c.journal.stuck().await?;
     let now = c.journal.now_ms();
     let body = html! {
         @if steps.is_empty() {
@@ -145,7 +133,7 @@ pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Response {
             }
         }
     };
-    page("Needs a person", body).into_response()
+    Ok(page("Needs a person", body))
 }
 
 fn waiting(s: &Step, now: i64) -> String {
@@ -158,28 +146,23 @@ fn waiting(s: &Step, now: i64) -> String {
 
 /// `/runs/{run}`: the run's record, its steps with their history, its events and forks, and
 /// (with actions allowed) the forms that act on it.
-pub(crate) async fn run(State(c): State<Arc<Console>>, Path(run): Path<String>) -> Response {
+pub(crate) async fn run(
+    State(c): State<Arc<Console>>,
+    Path(run): Path<String>,
+) -> Result<Html<String>, ConsoleError> {
     let j = &c.journal;
-    let record = match j.run_record(&run).await {
-        Ok(Some(r)) => r,
-        Ok(None) => {
-            return failed(
-                StatusCode::NOT_FOUND,
-                &format!("run {run} is not in the journal"),
-            );
-        }
-        Err(e) => return journal_failed(e),
-    };
-    let (steps, history, events, forks) = match (
-        j.run(&run).await,
-        j.run_history(&run).await,
-        j.run_events(&run).await,
-        j.forks(&run).await,
-    ) {
-        (Ok(s), Ok(h), Ok(e), Ok(f)) => (s, h, e, f),
-        (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => {
-            return journal_failed(e);
-        }
+    // The run's five reads at once: the page waits for the slowest, not for their sum.
+    let (record, steps, history, events, forks) = tokio::try_join!(
+        j.run_record(&run),
+        j.run(&run),
+        j.run_history(&run),
+        j.run_events(&run),
+        j.forks(&run),
+    )?;
+    let Some(record) = record else {
+        return Err(ConsoleError::NotFound(format!(
+            "run {run} is not in the journal"
+        )));
     };
     let now = j.now_ms();
     let of =
@@ -241,7 +224,7 @@ pub(crate) async fn run(State(c): State<Arc<Console>>, Path(run): Path<String>) 
             p { "Read-only: start the console with --allow-actions to act on runs." }
         }
     };
-    page(&format!("Run {run}"), body).into_response()
+    Ok(page(&format!("Run {run}"), body))
 }
 
 fn times(history: &[&StepTransition], now: i64) -> String {

@@ -405,6 +405,19 @@ async fn the_console_in_a_headless_browser() {
         state(db.clone()).await,
         backstop_journal::RunState::Cancelled
     );
+    // The journal refuses a second cancel (the run is over): 409, as the CLI exits 4; a form
+    // that does not say who and why is refused before the journal is asked.
+    assert_eq!(
+        post(&base, cancel, &ok, &origin),
+        409,
+        "refused by the journal"
+    );
+    let unsigned = format!("token={token}&who=&why=");
+    assert_eq!(
+        post(&base, cancel, &unsigned, &origin),
+        400,
+        "who and why are required"
+    );
     b.close().await.unwrap();
 
     // Read-only: no forms, and a post is refused.
