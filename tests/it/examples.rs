@@ -17,6 +17,8 @@ mod otel_export;
 mod reqwest_client;
 #[path = "../../examples/shipping_label.rs"]
 mod shipping_label;
+#[path = "../../examples/typed_workflow.rs"]
+mod typed_workflow;
 
 #[test]
 fn double_refund_runs() {
@@ -55,6 +57,16 @@ fn otel_export_runs() {
 #[test]
 fn reqwest_client_runs() {
     reqwest_client::main().unwrap();
+}
+
+/// The README's typed workflow, on a PostgreSQL of the test's own: three steps, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_workflow_runs_on_postgres() {
+    let pg = backstop_testkit::PostgresServer::start().await;
+    let (output, done) = typed_workflow::run(&pg.url()).await.unwrap();
+    assert_eq!(output, "refund 4200");
+    assert_eq!(done.len(), 3, "{done:?}");
+    assert!(done[0].starts_with("refund 4200") && done[2].starts_with("email about refund 4200"));
 }
 
 #[test]

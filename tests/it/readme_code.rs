@@ -73,46 +73,50 @@ fn telemetry(
     Ok(())
 }
 
+/// What the README's workflow calls: the shop's API (through a Backstop stack, in a real one).
+#[derive(Clone)]
+struct Shop;
+
+impl Shop {
+    async fn refund(
+        &self,
+        order: &impl serde::Serialize,
+        key: String,
+    ) -> Result<String, backstop::Error> {
+        Ok(format!("refund under {key}"))
+    }
+    async fn restock(&self, order: &str, key: String) -> Result<(), backstop::Error> {
+        Ok(())
+    }
+    async fn email(&self, refund: &str, key: String) -> Result<(), backstop::Error> {
+        Ok(())
+    }
+}
+
 #[rustfmt::skip]
 async fn journal() -> Result<(), BoxError> {
-    use backstop::{HttpJudge, journal::{CallResult, Judge, RunContext, Worker}};
-    use backstop::Outcome;
-    use http_body_util::BodyExt;
-    use tower::ServiceExt;
-    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    use backstop::journal::{RunContext, RunError, Worker, Workflow};
+    use serde::{Deserialize, Serialize};
+    let shop = Shop;
     let shutdown = std::future::ready(());
     // README block 4
-    let journal = Journal::sqlite("journal.db").await?;            // or Journal::postgres(url) for several workers
-    let billing = Backstop::http("billing").honours_keys().build()?.layer(client);
-    let worker = Worker::new(journal.clone(), "worker-1").workflow("invoice", move |ctx: RunContext| {
-        let billing = billing.clone();
-        async move {
-            let invoice = ctx
-                .step("create-invoice", "billing", br#"{"eur":40}"#, |sent| async move {
-                    let req = http::Request::post("http://billing.local/invoices")
-                        .header("idempotency-key", &sent.key)         // the same key on every attempt and after a crash
-                        .body(Full::from(r#"{"eur":40}"#))
-                        .expect("a valid request");
-                    let res = billing.oneshot(req).await;
-                    let judged = HttpJudge::default().judge(&res);    // 2xx done; 4xx failed; lost: unknown
-                    let (Ok(res), CallResult::Succeeded { .. }) = (res, &judged) else { return judged };
-                    match res.into_body().collect().await {           // the created invoice: {"id":"inv_..."}
-                        Ok(body) => {
-                            let body = String::from_utf8_lossy(&body.to_bytes()).into_owned();
-                            let id = serde_json::from_str::<serde_json::Value>(&body).ok()
-                                .and_then(|v| v["id"].as_str().map(str::to_owned));
-                            CallResult::Succeeded { result: Some(body), provider_ref: id }
-                        }
-                        // Created, but its answer was cut: the worker reconciles it by key.
-                        Err(e) => CallResult::Failed { outcome: Outcome::Unknown, error: e.to_string(), retry_after: None },
-                    }
-                })
-                .await?;                                               // parked, failed, unknown: the worker knows what to do
-            Ok(invoice.provider_ref)                                   // the run's output: the invoice's id
-        }
-    });
-    journal.start_run("order-4812", "invoice", Some(r#"{"order":"ORD-4812"}"#)).await?;
-    worker.run_until(shutdown).await?;                                 // until `shutdown` (any future) completes
+    #[derive(Serialize, Deserialize)]
+    struct Order { id: String, cents: u64 }
+
+    const REFUND: Workflow<Order, String> = Workflow::new("refund");
+
+    async fn refund(ctx: RunContext, order: Order, shop: Shop) -> Result<String, RunError> {
+        let refund = ctx.run("refund", &order, |s| shop.refund(&order, s.key)).await?; // once, one key for every attempt
+        ctx.run("restock", &order.id, |s| shop.restock(&order.id, s.key)).await?;
+        ctx.run("email", &refund, |s| shop.email(&refund, s.key)).await?;
+        Ok(refund)                                                     // the run's output
+    }
+
+    let journal = Journal::open("postgres://localhost/shop").await?;   // or a SQLite file
+    REFUND.start(&journal, "refund-order-7", &Order { id: "order-7".into(), cents: 4200 }).await?;
+    Worker::new(journal.clone(), "worker-1")
+        .register(REFUND, move |ctx, order| refund(ctx, order, shop.clone()))
+        .run_until(shutdown).await?;                                   // until `shutdown` (any future) completes
     // end
     let _ = ActionContext::tool_call("r", "s", "c");
     Ok(())

@@ -274,7 +274,7 @@ async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
         .iter()
         .map(|s| s.header("idempotency-key").unwrap().to_owned())
         .collect();
-    let want = backstop::idempotency::IdempotencyKey::for_tool_call("run-7", "step-2", "call-9");
+    let want = backstop::idempotency::ActionContext::tool_call("run-7", "step-2", "call-9").key();
     assert!(keys.iter().all(|k| k == want.as_str()), "{keys:?}");
     assert_eq!(sink.take()[0].idempotency_key, Some(want));
 }

@@ -136,6 +136,7 @@ impl BreakerConfig {
     }
 
     /// The failure-ratio rule's window, when the rule is on.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn ratio_window(&self) -> Option<Duration> {
         self.failure_ratio.map(|_| self.window)
     }

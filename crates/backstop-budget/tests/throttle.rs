@@ -97,7 +97,7 @@ async fn a_dependency_at_capacity_gets_about_k_times_what_it_accepts() {
         words.contains("search-api is shedding load") && words.contains("without sending it"),
         "{words}"
     );
-    assert!(e.probability() > 0.5);
+    assert!(t.stats(&dep).reject_probability > 0.5);
 }
 
 #[tokio::test(start_paused = true)]

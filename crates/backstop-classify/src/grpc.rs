@@ -8,7 +8,7 @@ use tower_http::classify::{
 };
 
 /// The header a gRPC server sends to ask for a delay before a retry (gRPC's retry design, A6).
-pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+pub(crate) const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 
 /// Classifies gRPC calls after gRPC's retry design (A6).
 ///
@@ -109,7 +109,7 @@ impl GrpcClassifier {
 
     /// The verdict on a gRPC status code, with the pushback header (if any) of the same
     /// headers or trailers.
-    pub fn classify_code(&self, code: Code, pushback: Option<&HeaderValue>) -> Verdict {
+    pub(crate) fn classify_code(&self, code: Code, pushback: Option<&HeaderValue>) -> Verdict {
         if code == Code::Ok {
             return Verdict::Success;
         }
@@ -139,7 +139,7 @@ impl GrpcClassifier {
 
     /// The verdict on a response's headers: a trailers-only response by its `grpc-status`; a
     /// response without one (messages follow) is committed, a success.
-    pub fn classify_headers<B>(&self, res: &Response<B>) -> Verdict {
+    pub(crate) fn classify_headers<B>(&self, res: &Response<B>) -> Verdict {
         match GrpcErrorsAsFailures::new().classify_response(res) {
             ClassifiedResponse::Ready(Ok(())) | ClassifiedResponse::RequiresEos(_) => {
                 Verdict::Success
@@ -176,7 +176,7 @@ impl GrpcClassifier {
     /// Whether a request may be sent again after an unknown outcome: a [`ReplaySafe`] marker,
     /// or an idempotency key in its metadata that someone vouched for. gRPC calls are POSTs,
     /// so the method says nothing.
-    pub fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
+    pub(crate) fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
         ReplaySafe::is_marked(req)
             || (req
                 .headers()

@@ -122,7 +122,7 @@ impl HttpClassifier {
     }
 
     /// How `status` is treated.
-    pub fn status_class(&self, status: StatusCode) -> StatusClass {
+    pub(crate) fn status_class(&self, status: StatusCode) -> StatusClass {
         self.status_class_u16(status.as_u16())
     }
 
@@ -182,7 +182,7 @@ impl HttpClassifier {
     /// Whether the request may be sent again after an attempt with an unknown outcome: an
     /// idempotent method, a [`ReplaySafe`] marker, or an idempotency key that someone vouched
     /// for (one the stack attached on its own, marked `UnvouchedKey`, does not count).
-    pub fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
+    pub(crate) fn request_is_replay_safe<B>(&self, req: &Request<B>) -> bool {
         backstop_core::plumbing::is_idempotent_method(req.method())
             || ReplaySafe::is_marked(req)
             || (req

@@ -47,8 +47,10 @@ mod http_classifier;
 mod retry_after;
 
 pub use backstop_core::{Classify, Verdict};
-pub use error::{AsError, classify_error, is_attempt_timeout};
+#[doc(hidden)] // How Backstop's layers reach each other; not for users.
+pub use error::is_attempt_timeout;
+pub use error::{AsError, classify_error};
 #[cfg(feature = "grpc")]
-pub use grpc::{GrpcClassifier, RETRY_PUSHBACK, grpc_timeout};
+pub use grpc::{GrpcClassifier, grpc_timeout};
 pub use http_classifier::{HttpClassifier, StatusClass};
-pub use retry_after::{parse_retry_after, parse_retry_after_value};
+pub use retry_after::parse_retry_after;

@@ -7,18 +7,34 @@ const ABSURD: Duration = Duration::from_secs(366 * 24 * 60 * 60);
 
 /// Reads the `Retry-After` header (RFC 9110 §10.2.3) from `headers`.
 ///
-/// Returns `None` when the header is missing, appears more than once (ambiguous), or its value
-/// is invalid; see [`parse_retry_after_value`] for the rules.
+/// - `delay-seconds` (one or more ASCII digits, surrounding spaces or tabs allowed): that many
+///   seconds.
+/// - An HTTP-date in any of the three forms RFC 9110 accepts (IMF-fixdate, obsolete RFC 850,
+///   asctime), parsed by `httpdate`: the time from `now` until then, or zero for a date in the
+///   past.
+///
+/// The result is capped at `max`. A missing header, one that appears more than once
+/// (ambiguous), or anything else (signs, fractions, garbage, a number that overflows, a delay
+/// of more than a year) yields `None`; it never panics.
 ///
 /// ```
 /// use backstop_classify::parse_retry_after;
 /// use http::HeaderMap;
 /// use std::time::{Duration, SystemTime};
 ///
-/// let mut headers = HeaderMap::new();
-/// headers.insert("retry-after", "120".parse().unwrap());
-/// let max = Duration::from_secs(60);
-/// assert_eq!(parse_retry_after(&headers, SystemTime::UNIX_EPOCH, max), Some(max));
+/// let retry_after = |value: &'static str| {
+///     let mut headers = HeaderMap::new();
+///     headers.insert("retry-after", value.parse().unwrap());
+///     headers
+/// };
+/// let max = Duration::from_secs(300);
+/// assert_eq!(parse_retry_after(&retry_after("120"), SystemTime::UNIX_EPOCH, max), Some(Duration::from_secs(120)));
+/// assert_eq!(parse_retry_after(&retry_after("900"), SystemTime::UNIX_EPOCH, max), Some(max));
+///
+/// let now = SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_717); // Sun, 06 Nov 1994 08:48:37 GMT
+/// let date = retry_after("Sun, 06 Nov 1994 08:49:37 GMT");
+/// assert_eq!(parse_retry_after(&date, now, max), Some(Duration::from_secs(60)));
+/// assert_eq!(parse_retry_after(&retry_after("-1"), now, max), None);
 /// ```
 pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime, max: Duration) -> Option<Duration> {
     let mut values = headers.get_all(RETRY_AFTER).iter();
@@ -29,29 +45,8 @@ pub fn parse_retry_after(headers: &HeaderMap, now: SystemTime, max: Duration) ->
     parse_retry_after_value(first, now, max)
 }
 
-/// Parses one `Retry-After` value, given the current time.
-///
-/// - `delay-seconds` (one or more ASCII digits, surrounding spaces or tabs allowed): that many
-///   seconds.
-/// - An HTTP-date in any of the three forms RFC 9110 accepts (IMF-fixdate, obsolete RFC 850,
-///   asctime), parsed by `httpdate`: the time from `now` until then, or zero for a date in the
-///   past.
-///
-/// The result is capped at `max`. Anything else (signs, fractions, garbage, a number that
-/// overflows, a delay of more than a year) yields `None`; it never panics.
-///
-/// ```
-/// use backstop_classify::parse_retry_after_value;
-/// use http::HeaderValue;
-/// use std::time::{Duration, SystemTime};
-///
-/// let now = SystemTime::UNIX_EPOCH + Duration::from_secs(784_111_717); // Sun, 06 Nov 1994 08:48:37 GMT
-/// let max = Duration::from_secs(300);
-/// let date = HeaderValue::from_static("Sun, 06 Nov 1994 08:49:37 GMT");
-/// assert_eq!(parse_retry_after_value(&date, now, max), Some(Duration::from_secs(60)));
-/// assert_eq!(parse_retry_after_value(&HeaderValue::from_static("-1"), now, max), None);
-/// ```
-pub fn parse_retry_after_value(
+/// One `Retry-After` value, by the rules of [`parse_retry_after`].
+pub(crate) fn parse_retry_after_value(
     value: &HeaderValue,
     now: SystemTime,
     max: Duration,

@@ -181,6 +181,7 @@ impl CallContext {
     /// Records when the attempt timeout bounding this attempt cuts it, and its own limit
     /// (`None`: the deadline cuts it first): a body timer further in ends the response's body at
     /// the same instant.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn set_attempt_end<R: HasExtensions + ?Sized>(
         req: &mut R,
         at: Instant,
@@ -191,12 +192,14 @@ impl CallContext {
 
     /// When the attempt timeout that bounds this attempt cuts it, and its own limit (`None`:
     /// the deadline), if one does.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn attempt_end(&self) -> Option<(Instant, Option<Duration>)> {
         self.attempt_end
     }
 
     /// The attempt number of the retry layer that owns the call (1 for the first attempt), if
     /// a retry layer put this request on its way.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn attempt_of<R: HasExtensions + ?Sized>(req: &R) -> Option<u32> {
         req.extensions()
             .get::<CallContext>()

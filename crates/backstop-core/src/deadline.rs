@@ -61,6 +61,7 @@ impl Deadline {
     /// A deadline `budget` after `now` (saturating far in the future on overflow): for a caller
     /// that has already read the clock.
     #[inline]
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn after_from(now: Instant, budget: Duration) -> Self {
         Deadline {
             at: instant_after(now, budget),
@@ -81,11 +82,6 @@ impl Deadline {
     /// Time left until the deadline, zero once it has passed.
     pub fn remaining(self) -> Duration {
         self.at.saturating_duration_since(Instant::now())
-    }
-
-    /// Whether the deadline has passed.
-    pub fn has_passed(self) -> bool {
-        Instant::now() >= self.at
     }
 
     /// The deadline in force for a request: the one in its call context

@@ -62,6 +62,7 @@ impl Dependency {
     /// [`MAX_METRIC_LABELS`](Self::MAX_METRIC_LABELS) distinct names keep their own label, any
     /// later one is labelled `"(other)"`, so a flood of hostile host names cannot make a
     /// metrics backend's series unbounded.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn metric_label(&self) -> Arc<str> {
         use std::{
             collections::HashSet,
@@ -88,6 +89,7 @@ impl Dependency {
     }
 
     /// How many distinct dependency names a process labels metrics with.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub const MAX_METRIC_LABELS: usize = 1_000;
 
     /// The dependency recorded on a request: the one in its
@@ -99,6 +101,7 @@ impl Dependency {
 
     /// The dependency a request names, borrowed: [`of`](Self::of) without the clone.
     #[inline]
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn on<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
         let ext = req.extensions();
         ext.get::<crate::context::CallContext>()

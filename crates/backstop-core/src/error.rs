@@ -89,6 +89,7 @@ pub struct AttemptTimedOut {
 
 impl AttemptTimedOut {
     /// An attempt to `dependency` that did not answer within `limit`.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn new(dependency: Option<Dependency>, limit: Duration) -> Self {
         AttemptTimedOut { dependency, limit }
     }
@@ -168,6 +169,7 @@ pub struct DeadlineExceeded {
 
 impl DeadlineExceeded {
     /// A deadline that passed with the given knowledge of the side effect.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn new(dependency: Option<Dependency>, outcome: Outcome) -> Self {
         DeadlineExceeded {
             dependency,
@@ -178,6 +180,7 @@ impl DeadlineExceeded {
 
     /// The same, saying how long the deadline was (`None`: not known).
     #[must_use]
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn with_length(mut self, length: Option<Duration>) -> Self {
         self.length = length;
         self
@@ -304,6 +307,7 @@ pub struct CircuitOpen {
 impl CircuitOpen {
     /// A refusal for `dependency` in `state`; `retry_in` is the time until the next trial call,
     /// when known.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn new(dependency: Dependency, state: CircuitState, retry_in: Option<Duration>) -> Self {
         CircuitOpen {
             dependency,
@@ -370,6 +374,7 @@ pub struct Throttled {
 impl Throttled {
     /// A refusal for `dependency`, which accepted `accepts` of the last `requests` attempts;
     /// `probability` is the share of attempts refused now.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn new(dependency: Dependency, requests: u64, accepts: u64, probability: f64) -> Self {
         Throttled {
             dependency,
@@ -382,21 +387,6 @@ impl Throttled {
     /// The dependency.
     pub fn dependency(&self) -> &Dependency {
         &self.dependency
-    }
-
-    /// Attempts asked for in the window.
-    pub fn requests(&self) -> u64 {
-        self.requests
-    }
-
-    /// Attempts the dependency accepted in the window.
-    pub fn accepts(&self) -> u64 {
-        self.accepts
-    }
-
-    /// The share of attempts refused now (0 to 1).
-    pub fn probability(&self) -> f64 {
-        self.probability
     }
 }
 

@@ -102,11 +102,6 @@ impl Run {
         &self.id
     }
 
-    /// The run's deadline, if it has one.
-    pub fn run_deadline(&self) -> Option<Deadline> {
-        self.deadline
-    }
-
     /// The run's retry budget, if it has one.
     pub fn budget(&self) -> Option<u32> {
         self.budget
@@ -128,6 +123,7 @@ impl Run {
 
     /// Takes one retry for a call to `dependency` from the run's budget; `false` when it is
     /// spent (nothing is taken). A run without a budget always says yes, and still counts.
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn take_retry(&self, dependency: &Dependency) -> bool {
         let taken = self
             .spend
@@ -153,6 +149,7 @@ impl Run {
 
     /// Gives back a retry [`take_retry`](Run::take_retry) took, when the retry was not made
     /// after all (the dependency's own budget refused it).
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn give_back(&self, dependency: &Dependency) {
         let mut by = self
             .spend

@@ -2,7 +2,7 @@ use sha2::{Digest, Sha256};
 use std::{borrow::Borrow, error::Error, fmt, sync::Arc};
 
 /// The longest key accepted, in bytes.
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// An idempotency key: 1 to 255 visible ASCII characters other than `"` and `\`.
 ///
@@ -10,16 +10,16 @@ pub const MAX_KEY_LEN: usize = 255;
 /// guessable (the server scopes them per principal).
 ///
 /// ```
-/// use backstop_idempotency::{IdempotencyKey, KeyFormat};
+/// use backstop_idempotency::{ActionContext, IdempotencyKey, KeyFormat};
 ///
 /// let chosen = IdempotencyKey::new("refund-ORD-4812")?;
 /// assert_eq!(chosen.as_str(), "refund-ORD-4812");
 /// assert!(IdempotencyKey::new("has \"quotes\"").is_err()); // rejected with a reason
 ///
 /// // Derived from what identifies the action: a resumed run derives the same key.
-/// let a = IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07");
-/// assert_eq!(a, IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07"));
-/// assert_ne!(a, IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-08"));
+/// let a = ActionContext::tool_call("run-91f2", "step-3", "call-07").key();
+/// assert_eq!(a, ActionContext::tool_call("run-91f2", "step-3", "call-07").key());
+/// assert_ne!(a, ActionContext::tool_call("run-91f2", "step-3", "call-08").key());
 /// assert_eq!(a.header_value(KeyFormat::StructuredField).to_str().unwrap(), format!("\"{a}\""));
 /// # Ok::<(), backstop_idempotency::InvalidKey>(())
 /// ```
@@ -70,7 +70,7 @@ impl IdempotencyKey {
 
     /// The key of one tool call: run id, step id and tool-call id. A replay of the same step
     /// (a retry, a resumed run) reuses it; a new step gets a new one.
-    pub fn for_tool_call(run_id: &str, step_id: &str, call_id: &str) -> Self {
+    pub(crate) fn for_tool_call(run_id: &str, step_id: &str, call_id: &str) -> Self {
         derive(
             b"tool-call",
             [run_id.as_bytes(), step_id.as_bytes(), call_id.as_bytes()],
@@ -78,28 +78,12 @@ impl IdempotencyKey {
     }
 
     /// The key of an action: run id, tool name and the arguments in a canonical byte form (the
-    /// same arguments must always give the same bytes; see `for_action_json`).
-    pub fn for_action(run_id: &str, tool: &str, canonical_args: &[u8]) -> Self {
+    /// same arguments must always give the same bytes; see `ActionContext::action_json`).
+    pub(crate) fn for_action(run_id: &str, tool: &str, canonical_args: &[u8]) -> Self {
         derive(
             b"action",
             [run_id.as_bytes(), tool.as_bytes(), canonical_args],
         )
-    }
-
-    /// The key of an action whose arguments are JSON, canonicalised per RFC 8785 (JSON
-    /// Canonicalization Scheme) with `serde_json_canonicalizer`: object keys sorted, numbers in
-    /// their shortest ECMAScript form, so `{"b":1.0,"a":2}` and `{"a":2,"b":1}` give one key.
-    ///
-    /// RFC 8785 writes every number as an IEEE double, so integers beyond ±2^53 would lose
-    /// precision and two different amounts could share a key. They are rejected: pass them as
-    /// strings.
-    #[cfg(feature = "json")]
-    pub fn for_action_json(
-        run_id: &str,
-        tool: &str,
-        args: &serde_json::Value,
-    ) -> Result<Self, InvalidKey> {
-        Ok(Self::for_action(run_id, tool, &canonical_json(args)?))
     }
 
     /// The key as text.
@@ -218,7 +202,7 @@ impl Borrow<str> for IdempotencyKey {
 /// use backstop_idempotency::{ActionContext, IdempotencyKey};
 ///
 /// let action = ActionContext::tool_call("run-91f2", "step-3", "call-07");
-/// assert_eq!(action.key(), IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07"));
+/// assert_eq!(action.key(), ActionContext::tool_call("run-91f2", "step-3", "call-07").key());
 /// assert_eq!((action.run_id(), action.call_id()), ("run-91f2", Some("call-07")));
 ///
 /// // The runtime puts it on the request; the idempotency layer derives the key from it.
@@ -266,7 +250,13 @@ impl ActionContext {
         }
     }
 
-    /// An action's context from JSON arguments (RFC 8785).
+    /// An action's context from JSON arguments, canonicalised per RFC 8785 (JSON
+    /// Canonicalization Scheme) with `serde_json_canonicalizer`: object keys sorted, numbers in
+    /// their shortest ECMAScript form, so `{"b":1.0,"a":2}` and `{"a":2,"b":1}` give one key.
+    ///
+    /// RFC 8785 writes every number as an IEEE double, so integers beyond ±2^53 would lose
+    /// precision and two different amounts could share a key. They are rejected: pass them as
+    /// strings.
     #[cfg(feature = "json")]
     pub fn action_json(
         run_id: &str,
@@ -341,10 +331,14 @@ mod tests {
         let a = serde_json::json!({"order_id": "A-7", "amount": 49.0});
         let b: serde_json::Value =
             serde_json::from_str(r#"{ "amount" : 49, "order_id":"A-7" }"#).unwrap();
-        let ka = IdempotencyKey::for_action_json("run-42", "issue_refund", &a).unwrap();
+        let ka = ActionContext::action_json("run-42", "issue_refund", &a)
+            .map(|a| a.key())
+            .unwrap();
         assert_eq!(
             ka,
-            IdempotencyKey::for_action_json("run-42", "issue_refund", &b).unwrap()
+            ActionContext::action_json("run-42", "issue_refund", &b)
+                .map(|a| a.key())
+                .unwrap()
         );
         // The same vector as the Python one above.
         assert_eq!(
@@ -354,13 +348,15 @@ mod tests {
         let other = serde_json::json!({"order_id": "A-7", "amount": 50});
         assert_ne!(
             ka,
-            IdempotencyKey::for_action_json("run-42", "issue_refund", &other).unwrap()
+            ActionContext::action_json("run-42", "issue_refund", &other)
+                .map(|a| a.key())
+                .unwrap()
         );
         let big = serde_json::json!({"amount": 9_007_199_254_740_993u64});
-        let e = IdempotencyKey::for_action_json("r", "t", &big).unwrap_err();
+        let e = ActionContext::action_json("r", "t", &big).unwrap_err();
         assert!(e.to_string().contains("beyond 2^53"), "{e}");
         assert!(
-            IdempotencyKey::for_action_json(
+            ActionContext::action_json(
                 "r",
                 "t",
                 &serde_json::json!({"n": 9_007_199_254_740_992u64})

@@ -8,9 +8,9 @@
 //!   so it can never smuggle a second header line or break a structured-field string);
 //! - derives keys deterministically, so the same action in the same run always gets the same key
 //!   and a new action gets a new one: from the run id, step id and tool-call id
-//!   ([`IdempotencyKey::for_tool_call`]), or from the run id, tool name and canonical arguments
-//!   ([`IdempotencyKey::for_action`], and with the `json` feature
-//!   [`IdempotencyKey::for_action_json`], canonicalised per RFC 8785);
+//!   ([`ActionContext::tool_call`]), or from the run id, tool name and canonical arguments
+//!   ([`ActionContext::action`], and with the `json` feature [`ActionContext::action_json`],
+//!   canonicalised per RFC 8785), each giving its [`key`](ActionContext::key);
 //! - injects the key **once per logical call, before the retry loop** ([`IdempotencyLayer`]), as
 //!   an `Idempotency-Key` header for HTTP or through [`KeyedRequest`] for other tool calls, and
 //!   marks the request [`ReplaySafe`](backstop_core::ReplaySafe) so the retry layer may repeat
@@ -38,13 +38,13 @@
 //! ```
 //!
 //! ```
-//! use backstop_idempotency::IdempotencyKey;
+//! use backstop_idempotency::ActionContext;
 //!
-//! let key = IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07");
+//! let key = ActionContext::tool_call("run-91f2", "step-3", "call-07").key();
 //! assert_eq!(key.as_str(), "62c365e88817e25626ebbb4f2483d275b4594ce9369da9139952f99edd3dcfa8");
 //! // The same action, retried or resumed, gets the same key; the next step gets another.
-//! assert_eq!(key, IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07"));
-//! assert_ne!(key, IdempotencyKey::for_tool_call("run-91f2", "step-4", "call-08"));
+//! assert_eq!(key, ActionContext::tool_call("run-91f2", "step-3", "call-07").key());
+//! assert_ne!(key, ActionContext::tool_call("run-91f2", "step-4", "call-08").key());
 //! ```
 #![forbid(unsafe_code)]
 // docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
@@ -54,7 +54,7 @@
 mod key;
 mod layer;
 
-pub use key::{ActionContext, IdempotencyKey, InvalidKey, KeyFormat, MAX_KEY_LEN};
+pub use key::{ActionContext, IdempotencyKey, InvalidKey, KeyFormat};
 pub use layer::{
     HttpKeys, IdempotencyLayer, Inject, KeyedRequest, MakeKey, NoKey, RandomKey, SetIdempotencyKey,
     ToolKeys,

@@ -63,6 +63,7 @@ mod send;
 #[cfg(feature = "postgres")]
 mod step_conns;
 mod steps;
+mod typed;
 mod worker;
 mod workflow;
 
@@ -80,5 +81,6 @@ pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
 pub use run::{ForkPoint, RunEvent, RunFilter, RunOutcome, RunRecord, RunState};
 pub use runner::CallResult;
 pub use steps::Change;
+pub use typed::Workflow;
 pub use worker::Worker;
 pub use workflow::{RunContext, RunEnd, RunError, RunReport, WorkflowResult};

@@ -245,7 +245,7 @@ impl NewStep {
     /// An action identified by run, step and call ids, its key derived from them as
     /// [`ActionContext::tool_call`](backstop_idempotency::ActionContext::tool_call) does.
     pub fn tool_call(run: &str, step: &str, call: &str, tool: &str, args: &[u8]) -> Self {
-        let key = backstop_idempotency::IdempotencyKey::for_tool_call(run, step, call);
+        let key = backstop_idempotency::ActionContext::tool_call(run, step, call).key();
         NewStep {
             id: StepId::new(run, step, call),
             tool: tool.to_owned(),
@@ -267,7 +267,8 @@ impl NewStep {
 /// The arguments' digest as stored: an idempotency-key derivation over the bytes (SHA-256,
 /// hex), so equal arguments give equal digests across processes.
 pub fn digest(args: &[u8]) -> String {
-    backstop_idempotency::IdempotencyKey::for_action("", "args", args)
+    backstop_idempotency::ActionContext::action("", "args", args)
+        .key()
         .as_str()
         .to_owned()
 }

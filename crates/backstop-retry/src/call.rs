@@ -9,6 +9,7 @@ use crate::{
     resend::Template,
 };
 use backstop_classify::{Classify, Verdict};
+
 use backstop_core::{
     BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
     ReplaySafe, Run,

@@ -1,4 +1,4 @@
-//! Future types: the retry layer's [`ResponseFuture`], the hedge's and the body buffer's.
+//! Future types: the retry layer's [`ResponseFuture`] and the hedge's.
 //!
 //! The retry layer's future in tower's shape: an attempt in flight (`Called`), a wait before
 //! the next (`Waiting`), the service getting ready for it (`Readying`). Every attempt, the
@@ -6,9 +6,11 @@
 //! asks the call's [`Policy`]); every end of a call passes `Call::finish`. The
 //! policy decides whether another attempt follows and after how long; this future drives.
 
-pub use crate::body::BufferBodyFuture;
 pub use crate::hedge::HedgeFuture;
 
+/// The sealed bound that names the parts of a [`ResponseFuture`] (its service, request,
+/// classifier, copier and policy); a layer wrapping the future names them through it.
+#[doc(hidden)]
 pub use crate::parts::Retryable;
 
 use crate::{

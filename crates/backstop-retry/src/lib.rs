@@ -17,8 +17,8 @@
 //!   jitter from 200 ms up to 5 s) ends before the request's [`Deadline`](backstop_core::Deadline);
 //! - the run's and the dependency's [`RetryBudget`](backstop_core::RetryBudget) allow another retry;
 //! - the request can be copied ([`Resend`]): any `Clone` request, or an `http::Request` whose
-//!   body can be replayed (`Full<Bytes>`, or a body buffered by [`BufferBodyLayer`] up to a
-//!   limit).
+//!   body can be cloned (`Full<Bytes>`, [`HttpResend`]), or a streaming body copied as it is
+//!   sent, up to a limit ([`StreamingResend`]).
 //!
 //! The layers beside it each do one job: a deadline outside (`DeadlineLayer`, which it reads
 //! from the request), and inside it the circuit breaker (`BreakerLayer`: a refusal stops the
@@ -82,7 +82,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
-mod body;
 mod call;
 mod error;
 pub mod future;
@@ -95,7 +94,6 @@ mod policy;
 mod resend;
 mod stream_body;
 
-pub use body::{BufferBody, BufferBodyLayer, BufferedBody};
 pub use error::{Error, ErrorKind};
 pub use hedge::{Hedge, HedgeLayer, Hedging};
 pub use history::{AttemptRecord, RetryHistory, StopReason};
@@ -104,8 +102,8 @@ pub use policy::{
     Attempt, Budgets, CallWaits, DeadlineFit, MaxAttempts, Policy, ReplaySafety, StandardPolicy,
     Waits,
 };
-pub use resend::{CloneResend, HttpResend, NotCopyable, Resend, ResendableBody};
-pub use stream_body::{BodyTee, StreamingResend, TeeReader, TeeableBody};
+pub use resend::{CloneResend, HttpResend, NotCopyable, Resend};
+pub use stream_body::{StreamingResend, TeeReader, TeeableBody};
 
 /// The owner under which this crate's retry layers claim calls: a type no other crate can
 /// name, so no caller can set the mark that makes them stand aside.

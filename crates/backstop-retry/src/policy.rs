@@ -174,11 +174,6 @@ impl<'a, Req, Res> Attempt<'a, Req, Res> {
         self.deadline.map(Deadline::remaining)
     }
 
-    /// When the call began.
-    pub fn call_started(&self) -> Instant {
-        self.started
-    }
-
     /// Whether the request is safe to send again when an attempt's outcome is unknown: a
     /// [`ReplaySafe`](backstop_core::ReplaySafe) mark, or what the layer's classifier knows
     /// (an idempotent method, an idempotency key the dependency honours).

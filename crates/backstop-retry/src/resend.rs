@@ -1,4 +1,3 @@
-use crate::body::BufferedBody;
 use std::{borrow::Cow, error::Error, fmt};
 
 /// Why a request could not be copied for another attempt (a streamed body, say): the call
@@ -76,14 +75,15 @@ impl<Req: Clone> Resend<Req> for CloneResend {
     }
 }
 
-/// Copies an `http::Request<B>` whose body can be copied ([`ResendableBody`]): method, URI,
-/// version, headers, extensions and body.
+/// Copies an `http::Request<B>` whose body is `Clone` (`Full<Bytes>`, `Empty<Bytes>`, `String`,
+/// `()`): method, URI, version, headers, extensions and body. A streaming body is copied as it
+/// is sent by [`StreamingResend`](crate::StreamingResend).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HttpResend;
 
-impl<B: ResendableBody> Resend<http::Request<B>> for HttpResend {
+impl<B: Clone> Resend<http::Request<B>> for HttpResend {
     fn copy(&self, req: &http::Request<B>) -> Result<http::Request<B>, NotCopyable> {
-        Ok(with_parts_of(req, req.body().copy_body()?))
+        Ok(with_parts_of(req, req.body().clone()))
     }
 
     fn attempt_name(&self, req: &http::Request<B>) -> Option<Cow<'static, str>> {
@@ -102,27 +102,6 @@ pub(crate) fn with_parts_of<B, B2>(req: &http::Request<B>, body: B2) -> http::Re
     *copy.headers_mut() = req.headers().clone();
     *copy.extensions_mut() = req.extensions().clone();
     copy
-}
-
-/// A request body that can be sent again.
-///
-/// Every `Clone` body is (`Full<Bytes>`, `Empty<Bytes>`, `String`, `()`); a streaming body is
-/// not, unless [`BufferBodyLayer`](crate::BufferBodyLayer) buffered it into a [`BufferedBody`].
-pub trait ResendableBody: Sized {
-    /// A copy of the body for another attempt.
-    fn copy_body(&self) -> Result<Self, NotCopyable>;
-}
-
-impl<B: Clone> ResendableBody for B {
-    fn copy_body(&self) -> Result<Self, NotCopyable> {
-        Ok(self.clone())
-    }
-}
-
-impl<B> ResendableBody for BufferedBody<B> {
-    fn copy_body(&self) -> Result<Self, NotCopyable> {
-        self.try_clone()
-    }
 }
 
 /// The caller's request, kept as the caller sent it: every attempt sends a copy.

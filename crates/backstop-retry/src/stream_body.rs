@@ -31,7 +31,7 @@ struct Shared<B> {
 
 /// The handle to a request body being copied as it streams, kept in the request's extensions
 /// by [`StreamingResend`].
-pub struct BodyTee<B> {
+pub(crate) struct BodyTee<B> {
     shared: Arc<Mutex<Shared<B>>>,
 }
 
@@ -57,7 +57,7 @@ impl<B> fmt::Debug for BodyTee<B> {
 
 impl<B> BodyTee<B> {
     /// Starts copying `body`, keeping at most `limit` bytes for copies.
-    pub fn new(body: B, limit: usize) -> Self {
+    pub(crate) fn new(body: B, limit: usize) -> Self {
         BodyTee {
             shared: Arc::new(Mutex::new(Shared {
                 source: Some(body),
@@ -80,7 +80,7 @@ impl<B> BodyTee<B> {
     /// A body for one more attempt: what was read so far, then the rest of the original. Fails
     /// when more than the limit was read (part of the body was sent and not kept: the request
     /// is committed) or reading the original failed.
-    pub fn reader(&self) -> Result<TeeReader<B>, NotCopyable> {
+    pub(crate) fn reader(&self) -> Result<TeeReader<B>, NotCopyable> {
         self.check()?;
         Ok(TeeReader {
             shared: self.shared.clone(),
@@ -91,7 +91,7 @@ impl<B> BodyTee<B> {
     }
 
     /// Whether another copy can still be made (see [`reader`](BodyTee::reader)).
-    pub fn check(&self) -> Result<(), NotCopyable> {
+    pub(crate) fn check(&self) -> Result<(), NotCopyable> {
         let s = self.lock();
         if s.over {
             return Err(NotCopyable::new(format!(
@@ -106,7 +106,8 @@ impl<B> BodyTee<B> {
     }
 }
 
-/// One attempt's copy of a request body (see [`BodyTee`]).
+/// One attempt's copy of a request body being copied by [`StreamingResend`]: what was read
+/// so far, then the rest of the original.
 pub struct TeeReader<B> {
     shared: Arc<Mutex<Shared<B>>>,
     /// The original body, while this copy reads it.
@@ -255,7 +256,7 @@ where
 pub trait TeeableBody: Sized + Send + 'static {
     /// `reader` as this body type.
     fn from_reader(reader: TeeReader<Self>) -> Self;
-    /// An empty body (what the kept request holds; the bytes live in its [`BodyTee`]).
+    /// An empty body (what the kept request holds; its bytes are kept beside it).
     fn placeholder() -> Self;
 }
 

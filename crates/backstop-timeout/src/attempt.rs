@@ -89,7 +89,7 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = AttemptFuture<S::Future>;
+    type Future = TimedFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -108,9 +108,6 @@ where
         }
     }
 }
-
-/// Response future of [`AttemptTimeout`].
-pub type AttemptFuture<F> = TimedFuture<F>;
 
 #[cfg(test)]
 mod tests {

@@ -137,7 +137,7 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = DeadlineFuture<S::Future>;
+    type Future = TimedFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if let Poll::Ready(ready) = self.inner.poll_ready(cx) {
@@ -180,9 +180,6 @@ where
         }
     }
 }
-
-/// Response future of [`WithDeadline`].
-pub type DeadlineFuture<F> = TimedFuture<F>;
 
 #[cfg(test)]
 mod tests {

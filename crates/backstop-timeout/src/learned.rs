@@ -241,7 +241,8 @@ impl<C> Learning<C> {
 mod tests {
     use super::*;
     use crate::{LatencyConfig, LatencyTimeouts};
-    use backstop_core::{AttemptTimedOut, Claim, Outcome, ScopeOwner};
+    use backstop_core::{AttemptTimedOut, Outcome};
+    use backstop_core::{Claim, ScopeOwner};
     use tower::{ServiceExt, service_fn};
 
     /// Judges `Ok(true)` a success, anything else a failure; every request is replay-safe

@@ -78,9 +78,7 @@ pub mod plumbing {
 
 /// Future types.
 pub mod future {
-    pub use crate::attempt::AttemptFuture;
     pub use crate::body::BodyTimeoutFuture;
-    pub use crate::deadline::DeadlineFuture;
     pub use crate::learned::LearnedFuture;
     pub use crate::timed::TimedFuture;
 }

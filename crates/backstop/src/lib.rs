@@ -123,7 +123,6 @@ pub use backstop_otel as otel;
 #[cfg(feature = "replay")]
 pub use backstop_replay as replay;
 pub use backstop_retry as retry;
-pub use backstop_state as state;
 pub use backstop_timeout as timeout;
 
 /// `reqwest::Client` under the stack: [`ReqwestService`](reqwest::ReqwestService), or

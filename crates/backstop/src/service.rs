@@ -19,7 +19,7 @@ use backstop_retry::{
 };
 use backstop_timeout::{
     AttemptTimeout, AttemptTimeoutLayer, BoundLatency, DeadlineLayer, LearnedTimeout,
-    LearnedTimeoutLayer, WithDeadline, future::DeadlineFuture,
+    LearnedTimeoutLayer, WithDeadline, future::TimedFuture,
 };
 use pin_project::pin_project;
 use std::{
@@ -142,7 +142,7 @@ where
 }
 
 /// The stack's future under the call's work.
-type Inner<S, C, P, Req, Pol> = DeadlineFuture<ResponseFuture<Parts<S, C, P, Req, Pol>>>;
+type Inner<S, C, P, Req, Pol> = TimedFuture<ResponseFuture<Parts<S, C, P, Req, Pol>>>;
 
 /// Response future of [`BackstopService`].
 #[pin_project]

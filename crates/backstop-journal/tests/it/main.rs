@@ -3,4 +3,5 @@
 mod cost;
 mod journal;
 mod model;
+mod typed;
 mod worker;

@@ -9,9 +9,9 @@ use backstop_classify::HttpClassifier;
 use backstop_core::Outcome;
 use backstop_core::ReportsOutcome;
 use backstop_core::{
-    AttemptTimedOut, BoxError, CallContext, Claim, Deadline, DeadlineExceeded, Dependency,
-    ScopeOwner,
+    AttemptTimedOut, BoxError, CallContext, Deadline, DeadlineExceeded, Dependency,
 };
+use backstop_core::{Claim, ScopeOwner};
 use backstop_retry::{Error, HttpResend, RetryLayer, StopReason};
 use backstop_timeout::{AttemptTimeoutLayer, DeadlineLayer};
 use bytes::Bytes;

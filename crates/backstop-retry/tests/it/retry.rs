@@ -5,9 +5,7 @@ use backstop_backoff::{Backoff, RngSource};
 use backstop_classify::{Classify, Verdict};
 use backstop_core::Outcome;
 use backstop_core::{AttemptTimedOut, BoxError, Deadline, Dependency, HasExtensions, RetryBudget};
-use backstop_retry::{
-    BufferBodyLayer, Error, NotCopyable, Resend, RetryHistory, RetryLayer, StopReason,
-};
+use backstop_retry::{Error, NotCopyable, Resend, RetryHistory, RetryLayer, StopReason};
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -444,10 +442,11 @@ async fn readiness_is_polled_again_before_every_attempt() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
+async fn streamed_bodies_are_replayed_and_oversized_ones_are_sent_once() {
     let bodies = Arc::new(Mutex::new(Vec::new()));
     let seen = bodies.clone();
-    let inner = service_fn(move |req: Request<backstop_retry::BufferedBody<_>>| {
+    type Boxed = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+    let inner = service_fn(move |req: Request<Boxed>| {
         let seen = seen.clone();
         async move {
             let body = req.into_body().collect().await?.to_bytes();
@@ -455,12 +454,16 @@ async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
             Ok::<_, BoxError>(Response::builder().status(503).body(()).unwrap())
         }
     });
-    let svc = BufferBodyLayer::new(16).layer(layer().layer(inner));
+    let svc = layer()
+        .resend(backstop_retry::StreamingResend::new(16))
+        .layer(inner);
     let stream = |chunks: &'static [&'static [u8]]| {
         let frames = chunks
             .iter()
             .map(|c| Ok::<_, Infallible>(http_body::Frame::data(Bytes::from_static(c))));
         StreamBody::new(futures_lite_iter(frames))
+            .map_err(|never| match never {})
+            .boxed_unsync()
     };
 
     let small = Request::put("http://carrier.local/x")
@@ -482,7 +485,7 @@ async fn buffered_bodies_are_replayed_and_oversized_ones_are_sent_once() {
     );
     match &RetryHistory::of(&res).unwrap().stopped {
         StopReason::NotCopyable(why) => {
-            assert!(why.reason().contains("16-byte replay buffer"), "{why}")
+            assert!(why.reason().contains("16 bytes kept for a retry"), "{why}")
         }
         other => panic!("{other:?}"),
     }

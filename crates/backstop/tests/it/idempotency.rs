@@ -129,7 +129,9 @@ async fn inside_the_retry_layer_a_derived_key_is_still_the_same_on_every_attempt
         .insert(ActionContext::tool_call("run-91f2", "step-3", "call-07"));
     req.extensions_mut().insert(ReplaySafe); // the runtime knows the key is stable
     svc.oneshot(req).await.unwrap();
-    let want = IdempotencyKey::for_tool_call("run-91f2", "step-3", "call-07").to_string();
+    let want = ActionContext::tool_call("run-91f2", "step-3", "call-07")
+        .key()
+        .to_string();
     assert_eq!(*keys.lock().unwrap(), vec![Some(want); 3]);
 }
 
@@ -282,7 +284,7 @@ async fn non_http_tool_calls_carry_their_key_and_are_marked_replay_safe() {
     assert_eq!(
         seen[0],
         (
-            Some(IdempotencyKey::for_tool_call("run-1", "step-1", "call-1")),
+            Some(ActionContext::tool_call("run-1", "step-1", "call-1").key()),
             true
         )
     );
