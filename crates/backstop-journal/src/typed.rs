@@ -83,6 +83,7 @@ impl<In: Serialize, Out: DeserializeOwned> Workflow<In, Out> {
 
     /// The output of run `run` once the workflow finished it; `None` while it has not (pending,
     /// failed, cancelled or waiting for a person: [`Journal::run_record`] says which).
+    /// [`JournalError::NotFound`] when the journal has no such run.
     pub async fn output(&self, journal: &Journal, run: &str) -> Result<Option<Out>, JournalError> {
         let Some(record) = journal.run_record(run).await? else {
             return Err(JournalError::NotFound(format!("run {run}")));
@@ -141,6 +142,9 @@ impl RunContext {
     /// or an error that says what is known of the side effect ([`ReportsOutcome`]: every
     /// Backstop error does). A step that completed before returns its stored value without a
     /// call.
+    ///
+    /// The step's tool is its name: the CLI shows it, and a [`Reconcile`](crate::Reconcile)
+    /// hook for it is registered under it (`Reconcilers::new().tool("refund", hook)`).
     ///
     /// `args` identify the call: they are stored as JSON, and a resumed step given other
     /// arguments under the same name is a different call, for a person to decide. The value is
