@@ -3,7 +3,7 @@
 
 use crate::Failure;
 use crate::args::{ResolveArgs, StepRef, Who};
-use crate::render::{print_json, run_record_json, step_json};
+use crate::render::print_json;
 use backstop_journal::{Journal, Resolution};
 
 /// `resolve`: repairs a step that is not over.
@@ -28,7 +28,7 @@ pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u
     let who = &r.who;
     let step = j.resolve(&id, resolution, &who.by, &who.why).await?;
     if json {
-        print_json(&step_json(&step));
+        print_json(&step);
     } else {
         println!(
             "step {id} is now {} (by {}: {})",
@@ -42,7 +42,7 @@ pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u
 pub(crate) async fn cancel(j: &Journal, json: bool, run: &str, who: Who) -> Result<u8, Failure> {
     let record = j.cancel_run(run, &who.by, &who.why).await?;
     if json {
-        print_json(&run_record_json(&record));
+        print_json(&record);
     } else {
         println!("run {run} is cancelled (by {}: {})", who.by, who.why);
     }
@@ -59,7 +59,7 @@ pub(crate) async fn retry(
     let id = step.id();
     let step = j.retry_step(&id, &who.by, &who.why).await?;
     if json {
-        print_json(&step_json(&step));
+        print_json(&step);
     } else {
         println!(
             "step {id} is {} and will be sent again with key {} (by {}: {})",
@@ -80,7 +80,7 @@ pub(crate) async fn stub(
     let id = step.id();
     let step = j.stub_step(&id, result, &who.by, &who.why).await?;
     if json {
-        print_json(&step_json(&step));
+        print_json(&step);
     } else {
         println!(
             "step {id} is {} with the result you gave (by {}: {})",
@@ -101,7 +101,7 @@ pub(crate) async fn fork(
         .fork_run(run, from_step, new_run, &who.by, &who.why)
         .await?;
     if json {
-        print_json(&run_record_json(&record));
+        print_json(&record);
     } else {
         println!(
             "run {new_run} is {}: forked from run {run} at step {from_step}; the steps before it \

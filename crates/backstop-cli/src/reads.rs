@@ -2,11 +2,9 @@
 
 use crate::Failure;
 use crate::render::{
-    ago, event_json, human, print_json, run_json, run_record_json, short_key, step_json, table,
-    time_in_states, transition_json, when,
+    RunShown, StepShown, ago, human, print_json, short_key, table, time_in_states, when,
 };
 use backstop_journal::{Journal, RunFilter, Step, StepTransition};
-use serde_json::{Value, json};
 
 /// `runs`: the most recently changed runs that `filter` selects.
 pub(crate) async fn runs(
@@ -17,7 +15,7 @@ pub(crate) async fn runs(
 ) -> Result<u8, Failure> {
     let runs = j.runs(filter).await?;
     if json {
-        print_json(&Value::Array(runs.iter().map(run_json).collect()));
+        print_json(&runs);
     } else if runs.is_empty() {
         println!("no runs in the journal");
     } else {
@@ -77,26 +75,19 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
         })
         .collect();
     if json {
-        let v = json!({
-            "run": run_record_json(&record),
-            "events": events.iter().map(event_json).collect::<Vec<_>>(),
-            "forks": forks.iter().map(run_record_json).collect::<Vec<_>>(),
-            "steps": rows
-            .iter()
-            .map(|(s, h)| {
-                let mut v = step_json(s);
-                v["history"] = Value::Array(h.iter().map(transition_json).collect());
-                v["time_in_state_ms"] = json!(
-                    time_in_states(h, now)
-                        .into_iter()
-                        .map(|(st, ms)| (st.to_owned(), json!(ms)))
-                        .collect::<serde_json::Map<_, _>>()
-                );
-                v
-            })
-            .collect::<Vec<_>>(),
+        print_json(&RunShown {
+            run: &record,
+            events: &events,
+            forks: &forks,
+            steps: rows
+                .iter()
+                .map(|(step, history)| StepShown {
+                    step,
+                    history,
+                    time_in_state_ms: time_in_states(history, now).into_iter().collect(),
+                })
+                .collect(),
         });
-        print_json(&v);
     } else {
         let mut t = table(&[
             "step",
@@ -187,7 +178,7 @@ pub(crate) async fn stuck(
 ) -> Result<u8, Failure> {
     let stuck = j.stuck().await?;
     if json {
-        print_json(&Value::Array(stuck.iter().map(step_json).collect()));
+        print_json(&stuck);
     } else if stuck.is_empty() {
         println!("nothing is stuck: no step waits for a person, none is parked");
     } else {

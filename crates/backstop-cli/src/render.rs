@@ -1,9 +1,12 @@
 //! What the commands print: tables for people, JSON for scripts, times in words.
 
-use backstop_journal::{RunEvent, RunRecord, RunSummary, Step, StepTransition};
+use backstop_journal::{RunEvent, RunRecord, Step, StepTransition};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-use serde_json::{Value, json};
-use std::time::{Duration, UNIX_EPOCH};
+use serde::Serialize;
+use std::{
+    collections::BTreeMap,
+    time::{Duration, UNIX_EPOCH},
+};
 
 pub(crate) fn table(header: &[&str]) -> Table {
     let mut t = Table::new();
@@ -12,48 +15,29 @@ pub(crate) fn table(header: &[&str]) -> Table {
     t
 }
 
-pub(crate) fn print_json(v: &Value) {
-    println!("{}", serde_json::to_string_pretty(v).expect("JSON"));
+/// `value` as pretty JSON: the shape its type serializes to, the same wherever it is shown.
+pub(crate) fn print_json<T: Serialize + ?Sized>(value: &T) {
+    println!("{}", serde_json::to_string_pretty(value).expect("JSON"));
 }
 
-pub(crate) fn run_json(r: &RunSummary) -> Value {
-    json!({
-        "run": r.run, "workflow": r.workflow, "state": r.state.as_str(), "steps": r.steps,
-        "done": r.done, "needs_human": r.needs_human, "parked": r.parked, "unknown": r.unknown,
-        "updated_ms": r.updated_ms, "claimed_by": r.claimed_by, "wake_ms": r.wake_ms,
-        "error": r.error,
-    })
+/// What `show --json` prints: the run's record, its events, the runs forked from it, and its
+/// steps, each with its history and the time it spent in each state.
+#[derive(Serialize)]
+pub(crate) struct RunShown<'a> {
+    pub(crate) run: &'a RunRecord,
+    pub(crate) events: &'a [RunEvent],
+    pub(crate) forks: &'a [RunRecord],
+    pub(crate) steps: Vec<StepShown<'a>>,
 }
 
-pub(crate) fn run_record_json(r: &RunRecord) -> Value {
-    json!({
-        "run": r.id, "workflow": r.workflow, "input": r.input, "state": r.state.as_str(),
-        "output": r.output, "error": r.error, "claimed_by": r.claimed_by,
-        "claim_until_ms": r.claim_until, "wake_ms": r.wake_ms, "created_ms": r.created_ms,
-        "updated_ms": r.updated_ms,
-        "forked_from": r.forked_from.as_ref().map(|f| json!({ "run": f.run, "step": f.step })),
-    })
-}
-
-pub(crate) fn event_json(e: &RunEvent) -> Value {
-    json!({ "at_ms": e.at_ms, "actor": e.actor, "action": e.action, "reason": e.reason })
-}
-
-pub(crate) fn step_json(s: &Step) -> Value {
-    json!({
-        "run": &*s.id.run, "step": &*s.id.step, "call": &*s.id.call, "tool": s.tool,
-        "kind": s.kind.as_str(), "state": s.state.as_str(), "outcome": s.state.outcome().as_str(),
-        "attempts": s.attempts, "key": s.key, "last_error": s.last_error, "result": s.result,
-        "provider_ref": s.provider_ref, "park_until_ms": s.park_until, "needs_human": s.attention,
-        "created_ms": s.created_ms, "updated_ms": s.updated_ms, "sent_ms": s.sent_ms,
-    })
-}
-
-pub(crate) fn transition_json(t: &StepTransition) -> Value {
-    json!({
-        "from": t.from.map(|s| s.as_str()), "to": t.to.as_str(), "at_ms": t.at_ms,
-        "attempts": t.attempts, "error": t.error, "actor": t.actor, "reason": t.reason,
-    })
+/// One step in [`RunShown`].
+#[derive(Serialize)]
+pub(crate) struct StepShown<'a> {
+    #[serde(flatten)]
+    pub(crate) step: &'a Step,
+    pub(crate) history: &'a [StepTransition],
+    /// Milliseconds in each state (`null`: the final state, not waiting).
+    pub(crate) time_in_state_ms: BTreeMap<&'static str, Option<i64>>,
 }
 
 /// How long the step spent in each state it passed through, summed, in order of first visit.

@@ -529,3 +529,69 @@ async fn the_operator_reads_and_acknowledges_dead_letters() {
     .await
     .unwrap();
 }
+
+/// `value` with every time in it (`..._ms`, `..._until`: milliseconds) replaced by `[ms]`:
+/// what is left is the shape and the facts a snapshot holds.
+fn without_times(mut value: serde_json::Value) -> serde_json::Value {
+    fn walk(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, field) in map.iter_mut() {
+                    let a_time = k.ends_with("_ms") || k.ends_with("_until");
+                    match field {
+                        serde_json::Value::Number(_) if a_time => *field = "[ms]".into(),
+                        // Milliseconds by state (`time_in_state_ms`).
+                        serde_json::Value::Object(by) if a_time => by
+                            .values_mut()
+                            .filter(|ms| ms.is_number())
+                            .for_each(|ms| *ms = "[ms]".into()),
+                        _ => walk(field),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut value);
+    value
+}
+
+/// What the commands print, as snapshots (`cargo insta review` after a change on purpose):
+/// the tables people read and the JSON scripts parse. Times are replaced (and the tables'
+/// padding, which their widths set), since they are the only thing a second run changes.
+#[tokio::test]
+async fn what_the_commands_print() {
+    let dir = backstop_testkit::scratch_dir("cli-snapshots");
+    let db = dir.path().join("journal.db").display().to_string();
+    let j = Journal::sqlite(&db).await.unwrap();
+    write_a_run(&j).await;
+    write_a_failed_run(&j).await;
+    // Times in words, and the padding their widths give the tables' columns.
+    let times = [
+        (r"\d+(\.\d+)? (ms|s|min|h)\b", "[duration]"),
+        (r"\w{3}, \d{2} \w{3} \d{4} \d{2}:\d{2}:\d{2} GMT", "[date]"),
+        ("─+", "─"),
+        ("═+", "═"),
+        (" {2,}", " "),
+    ];
+    let json = |args: &[&str]| {
+        let (code, out, err) = backstop(&db, args);
+        assert_eq!(code, 0, "{err}");
+        without_times(serde_json::from_str(&out).expect("JSON"))
+    };
+    insta::assert_json_snapshot!("runs_json", json(&["--json", "runs"]));
+    insta::assert_json_snapshot!("show_json", json(&["--json", "show", "run-1"]));
+    insta::assert_json_snapshot!("stuck_json", json(&["--json", "stuck"]));
+    insta::with_settings!({ filters => times.to_vec() }, {
+        for (name, args) in [
+            ("runs_table", &["runs"][..]),
+            ("show_table", &["show", "run-1"][..]),
+            ("stuck_table", &["stuck"][..]),
+        ] {
+            let (code, out, err) = backstop(&db, args);
+            assert_eq!(code, 0, "{err}");
+            insta::assert_snapshot!(name, out);
+        }
+    });
+}

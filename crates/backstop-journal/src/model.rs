@@ -1,11 +1,12 @@
 //! What the journal records: steps, their states, and every transition.
 
 use backstop_core::Outcome;
+use serde::{Serialize, Serializer};
 use std::{fmt, str::FromStr, sync::Arc};
 
 /// Identifies one step of a run: the run, the step within it, and the tool call within the
 /// step (empty when a step makes one call).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct StepId {
     /// The run (an agent task, a workflow instance).
     pub run: Arc<str>,
@@ -167,6 +168,13 @@ impl StepState {
     }
 }
 
+/// Serialized as its name ([`StepState::as_str`]), as stored and shown.
+impl Serialize for StepState {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 impl fmt::Display for StepState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -204,6 +212,13 @@ pub enum StepKind {
     Action,
     /// A deliberate undoing of an action that succeeded, with its own key and states.
     Compensation,
+}
+
+/// Serialized as its name ([`StepKind::as_str`]), as stored and shown.
+impl Serialize for StepKind {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
 }
 
 impl StepKind {
@@ -274,7 +289,7 @@ pub fn digest(args: &[u8]) -> String {
 }
 
 /// A step as the journal has it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct Step {
     /// Its id.
@@ -310,7 +325,7 @@ pub struct Step {
 }
 
 /// One recorded change of a step's state.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct StepTransition {
     /// The step.
@@ -332,7 +347,7 @@ pub struct StepTransition {
 }
 
 /// A run, summarised: its record and counts of its steps.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RunSummary {
     /// The run.

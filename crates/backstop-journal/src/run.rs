@@ -11,6 +11,7 @@ use crate::{
     journal::{Journal, with_pool},
     model::{RunSummary, StepState},
 };
+use serde::{Serialize, Serializer};
 use std::{fmt, str::FromStr};
 
 /// Where a run is. Only `pending` runs are claimed and run.
@@ -60,6 +61,13 @@ impl RunState {
     }
 }
 
+/// Serialized as its name ([`RunState::as_str`]), as stored and shown.
+impl Serialize for RunState {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
 impl fmt::Display for RunState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -78,7 +86,7 @@ impl FromStr for RunState {
 }
 
 /// A run as the journal records it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RunRecord {
     /// The run's id.
@@ -110,7 +118,7 @@ pub struct RunRecord {
 }
 
 /// Where a forked run came from: the original run and the step it was forked at.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct ForkPoint {
     /// The original run.
@@ -136,7 +144,7 @@ pub enum RunOutcome {
 
 /// One thing that happened to a run (started, finished, cancelled, reopened), with who and
 /// why; a step's own changes are in its history ([`Journal::history`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RunEvent {
     /// When (milliseconds since the Unix epoch).
