@@ -903,52 +903,6 @@ return 1
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_claims_are_fenced_and_expire() {
-        let redis = RedisServer::start().await;
-        let s = RedisStore::open(&redis.url()).unwrap().prefix("test:");
-        let lease = Duration::from_millis(100);
-        let Claim::Claimed { token: old } = s.claim("k", [7; 32], lease).await.unwrap() else {
-            panic!()
-        };
-        assert_eq!(
-            s.claim("k", [7; 32], lease).await.unwrap(),
-            Claim::InFlight {
-                fingerprint: [7; 32]
-            }
-        );
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        let Claim::Claimed { token: new } = s.claim("k", [7; 32], lease).await.unwrap() else {
-            panic!()
-        };
-        let resp = StoredResponse {
-            status: 201,
-            headers: vec![],
-            body: Bytes::from_static(b"R1"),
-            body_omitted: None,
-        };
-        assert!(
-            !s.complete("k", old, &resp, Duration::from_secs(60))
-                .await
-                .unwrap(),
-            "a stale owner is fenced out"
-        );
-        assert!(!s.release("k", old).await.unwrap());
-        assert!(s.renew("k", new, lease).await.unwrap());
-        assert!(
-            s.complete("k", new, &resp, Duration::from_secs(60))
-                .await
-                .unwrap()
-        );
-        assert_eq!(
-            s.claim("k", [7; 32], lease).await.unwrap(),
-            Claim::Done {
-                fingerprint: [7; 32],
-                response: resp
-            }
-        );
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn while_redis_is_down_requests_fail_closed_and_it_recovers() {
         let mut redis = RedisServer::start().await;
         let h = Handler::new(Mode::Ok);
