@@ -537,6 +537,7 @@ async fn resend_without_asking(journal: &Journal, run: &str) -> Result<(), Journ
     for (step, next) in plan {
         if matches!(next, Next::Reconcile | Next::Human { .. }) {
             journal
+                .operator()
                 .resolve(
                     &step.id,
                     Resolution::Retry,
@@ -559,7 +560,7 @@ async fn work(
     let journal = Journal::open(db).await?;
     let tools = Arc::new(Tools::new(url)?);
     // A run made by an operator (a fork) exists already, with its own input.
-    if journal.run_record(run).await?.is_none() {
+    if journal.runs().get(run).await?.is_none() {
         journal
             .start_run(run, WORKFLOW, Some(&format!(r#"{{"order":"ord-{run}"}}"#)))
             .await?;
@@ -576,7 +577,7 @@ async fn work(
                 async move {
                     // Killed while it recovers another worker's run.
                     checkpoint(kill.as_deref(), "reconcile", &s.tool);
-                    let order = match j.run_record(&s.id.run).await {
+                    let order = match j.runs().get(&s.id.run).await {
                         Ok(run) => order_of(run.and_then(|r| r.input).as_deref()),
                         Err(e) => {
                             return Reconciled::CannotTell {

@@ -91,7 +91,7 @@ async fn crash_and_resume_at(
         .unwrap();
     let code = invoice::worker_exit(status).unwrap();
     let journal = Journal::open(&db).await.unwrap();
-    let steps = journal.run(&run).await.unwrap();
+    let steps = journal.runs().steps(&run).await.unwrap();
     let converged = code == 0
         && steps.len() == 3
         && steps
@@ -99,6 +99,7 @@ async fn crash_and_resume_at(
             .all(|s| s.state.succeeded() || s.state == StepState::Compensated);
     let human = code == 4
         || journal
+            .runs()
             .stuck()
             .await
             .unwrap()
@@ -199,7 +200,13 @@ async fn what_the_provider_cannot_tell_goes_to_a_person_not_out_again() {
         .unwrap()
         .unwrap();
     assert_eq!(invoice::worker_exit(status), Ok(4), "a step needs a person");
-    let stuck = Journal::open(&db).await.unwrap().stuck().await.unwrap();
+    let stuck = Journal::open(&db)
+        .await
+        .unwrap()
+        .runs()
+        .stuck()
+        .await
+        .unwrap();
     assert_eq!(stuck.len(), 1);
     assert_eq!(&*stuck[0].id.step, "send-email");
     assert!(
@@ -263,7 +270,7 @@ async fn killed_during_recovery(db: &str, run: &str) {
         }
     );
     let journal = Journal::open(db).await.unwrap();
-    let record = journal.run_record(run).await.unwrap().unwrap();
+    let record = journal.runs().get(run).await.unwrap().unwrap();
     assert_eq!(record.state, RunState::Succeeded);
 }
 
@@ -279,7 +286,7 @@ async fn killed_during_a_parked_wait(db: &str, run: &str) {
     let journal = Journal::open(db).await.unwrap();
     let email = StepId::new(run, "send-email", "");
     assert_eq!(
-        journal.step(&email).await.unwrap().unwrap().state,
+        journal.runs().step(&email).await.unwrap().unwrap().state,
         StepState::Parked
     );
     assert_eq!(world.effects().messages, 0);
@@ -288,7 +295,8 @@ async fn killed_during_a_parked_wait(db: &str, run: &str) {
     assert_eq!(world.effects().messages, 1, "sent once, when it was due");
     assert_eq!(world.effects().duplicates(), 0);
     let history: Vec<_> = journal
-        .history(&email)
+        .runs()
+        .step_history(&email)
         .await
         .unwrap()
         .iter()
@@ -328,13 +336,14 @@ async fn a_failed_run_forked_at_its_failed_step_finishes(db: &str, run: &str) {
     assert_eq!(first, Ok(5), "the run failed at its email");
     let journal = Journal::open(db).await.unwrap();
     let email = StepId::new(run, "send-email", "");
-    let refused = journal.step(&email).await.unwrap().unwrap();
+    let refused = journal.runs().step(&email).await.unwrap().unwrap();
     assert_eq!(refused.state, StepState::FailedAfterExecution);
 
     world.make_mailer_refuse(false);
     let fork = format!("{run}-fork");
     let record = journal
-        .fork_run(run, "send-email", &fork, "ana", "the address is fixed")
+        .operator()
+        .fork(run, "send-email", &fork, "ana", "the address is fixed")
         .await
         .unwrap();
     assert_eq!(record.state, RunState::Pending);
@@ -350,8 +359,8 @@ async fn a_failed_run_forked_at_its_failed_step_finishes(db: &str, run: &str) {
         "each earlier effect once, the forked step once"
     );
 
-    let original = journal.run(run).await.unwrap();
-    let forked = journal.run(&fork).await.unwrap();
+    let original = journal.runs().steps(run).await.unwrap();
+    let forked = journal.runs().steps(&fork).await.unwrap();
     assert_eq!(forked.len(), 3, "{forked:?}");
     for (a, b) in original.iter().zip(&forked) {
         assert_eq!(a.id.step, b.id.step);
@@ -366,11 +375,11 @@ async fn a_failed_run_forked_at_its_failed_step_finishes(db: &str, run: &str) {
             assert_eq!((a.state, &a.result), (b.state, &b.result));
         }
     }
-    let done = journal.run_record(&fork).await.unwrap().unwrap();
+    let done = journal.runs().get(&fork).await.unwrap().unwrap();
     assert_eq!(done.state, RunState::Succeeded);
     assert_eq!(done.output.as_deref(), Some(r#"{"invoice":"inv_1"}"#));
     assert_eq!(done.forked_from.as_ref().map(|f| f.run.as_str()), Some(run));
-    let original_run = journal.run_record(run).await.unwrap().unwrap();
+    let original_run = journal.runs().get(run).await.unwrap().unwrap();
     assert_eq!(
         original_run.state,
         RunState::Failed,
@@ -378,9 +387,9 @@ async fn a_failed_run_forked_at_its_failed_step_finishes(db: &str, run: &str) {
     );
     assert_eq!(
         refused.key,
-        journal.step(&email).await.unwrap().unwrap().key
+        journal.runs().step(&email).await.unwrap().unwrap().key
     );
-    let forks = journal.forks(run).await.unwrap();
+    let forks = journal.runs().forks(run).await.unwrap();
     assert_eq!(forks.len(), 1);
     assert_eq!(forks[0].id, fork);
 }

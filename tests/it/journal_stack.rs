@@ -48,6 +48,7 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .unwrap();
     assert_eq!(res.status(), 201);
     let step = journal
+        .runs()
         .step(&StepId::new("r1", "invoice", "c1"))
         .await
         .unwrap()
@@ -59,7 +60,8 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         Some(step.key.as_str())
     );
     let history: Vec<_> = journal
-        .history(&step.id)
+        .runs()
+        .step_history(&step.id)
         .await
         .unwrap()
         .iter()
@@ -94,6 +96,7 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .unwrap();
     assert_eq!(res.status(), 503);
     let parked = journal
+        .runs()
         .step(&StepId::new("r2", "invoice", "c1"))
         .await
         .unwrap()
@@ -114,6 +117,7 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         Some(backstop::Outcome::Unknown)
     );
     let unknown = journal
+        .runs()
         .step(&StepId::new("r3", "invoice", "c1"))
         .await
         .unwrap()
@@ -138,7 +142,8 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
     assert_eq!(svc.oneshot(plain).await.unwrap().status(), 201);
     assert_eq!(
         journal
-            .runs(&backstop::journal::RunFilter::latest(10))
+            .runs()
+            .list(&backstop::journal::RunFilter::latest(10))
             .await
             .unwrap()
             .len(),

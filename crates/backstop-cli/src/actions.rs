@@ -16,7 +16,7 @@ pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u
         Resolution::Retry
     };
     let id = r.step.id();
-    if j.step(&id).await?.is_none() {
+    if j.runs().step(&id).await?.is_none() {
         return Err(Failure {
             code: 3,
             message: format!(
@@ -26,7 +26,10 @@ pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u
         });
     }
     let who = &r.who;
-    let step = j.resolve(&id, resolution, &who.by, &who.why).await?;
+    let step = j
+        .operator()
+        .resolve(&id, resolution, &who.by, &who.why)
+        .await?;
     if json {
         print_json(&step);
     } else {
@@ -40,7 +43,7 @@ pub(crate) async fn resolve(j: &Journal, json: bool, r: ResolveArgs) -> Result<u
 
 /// `cancel`: no worker runs the run again.
 pub(crate) async fn cancel(j: &Journal, json: bool, run: &str, who: Who) -> Result<u8, Failure> {
-    let record = j.cancel_run(run, &who.by, &who.why).await?;
+    let record = j.operator().cancel(run, &who.by, &who.why).await?;
     if json {
         print_json(&record);
     } else {
@@ -57,7 +60,7 @@ pub(crate) async fn retry(
     who: Who,
 ) -> Result<u8, Failure> {
     let id = step.id();
-    let step = j.retry_step(&id, &who.by, &who.why).await?;
+    let step = j.operator().retry(&id, &who.by, &who.why).await?;
     if json {
         print_json(&step);
     } else {
@@ -78,7 +81,7 @@ pub(crate) async fn stub(
     who: Who,
 ) -> Result<u8, Failure> {
     let id = step.id();
-    let step = j.stub_step(&id, result, &who.by, &who.why).await?;
+    let step = j.operator().stub(&id, result, &who.by, &who.why).await?;
     if json {
         print_json(&step);
     } else {
@@ -98,7 +101,8 @@ pub(crate) async fn fork(
     who: Who,
 ) -> Result<u8, Failure> {
     let record = j
-        .fork_run(run, from_step, new_run, &who.by, &who.why)
+        .operator()
+        .fork(run, from_step, new_run, &who.by, &who.why)
         .await?;
     if json {
         print_json(&record);

@@ -13,7 +13,7 @@ pub(crate) async fn runs(
     now: i64,
     filter: &RunFilter,
 ) -> Result<u8, Failure> {
-    let runs = j.runs(filter).await?;
+    let runs = j.runs().list(filter).await?;
     if json {
         print_json(&runs);
     } else if runs.is_empty() {
@@ -54,16 +54,16 @@ pub(crate) async fn runs(
 pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result<u8, Failure> {
     // A fixed number of queries, however many steps: the record, the steps, every
     // transition of the run, the run's events, the runs forked from it.
-    let Some(record) = j.run_record(run).await? else {
+    let Some(record) = j.runs().get(run).await? else {
         return Err(Failure {
             code: 3,
             message: format!("run {run} is not in the journal (see `backstop journal runs`)"),
         });
     };
-    let steps = j.run(run).await?;
-    let mut history = j.run_history(run).await?;
-    let events = j.run_events(run).await?;
-    let forks = j.forks(run).await?;
+    let steps = j.runs().steps(run).await?;
+    let mut history = j.runs().history(run).await?;
+    let events = j.runs().events(run).await?;
+    let forks = j.runs().forks(run).await?;
     let rows: Vec<(&Step, Vec<StepTransition>)> = steps
         .iter()
         .map(|s| {
@@ -176,7 +176,7 @@ pub(crate) async fn stuck(
     now: i64,
     fail_if_any: bool,
 ) -> Result<u8, Failure> {
-    let stuck = j.stuck().await?;
+    let stuck = j.runs().stuck().await?;
     if json {
         print_json(&stuck);
     } else if stuck.is_empty() {

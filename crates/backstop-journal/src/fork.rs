@@ -60,28 +60,8 @@ macro_rules! copy_step {
 }
 
 impl Journal {
-    /// Forks run `run` at step `from_step` into a new pending run `new_run` of the same
-    /// workflow and input, recorded with who and why on both runs; a [`Worker`] runs it.
-    ///
-    /// The steps recorded before `from_step` (in the order they were recorded) are copied with
-    /// their state, result, provider reference and key: the workflow gets their results back
-    /// and calls nothing for them. `from_step` and every step after it are not copied: they run
-    /// anew, with keys derived from `new_run`, so their effects happen again (once each).
-    /// The original keeps its steps and history; its events name the fork, and the new run's
-    /// record names where it came from ([`RunRecord::forked_from`], [`Journal::forks`]).
-    ///
-    /// Refused, with the reason and nothing written, when `run` is still pending or waits for
-    /// a person (it could still act: cancel it first), when it has no step `from_step`, when
-    /// a step before the fork point is not over (its outcome must be known before the new
-    /// run relies on it), and when `new_run` is another run already. Forking again with the
-    /// same arguments returns the fork as it is, so an operator whose command was cut off may
-    /// repeat it.
-    ///
-    /// The copied steps keep their arguments' digests: a workflow whose arguments name its own
-    /// run id gets [`JournalError::ArgsChanged`] at the first copied step.
-    ///
-    /// [`Worker`]: crate::Worker
-    pub async fn fork_run(
+    /// [`Operator::fork`](crate::Operator::fork).
+    pub(crate) async fn fork_run(
         &self,
         run: &str,
         from_step: &str,
@@ -194,8 +174,8 @@ impl Journal {
         self.existing_run(new_run).await
     }
 
-    /// The runs forked from run `run`, oldest first.
-    pub async fn forks(&self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
+    /// [`Runs::forks`](crate::Runs::forks).
+    pub(crate) async fn forks(&self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
         with_pool!(self, |pool, sql| {
             let rows = sqlx::query(&sql(&format!(
                 "SELECT {} FROM backstop_journal_runs WHERE forked_from = $1

@@ -48,6 +48,7 @@ compile_error!(
     "backstop-journal needs a store: enable its `sqlite` feature (the default), `postgres`, or both"
 );
 
+mod audience;
 mod error;
 mod fork;
 mod journal;
@@ -67,6 +68,7 @@ mod typed;
 mod worker;
 mod workflow;
 
+pub use audience::{Operator, Runs};
 pub use error::{ErrorKind, JournalError};
 pub use journal::{CallIdentity, Clock, Journal};
 pub use layer::{

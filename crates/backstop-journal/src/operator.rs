@@ -1,6 +1,6 @@
 //! What an operator does to a run's steps, each recorded in the step's history with who and
-//! why: send a failed step again ([`Journal::retry_step`]) or write the result the workflow
-//! will see ([`Journal::stub_step`]). Either puts a failed run, or one waiting for a person,
+//! why: send a failed step again ([`Operator::retry`](crate::Operator::retry)) or write the result the workflow
+//! will see ([`Operator::stub`](crate::Operator::stub)). Either puts a failed run, or one waiting for a person,
 //! back to pending, and a worker takes it from there.
 
 use crate::{
@@ -12,12 +12,8 @@ use crate::{
 };
 
 impl Journal {
-    /// Sends step `id` again, with the same key: a step that failed (before or after
-    /// execution, or by reconciliation), a parked one now, or one waiting for a person. The
-    /// step goes back to `pending`, and its run to pending. A step that succeeded, or one
-    /// whose outcome is unknown and not yet handed to a person (reconcile it first), is
-    /// refused, as is a step of a cancelled run.
-    pub async fn retry_step(
+    /// [`Operator::retry`](crate::Operator::retry).
+    pub(crate) async fn retry_step(
         &self,
         id: &StepId,
         who: &str,
@@ -47,11 +43,8 @@ impl Journal {
         Ok(step)
     }
 
-    /// Writes `result` as step `id`'s result, as if it had succeeded: the workflow sees it and
-    /// does not call the tool. Any step not succeeded may be stubbed (one in flight too: the
-    /// worker's own record of it is then refused, and the stub stands). Its run goes back to
-    /// pending.
-    pub async fn stub_step(
+    /// [`Operator::stub`](crate::Operator::stub).
+    pub(crate) async fn stub_step(
         &self,
         id: &StepId,
         result: &str,

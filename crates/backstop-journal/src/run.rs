@@ -113,7 +113,7 @@ pub struct RunRecord {
     pub created_ms: i64,
     /// When it last changed.
     pub updated_ms: i64,
-    /// The run and step it was forked from ([`Journal::fork_run`]), when it was.
+    /// The run and step it was forked from ([`Operator::fork`](crate::Operator::fork)), when it was.
     pub forked_from: Option<ForkPoint>,
 }
 
@@ -143,7 +143,7 @@ pub enum RunOutcome {
 }
 
 /// One thing that happened to a run (started, finished, cancelled, reopened), with who and
-/// why; a step's own changes are in its history ([`Journal::history`]).
+/// why; a step's own changes are in its history ([`Runs::step_history`](crate::Runs::step_history)).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RunEvent {
@@ -258,8 +258,8 @@ impl Journal {
         Ok(found)
     }
 
-    /// The record of run `run`.
-    pub async fn run_record(&self, run: &str) -> Result<Option<RunRecord>, JournalError> {
+    /// [`Runs::get`](crate::Runs::get).
+    pub(crate) async fn run_record(&self, run: &str) -> Result<Option<RunRecord>, JournalError> {
         with_pool!(self, |pool, sql| {
             let row = sqlx::query(&sql(&format!(
                 "SELECT {RUN_COLUMNS} FROM backstop_journal_runs WHERE run_id = $1"
@@ -281,8 +281,8 @@ impl Journal {
             .ok_or_else(|| JournalError::NotFound(format!("run {run}")))
     }
 
-    /// What happened to run `run`, oldest first.
-    pub async fn run_events(&self, run: &str) -> Result<Vec<RunEvent>, JournalError> {
+    /// [`Runs::events`](crate::Runs::events).
+    pub(crate) async fn run_events(&self, run: &str) -> Result<Vec<RunEvent>, JournalError> {
         let rows: Vec<(i64, String, String, Option<String>)> = with_pool!(self, |pool, sql| {
             sqlx::query_as(&sql(
                 "SELECT at_ms, actor, action, reason FROM backstop_journal_run_events
@@ -303,23 +303,11 @@ impl Journal {
             .collect())
     }
 
-    /// The most recently changed runs that `filter` selects (in a state, of a workflow), at
-    /// most its limit, in one query: the filter is applied before the limit, so a workflow's
-    /// runs are found however many runs of other workflows changed since.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() {
-    /// use backstop_journal::{Journal, RunFilter, RunState};
-    ///
-    /// let journal = Journal::in_memory().await.unwrap();
-    /// let failed_refunds = RunFilter::latest(20)
-    ///     .state(RunState::Failed)
-    ///     .workflow("refund");
-    /// assert!(journal.runs(&failed_refunds).await.unwrap().is_empty());
-    /// # }
-    /// ```
-    pub async fn runs(&self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
+    /// [`Runs::list`](crate::Runs::list).
+    pub(crate) async fn list_runs(
+        &self,
+        filter: &RunFilter,
+    ) -> Result<Vec<RunSummary>, JournalError> {
         type Row = (
             String,
             Option<String>,
@@ -411,7 +399,7 @@ impl Journal {
     }
 }
 
-/// Which runs [`Journal::runs`] lists: the most recently changed first, at most `limit`, in a
+/// Which runs [`Runs::list`](crate::Runs::list) lists: the most recently changed first, at most `limit`, in a
 /// state and of a workflow when asked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

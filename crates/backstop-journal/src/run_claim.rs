@@ -21,6 +21,7 @@ impl Journal {
     /// run it or steps not over (a run journaled without a workflow). On PostgreSQL the row is
     /// picked `FOR UPDATE SKIP LOCKED`, so workers claiming at the same moment take different
     /// runs.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn claim_next(
         &self,
         worker: &str,
@@ -31,6 +32,7 @@ impl Journal {
 
     /// [`claim_next`](Self::claim_next) among the runs of `workflows` only (what a worker
     /// can run).
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn claim_next_for(
         &self,
         worker: &str,
@@ -120,6 +122,7 @@ impl Journal {
     /// Extends `worker`'s lease on `run`: `false` when the worker no longer holds it (another
     /// worker claimed it after the lease ran out) or the run is no longer pending (an operator
     /// cancelled it): the worker stops running it.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn renew(
         &self,
         run: &str,
@@ -142,6 +145,7 @@ impl Journal {
 
     /// Finishes `run` as `outcome` says: only a pending run, and only by the worker holding it
     /// (or by anyone when nobody does). Its claim goes with it.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn finish_run(
         &self,
         run: &str,
@@ -169,6 +173,7 @@ impl Journal {
 
     /// Hands `run` to a person: no worker runs it until an operator resolves, retries or stubs
     /// the step that stopped it.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn run_needs_human(
         &self,
         run: &str,
@@ -190,6 +195,7 @@ impl Journal {
 
     /// Gives `run` back, pending, not to be claimed before `wake_ms`: a parked step's timer,
     /// or a step that was not sent and is tried again later.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn defer_run(
         &self,
         run: &str,
@@ -232,10 +238,8 @@ impl Journal {
         })
     }
 
-    /// An operator cancels `run` (pending or waiting for a person), recorded with `who` and
-    /// `why`: no worker runs it again, and the worker running it stops at its next lease
-    /// renewal. A run that is over is refused.
-    pub async fn cancel_run(
+    /// [`Operator::cancel`](crate::Operator::cancel).
+    pub(crate) async fn cancel_run(
         &self,
         run: &str,
         who: &str,

@@ -104,6 +104,7 @@ macro_rules! insert_transition {
 impl Journal {
     /// Records `new` as `pending`, or returns the step already recorded under its ids (a
     /// resumed run). A step recorded with other arguments is refused.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn begin(&self, new: &NewStep) -> Result<Step, JournalError> {
         let now = self.now_ms();
         let id = &new.id;
@@ -175,6 +176,7 @@ impl Journal {
     /// transaction. Refused (nothing written) when the step is elsewhere, or when the journal
     /// does not allow the move ([`StepState::can_move_to`]); only an operator's repair
     /// ([`resolve`](Self::resolve)) goes further.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn transition(
         &self,
         id: &StepId,
@@ -256,8 +258,8 @@ impl Journal {
         Ok(step)
     }
 
-    /// The step recorded under `id`.
-    pub async fn step(&self, id: &StepId) -> Result<Option<Step>, JournalError> {
+    /// [`Runs::step`](crate::Runs::step).
+    pub(crate) async fn step(&self, id: &StepId) -> Result<Option<Step>, JournalError> {
         with_pool!(self, |pool, sql| {
             let row = sqlx::query(&sql(&format!(
                 "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
@@ -275,8 +277,8 @@ impl Journal {
         })
     }
 
-    /// Every step of `run`, in the order they were recorded.
-    pub async fn run(&self, run: &str) -> Result<Vec<Step>, JournalError> {
+    /// [`Runs::steps`](crate::Runs::steps).
+    pub(crate) async fn run(&self, run: &str) -> Result<Vec<Step>, JournalError> {
         with_pool!(self, |pool, sql| {
             let rows = sqlx::query(&sql(&format!(
                 "SELECT {STEP_COLUMNS} FROM backstop_journal_steps WHERE run_id = $1
@@ -293,8 +295,8 @@ impl Journal {
         })
     }
 
-    /// Steps waiting for a person, and parked steps (with when they wake).
-    pub async fn stuck(&self) -> Result<Vec<Step>, JournalError> {
+    /// [`Runs::stuck`](crate::Runs::stuck).
+    pub(crate) async fn stuck(&self) -> Result<Vec<Step>, JournalError> {
         with_pool!(self, |pool, sql| {
             let rows = sqlx::query(&sql(&format!(
                 "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
@@ -311,13 +313,13 @@ impl Journal {
         })
     }
 
-    /// Every recorded transition of step `id`, oldest first.
-    pub async fn history(&self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
+    /// [`Runs::step_history`](crate::Runs::step_history).
+    pub(crate) async fn history(&self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
         self.transitions(&id.run, Some(id)).await
     }
 
-    /// Every recorded transition of every step of `run`, oldest first, in one query.
-    pub async fn run_history(&self, run: &str) -> Result<Vec<StepTransition>, JournalError> {
+    /// [`Runs::history`](crate::Runs::history).
+    pub(crate) async fn run_history(&self, run: &str) -> Result<Vec<StepTransition>, JournalError> {
         self.transitions(run, None).await
     }
 
@@ -378,6 +380,7 @@ impl Journal {
 
     /// Claims `run` for `worker` for `lease`: `true` when no other worker holds it (a claim
     /// whose lease ran out is free). Two workers never both hold a run.
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn claim(
         &self,
         run: &str,
@@ -403,6 +406,7 @@ impl Journal {
     }
 
     /// Gives `run` back (only `worker`'s own claim).
+    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn release(&self, run: &str, worker: &str) -> Result<(), JournalError> {
         with_pool!(self, |pool, sql| {
             sqlx::query(&sql(
@@ -417,8 +421,8 @@ impl Journal {
         })
     }
 
-    /// An operator's repair of a step that is not over, recorded with `who` and `why`.
-    pub async fn resolve(
+    /// [`Operator::resolve`](crate::Operator::resolve).
+    pub(crate) async fn resolve(
         &self,
         id: &StepId,
         resolution: Resolution,

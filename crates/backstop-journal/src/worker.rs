@@ -33,7 +33,7 @@ use tokio::{sync::watch, time::Instant};
 /// });
 /// journal.start_run("run-1", "greet", Some("{}")).await?;
 /// worker.run_until_idle().await?;
-/// let run = journal.run_record("run-1").await?.unwrap();
+/// let run = journal.runs().get("run-1").await?.unwrap();
 /// assert_eq!(run.state, RunState::Succeeded);
 /// assert_eq!(run.output.as_deref(), Some("\"msg_1\""));
 /// # Ok(())

@@ -74,7 +74,10 @@ pub(crate) async fn cancel(
     Path(run): Path<String>,
     Acting(who): Acting<Who>,
 ) -> Result<Redirect, ConsoleError> {
-    c.journal.cancel_run(&run, &who.who, &who.why).await?;
+    c.journal
+        .operator()
+        .cancel(&run, &who.who, &who.why)
+        .await?;
     Ok(back_to(&run))
 }
 
@@ -103,7 +106,8 @@ pub(crate) async fn fork(
         return Err(ConsoleError::BadRequest("the new run needs an id".into()));
     }
     c.journal
-        .fork_run(&run, &f.from, new_run, &f.who.who, &f.who.why)
+        .operator()
+        .fork(&run, &f.from, new_run, &f.who.who, &f.who.why)
         .await?;
     Ok(back_to(new_run))
 }
@@ -133,7 +137,10 @@ pub(crate) async fn retry(
     Acting(f): Acting<StepForm>,
 ) -> Result<Redirect, ConsoleError> {
     let id = StepId::new(&run, &step, &f.call);
-    c.journal.retry_step(&id, &f.who.who, &f.who.why).await?;
+    c.journal
+        .operator()
+        .retry(&id, &f.who.who, &f.who.why)
+        .await?;
     Ok(back_to(&run))
 }
 
@@ -146,7 +153,8 @@ pub(crate) async fn stub(
     let result = parse_json(&f.result).map_err(ConsoleError::BadRequest)?;
     let id = StepId::new(&run, &step, &f.call);
     c.journal
-        .stub_step(&id, &result, &f.who.who, &f.who.why)
+        .operator()
+        .stub(&id, &result, &f.who.who, &f.who.why)
         .await?;
     Ok(back_to(&run))
 }
@@ -173,6 +181,7 @@ pub(crate) async fn resolve(
     };
     let id = StepId::new(&run, &step, &f.call);
     c.journal
+        .operator()
         .resolve(&id, resolution, &f.who.who, &f.who.why)
         .await?;
     Ok(back_to(&run))

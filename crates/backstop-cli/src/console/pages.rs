@@ -73,7 +73,7 @@ pub(crate) async fn runs(
     let mut filter = RunFilter::latest(500);
     filter.state = state;
     filter.workflow = workflow.clone();
-    let runs = c.journal.runs(&filter).await?;
+    let runs = c.journal.runs().list(&filter).await?;
     let now = c.journal.now_ms();
     let body = html! {
         form method="get" action="/" {
@@ -112,7 +112,7 @@ pub(crate) async fn runs(
 
 /// `/stuck`: the steps waiting for a person, and the parked ones.
 pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Result<Html<String>, ConsoleError> {
-    let steps = c.journal.stuck().await?;
+    let steps = c.journal.runs().stuck().await?;
     let now = c.journal.now_ms();
     let body = html! {
         @if steps.is_empty() {
@@ -153,11 +153,11 @@ pub(crate) async fn run(
     let j = &c.journal;
     // The run's five reads at once: the page waits for the slowest, not for their sum.
     let (record, steps, history, events, forks) = tokio::try_join!(
-        j.run_record(&run),
-        j.run(&run),
-        j.run_history(&run),
-        j.run_events(&run),
-        j.forks(&run),
+        j.runs().get(&run),
+        j.runs().steps(&run),
+        j.runs().history(&run),
+        j.runs().events(&run),
+        j.runs().forks(&run),
     )?;
     let Some(record) = record else {
         return Err(ConsoleError::NotFound(format!(

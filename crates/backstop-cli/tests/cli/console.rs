@@ -75,7 +75,8 @@ async fn write_runs(db: &Path) {
     j.start_run("run-cancelled", "invoice", Some("{}"))
         .await
         .unwrap();
-    j.cancel_run("run-cancelled", "ana", "a duplicate order")
+    j.operator()
+        .cancel("run-cancelled", "ana", "a duplicate order")
         .await
         .unwrap();
     // needs a person: a step nobody can tell about
@@ -341,7 +342,8 @@ async fn the_console_in_a_headless_browser() {
     let record = Journal::sqlite(&db)
         .await
         .unwrap()
-        .run_record("run-pending")
+        .runs()
+        .get("run-pending")
         .await
         .unwrap();
     assert_eq!(record.unwrap().state, backstop_journal::RunState::Cancelled);
@@ -389,7 +391,7 @@ async fn the_console_in_a_headless_browser() {
     }
     let state = |db: PathBuf| async move {
         let j = Journal::sqlite(&db).await.unwrap();
-        j.run_record("run-human").await.unwrap().unwrap().state
+        j.runs().get("run-human").await.unwrap().unwrap().state
     };
     assert_eq!(
         state(db.clone()).await,

@@ -87,7 +87,7 @@ async fn a_done_step_is_not_called_again(j: &Journal, clock: &ManualClock) {
         "a done step is not called again"
     );
     assert_eq!(again.result.as_deref(), Some("{\"invoice\":\"inv_1\"}"));
-    let history = j.history(&step.id).await.unwrap();
+    let history = j.runs().step_history(&step.id).await.unwrap();
     assert_eq!(states(&history), ["pending", "sent", "succeeded"]);
     assert!(history.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
     assert!(history.iter().all(|t| t.actor == "journal"));
@@ -123,11 +123,11 @@ async fn an_unknown_step_is_reconciled_before_it_is_sent_again(j: &Journal) {
     let report = j.reconcile_run("r-unknown", &hooks).await.unwrap();
     assert_eq!(report.reconciled, std::slice::from_ref(&step.id));
     assert_eq!(asked.load(Ordering::SeqCst), 1);
-    let s = j.step(&step.id).await.unwrap().unwrap();
+    let s = j.runs().step(&step.id).await.unwrap().unwrap();
     assert_eq!(s.state, StepState::ReconciledSucceeded);
     assert_eq!(s.provider_ref.as_deref(), Some("res_9"));
     assert_eq!(
-        states(&j.history(&step.id).await.unwrap()),
+        states(&j.runs().step_history(&step.id).await.unwrap()),
         [
             "pending",
             "sent",
@@ -166,7 +166,7 @@ async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_ha
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(s.state, StepState::Succeeded);
     assert_eq!(
-        states(&j.history(&step.id).await.unwrap()),
+        states(&j.runs().step_history(&step.id).await.unwrap()),
         [
             "pending",
             "sent",
@@ -206,7 +206,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         .await
         .unwrap();
     assert_eq!(report.human, std::slice::from_ref(&step.id));
-    let stuck = j.stuck().await.unwrap();
+    let stuck = j.runs().stuck().await.unwrap();
     let s = stuck
         .iter()
         .find(|s| s.id == step.id)
@@ -220,11 +220,12 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         j.plan("r-human").await.unwrap()[0].1,
         Next::Human { .. }
     ));
-    let summary = j.runs(&RunFilter::latest(100)).await.unwrap();
+    let summary = j.runs().list(&RunFilter::latest(100)).await.unwrap();
     let run = summary.iter().find(|r| r.run == "r-human").unwrap();
     assert_eq!(run.state, backstop_journal::RunState::NeedsHuman);
 
     let s = j
+        .operator()
         .resolve(
             &step.id,
             Resolution::Retry,
@@ -235,7 +236,13 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         .unwrap();
     assert_eq!(s.state, StepState::Pending);
     assert!(s.attention.is_none());
-    let last = j.history(&step.id).await.unwrap().pop().unwrap();
+    let last = j
+        .runs()
+        .step_history(&step.id)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(
         (last.actor.as_str(), last.reason.as_deref()),
         ("ana", Some("the bank shows no refund"))
@@ -244,7 +251,10 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         .await
         .unwrap();
     // A step that is over cannot be "resolved" again.
-    let again = j.resolve(&step.id, Resolution::Failed, "ana", "oops").await;
+    let again = j
+        .operator()
+        .resolve(&step.id, Resolution::Failed, "ana", "oops")
+        .await;
     assert!(
         matches!(again, Err(JournalError::Conflict { .. })),
         "{again:?}"
@@ -319,7 +329,7 @@ async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
         "{named:?}"
     );
     assert_eq!(
-        j.history(&step.id).await.unwrap().len(),
+        j.runs().step_history(&step.id).await.unwrap().len(),
         1,
         "nothing written"
     );
@@ -379,7 +389,7 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
         .await
         .unwrap();
     let id = StepId::new("r-layer", "label", "c1");
-    let s = j.step(&id).await.unwrap().unwrap();
+    let s = j.runs().step(&id).await.unwrap().unwrap();
     assert_eq!(
         (s.state, s.tool.as_str()),
         (StepState::Succeeded, "carrier")
@@ -510,16 +520,19 @@ async fn runs_are_listed_by_workflow_and_state_before_the_limit(j: &Journal, clo
         runs.into_iter().map(|r| r.run).collect()
     };
     let refunds = j
-        .runs(&RunFilter::latest(2).workflow("listed-refund"))
+        .runs()
+        .list(&RunFilter::latest(2).workflow("listed-refund"))
         .await
         .unwrap();
     assert_eq!(ids(refunds), ["listed-refund-2", "listed-refund-1"]);
-    j.cancel_run("listed-refund-0", "ops", "listed apart")
+    j.operator()
+        .cancel("listed-refund-0", "ops", "listed apart")
         .await
         .unwrap();
     clock.advance(Duration::from_millis(10));
     let cancelled = j
-        .runs(
+        .runs()
+        .list(
             &RunFilter::latest(5)
                 .workflow("listed-refund")
                 .state(RunState::Cancelled),
@@ -527,10 +540,11 @@ async fn runs_are_listed_by_workflow_and_state_before_the_limit(j: &Journal, clo
         .await
         .unwrap();
     assert_eq!(ids(cancelled), ["listed-refund-0"]);
-    let latest = j.runs(&RunFilter::latest(5)).await.unwrap();
+    let latest = j.runs().list(&RunFilter::latest(5)).await.unwrap();
     assert_eq!(ids(latest)[0], "listed-refund-0", "the latest change first");
     let none = j
-        .runs(&RunFilter::latest(5).workflow("listed-nothing"))
+        .runs()
+        .list(&RunFilter::latest(5).workflow("listed-nothing"))
         .await
         .unwrap();
     assert!(none.is_empty());
@@ -583,7 +597,7 @@ async fn the_sqlite_file_keeps_everything_across_reopening() {
     j.execute(&step, |_| async { ok("kept") }).await.unwrap();
     drop(j);
     let j = Journal::sqlite(&path).await.unwrap();
-    let s = j.step(&step.id).await.unwrap().unwrap();
+    let s = j.runs().step(&step.id).await.unwrap().unwrap();
     assert_eq!(
         (s.state, s.result.as_deref()),
         (StepState::Succeeded, Some("kept"))
@@ -686,9 +700,9 @@ async fn racing_moves_let_exactly_one_through(j: Journal) {
             }
         }
         assert_eq!(moved, 1, "round {round}");
-        let s = j.step(&step.id).await.unwrap().unwrap();
+        let s = j.runs().step(&step.id).await.unwrap().unwrap();
         assert_eq!(s.attempts, 1);
-        assert_eq!(j.history(&step.id).await.unwrap().len(), 2);
+        assert_eq!(j.runs().step_history(&step.id).await.unwrap().len(), 2);
     }
 }
 

@@ -393,16 +393,21 @@ async fn the_model_claim_agrees_with_the_sqlite_journal() {
                 ),
                 Op::Cancel => (
                     cancel(&mut model),
-                    journal.cancel_run(&id, "operator", "model").await.is_ok(),
+                    journal
+                        .operator()
+                        .cancel(&id, "operator", "model")
+                        .await
+                        .is_ok(),
                 ),
             };
             assert_eq!(got, expected, "{ops:?}, at {op:?}");
         }
         // Out of the way of the next sequences: over, whatever this one left.
-        let record = journal.run_record(&id).await.unwrap().unwrap();
+        let record = journal.runs().get(&id).await.unwrap().unwrap();
         if record.state == RunState::Pending {
             journal
-                .cancel_run(&id, "operator", "next sequence")
+                .operator()
+                .cancel(&id, "operator", "next sequence")
                 .await
                 .unwrap();
         }

@@ -141,7 +141,7 @@ async fn three_steps_run_once_with_typed_values(j: &Journal) {
         (1, 1, 1)
     );
     // The input and the output are stored as JSON: another language reads the same records.
-    let record = j.run_record("typed-once").await.unwrap().unwrap();
+    let record = j.runs().get("typed-once").await.unwrap().unwrap();
     assert_eq!(
         record.input.as_deref(),
         Some(r#"{"id":"order-7","cents":4200}"#)
@@ -269,7 +269,7 @@ async fn values_that_do_not_read_as_their_types_are_refused(j: &Journal) {
         .await
         .unwrap();
     worker(j, "w-bad", &shop).run_until_idle().await.unwrap();
-    let record = j.run_record("typed-bad-input").await.unwrap().unwrap();
+    let record = j.runs().get("typed-bad-input").await.unwrap().unwrap();
     assert_eq!(record.state, RunState::Failed);
     let why = record.error.unwrap();
     assert!(
@@ -304,7 +304,7 @@ async fn values_that_do_not_read_as_their_types_are_refused(j: &Journal) {
         }
     });
     reader.run_until_idle().await.unwrap();
-    let record = j.run_record("typed-changed-2").await.unwrap().unwrap();
+    let record = j.runs().get("typed-changed-2").await.unwrap().unwrap();
     let why = record.error.unwrap();
     assert!(
         why.starts_with("3: ")

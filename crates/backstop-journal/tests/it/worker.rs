@@ -147,11 +147,12 @@ async fn a_run_killed_anywhere_is_pending_and_recovered(j: &Journal, clock: &Man
         j.start_run(run, "ship", Some("{}")).await.unwrap();
         died_after(j, run, done).await;
         // It is not done: its record says pending, whatever its steps say.
-        let record = j.run_record(run).await.unwrap().unwrap();
+        let record = j.runs().get(run).await.unwrap().unwrap();
         assert_eq!(record.state, RunState::Pending, "{run}");
         assert_eq!(record.claimed_by.as_deref(), Some("dead"));
         let pending = j
-            .runs(&RunFilter::latest(50).state(RunState::Pending))
+            .runs()
+            .list(&RunFilter::latest(50).state(RunState::Pending))
             .await
             .unwrap();
         assert!(pending.iter().any(|r| r.run == run), "{run}");
@@ -180,14 +181,14 @@ async fn a_run_killed_anywhere_is_pending_and_recovered(j: &Journal, clock: &Man
             u32::from(!again("notify")),
             "{run}"
         );
-        let record = j.run_record(run).await.unwrap().unwrap();
+        let record = j.runs().get(run).await.unwrap().unwrap();
         assert_eq!(record.state, RunState::Succeeded);
         assert_eq!(record.claimed_by, None);
         // Over: never offered again.
         clock.advance(LEASE * 2);
         assert!(w.run_once().await.unwrap().is_none());
     }
-    let events = j.run_events("between").await.unwrap();
+    let events = j.runs().events("between").await.unwrap();
     let actions: Vec<_> = events.iter().map(|e| e.action.as_str()).collect();
     assert_eq!(actions, ["started", "succeeded"]);
     assert_eq!(events[1].actor, "w2");
@@ -254,7 +255,8 @@ async fn a_step_left_sent_is_reconciled_before_the_workflow_runs_again(
     );
     assert_eq!(calls.of("in-doubt", "label"), 0);
     let human = j
-        .runs(&RunFilter::latest(10).state(RunState::NeedsHuman))
+        .runs()
+        .list(&RunFilter::latest(10).state(RunState::NeedsHuman))
         .await
         .unwrap();
     assert!(human.iter().any(|r| r.run == "in-doubt"));
@@ -264,18 +266,19 @@ async fn a_step_left_sent_is_reconciled_before_the_workflow_runs_again(
         "a person decides first"
     );
     // The operator checked with the carrier: it happened. The run goes on by itself.
-    j.resolve(
-        &label.id,
-        Resolution::Succeeded {
-            result: Some("\"lbl_ops\"".into()),
-        },
-        "ana",
-        "the carrier shows the label",
-    )
-    .await
-    .unwrap();
+    j.operator()
+        .resolve(
+            &label.id,
+            Resolution::Succeeded {
+                result: Some("\"lbl_ops\"".into()),
+            },
+            "ana",
+            "the carrier shows the label",
+        )
+        .await
+        .unwrap();
     assert_eq!(
-        j.run_record("in-doubt").await.unwrap().unwrap().state,
+        j.runs().get("in-doubt").await.unwrap().unwrap().state,
         RunState::Pending
     );
     let report = w.run_once().await.unwrap().unwrap();
@@ -313,7 +316,8 @@ async fn an_operator_cancels_a_running_run(j: &Journal) {
     });
     entered.notified().await;
     let cancelled = j
-        .cancel_run("cancel-me", "ana", "the customer withdrew the order")
+        .operator()
+        .cancel("cancel-me", "ana", "the customer withdrew the order")
         .await
         .unwrap();
     assert_eq!(cancelled.state, RunState::Cancelled);
@@ -327,7 +331,7 @@ async fn an_operator_cancels_a_running_run(j: &Journal) {
     assert_eq!(report.end, RunEnd::Cancelled);
     assert_eq!(calls.of("cancel-me", "wait"), 1);
     assert!(w.run_once().await.unwrap().is_none(), "never offered again");
-    let events = j.run_events("cancel-me").await.unwrap();
+    let events = j.runs().events("cancel-me").await.unwrap();
     let last = events.last().unwrap();
     assert_eq!(
         (
@@ -338,13 +342,17 @@ async fn an_operator_cancels_a_running_run(j: &Journal) {
         ("cancelled", "ana", Some("the customer withdrew the order"))
     );
     // Over: cancelling again is refused, and says why.
-    let again = j.cancel_run("cancel-me", "ana", "again").await.unwrap_err();
+    let again = j
+        .operator()
+        .cancel("cancel-me", "ana", "again")
+        .await
+        .unwrap_err();
     assert!(
         matches!(&again, JournalError::RunRefused { why, .. } if why.contains("cancelled")),
         "{again}"
     );
     assert!(matches!(
-        j.cancel_run("no-such-run", "ana", "x").await,
+        j.operator().cancel("no-such-run", "ana", "x").await,
         Err(JournalError::NotFound(_))
     ));
 }
@@ -383,7 +391,7 @@ async fn a_parked_step_wakes_by_itself(j: &Journal) {
     j.start_run("parked", "remind", None).await.unwrap();
     let first = w.run_once().await.unwrap().unwrap();
     assert!(matches!(first.end, RunEnd::Deferred { .. }), "{first:?}");
-    let record = j.run_record("parked").await.unwrap().unwrap();
+    let record = j.runs().get("parked").await.unwrap().unwrap();
     assert_eq!(record.state, RunState::Pending);
     assert!(record.wake_ms.is_some());
     // Not before its time.
@@ -395,7 +403,7 @@ async fn a_parked_step_wakes_by_itself(j: &Journal) {
         async move { w.run_until(s.notified()).await }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while j.run_record("parked").await.unwrap().unwrap().state != RunState::Succeeded {
+    while j.runs().get("parked").await.unwrap().unwrap().state != RunState::Succeeded {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the parked run woke"
@@ -431,7 +439,8 @@ async fn a_worker_shut_down_gives_its_run_back_at_once(j: &Journal) {
     });
     entered.notified().await;
     assert_eq!(
-        j.run_record("long-run")
+        j.runs()
+            .get("long-run")
             .await
             .unwrap()
             .unwrap()
@@ -441,7 +450,7 @@ async fn a_worker_shut_down_gives_its_run_back_at_once(j: &Journal) {
     );
     shutdown.notify_one();
     looping.await.unwrap().unwrap();
-    let record = j.run_record("long-run").await.unwrap().unwrap();
+    let record = j.runs().get("long-run").await.unwrap().unwrap();
     assert_eq!(record.state, RunState::Pending);
     assert_eq!(
         record.claimed_by, None,
@@ -496,7 +505,8 @@ async fn the_operator_retries_and_stubs_failed_steps(j: &Journal) {
             "{report:?}"
         );
         let failed = j
-            .runs(&RunFilter::latest(10).state(RunState::Failed))
+            .runs()
+            .list(&RunFilter::latest(10).state(RunState::Failed))
             .await
             .unwrap();
         assert!(failed.iter().any(|r| r.run == run));
@@ -507,12 +517,13 @@ async fn the_operator_retries_and_stubs_failed_steps(j: &Journal) {
     }
     let id = StepId::new("retried", "charge", "");
     let step = j
-        .retry_step(&id, "ana", "the customer updated the card")
+        .operator()
+        .retry(&id, "ana", "the customer updated the card")
         .await
         .unwrap();
     assert_eq!(step.state, StepState::Pending);
     assert_eq!(
-        j.run_record("retried").await.unwrap().unwrap().state,
+        j.runs().get("retried").await.unwrap().unwrap().state,
         RunState::Pending
     );
     let report = w.run_once().await.unwrap().unwrap();
@@ -533,7 +544,7 @@ async fn the_operator_retries_and_stubs_failed_steps(j: &Journal) {
         assert_eq!(keys.len(), 2);
         assert_eq!(keys[0], keys[1], "the same key on the resend");
     }
-    let history = j.history(&id).await.unwrap();
+    let history = j.runs().step_history(&id).await.unwrap();
     let by_ana = history.iter().find(|t| t.actor == "ana").unwrap();
     assert!(
         by_ana
@@ -545,7 +556,8 @@ async fn the_operator_retries_and_stubs_failed_steps(j: &Journal) {
 
     let id = StepId::new("stubbed", "charge", "");
     let step = j
-        .stub_step(&id, "\"ch_manual\"", "ana", "charged by hand at the till")
+        .operator()
+        .stub(&id, "\"ch_manual\"", "ana", "charged by hand at the till")
         .await
         .unwrap();
     assert_eq!(step.state, StepState::ReconciledSucceeded);
@@ -566,11 +578,12 @@ async fn the_operator_retries_and_stubs_failed_steps(j: &Journal) {
     // A step that succeeded is neither retried nor stubbed; nor is a step of a run that is over.
     let done = StepId::new("retried", "charge", "");
     assert!(matches!(
-        j.retry_step(&done, "ana", "again").await,
+        j.operator().retry(&done, "ana", "again").await,
         Err(JournalError::RunRefused { .. })
     ));
     assert!(matches!(
-        j.stub_step(&StepId::new("stubbed", "nope", ""), "1", "ana", "x")
+        j.operator()
+            .stub(&StepId::new("stubbed", "nope", ""), "1", "ana", "x")
             .await,
         Err(JournalError::NotFound(_))
     ));
@@ -701,7 +714,7 @@ async fn workers_on_one_postgres_share_the_runs() {
         assert_eq!(calls.of(&run, "label"), 1, "{run}");
         assert_eq!(calls.of(&run, "notify"), 1, "{run}");
         assert_eq!(
-            j.run_record(&run).await.unwrap().unwrap().state,
+            j.runs().get(&run).await.unwrap().unwrap().state,
             RunState::Succeeded
         );
     }
