@@ -7,7 +7,7 @@
 #[cfg(feature = "sqlite")]
 use crate::journal::to_sqlite;
 use crate::{
-    JournalError,
+    JournalError, Operator, Runs,
     journal::{Journal, STEP_COLUMNS, with_pool},
     model::Step,
     run::{ForkPoint, RunRecord, insert_event},
@@ -59,21 +59,99 @@ macro_rules! copy_step {
     }};
 }
 
-impl Journal {
-    /// [`Operator::fork`](crate::Operator::fork).
-    pub(crate) async fn fork_run(
-        &self,
+impl Journal {}
+
+/// The steps of `run` recorded before the first call of `from_step`, each over; or why the fork
+/// is refused: a step the run does not have is not found, as every missing run or step is.
+fn copied_steps<'a>(
+    steps: &'a [Step],
+    run: &str,
+    from_step: &str,
+) -> Result<&'a [Step], JournalError> {
+    let Some(at) = steps.iter().position(|s| *s.id.step == *from_step) else {
+        let mut names: Vec<&str> = steps.iter().map(|s| &*s.id.step).collect();
+        names.dedup();
+        let recorded = if names.is_empty() {
+            "it recorded no steps".to_owned()
+        } else {
+            format!("its steps are {}", names.join(", "))
+        };
+        return Err(JournalError::NotFound(format!(
+            "step {from_step:?} of run {run} ({recorded})"
+        )));
+    };
+    let before = &steps[..at];
+    if let Some(open) = before.iter().find(|s| !s.state.is_final()) {
+        return Err(JournalError::RunRefused {
+            run: run.to_owned(),
+            why: format!(
+                "step {} before the fork point is {}: its outcome must be known first (resolve \
+                 it, or fork from it)",
+                open.id, open.state
+            ),
+        });
+    }
+    Ok(before)
+}
+
+impl Runs<'_> {
+    /// The runs forked from run `run`, oldest first.
+    pub async fn forks(self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
+        let journal = self.0;
+        with_pool!(journal, |pool, sql| {
+            let rows = sqlx::query(&sql(&format!(
+                "SELECT {} FROM backstop_journal_runs WHERE forked_from = $1
+                 ORDER BY created_ms, run_id",
+                crate::run::RUN_COLUMNS
+            )))
+            .bind(run)
+            .fetch_all(pool)
+            .await?;
+            let mut forks = Vec::with_capacity(rows.len());
+            for row in rows {
+                forks.push(crate::run::run_from_row!(row));
+            }
+            Ok(forks)
+        })
+    }
+}
+
+impl Operator<'_> {
+    /// Forks run `run` at step `from_step` into a new pending run `new_run` of the same
+    /// workflow and input, recorded with who and why on both runs; a [`Worker`] runs it.
+    ///
+    /// The steps recorded before `from_step` (in the order they were recorded) are copied with
+    /// their state, result, provider reference and key: the workflow gets their results back
+    /// and calls nothing for them. `from_step` and every step after it are not copied: they run
+    /// anew, with keys derived from `new_run`, so their effects happen again (once each).
+    /// The original keeps its steps and history; its events name the fork, and the new run's
+    /// record names where it came from ([`RunRecord::forked_from`], [`Runs::forks`]).
+    ///
+    /// Refused, with the reason and nothing written, when `run` is still pending or waits for
+    /// a person (it could still act: cancel it first), when it has no step `from_step`, when
+    /// a step before the fork point is not over (its outcome must be known before the new
+    /// run relies on it), and when `new_run` is another run already. Forking again with the
+    /// same arguments returns the fork as it is, so an operator whose command was cut off may
+    /// repeat it.
+    ///
+    /// The copied steps keep their arguments' digests: a workflow whose arguments name its own
+    /// run id gets [`JournalError::ArgsChanged`] at the first copied step.
+    ///
+    /// [`Worker`]: crate::Worker
+    pub async fn fork(
+        self,
         run: &str,
         from_step: &str,
         new_run: &str,
         who: &str,
         why: &str,
     ) -> Result<RunRecord, JournalError> {
+        let journal = self.0;
         let refused = |why: String| JournalError::RunRefused {
             run: run.to_owned(),
             why,
         };
-        if let Some(existing) = self.run_record(new_run).await? {
+        if let Some(existing) = journal.runs().get(new_run).await? {
             let same = ForkPoint {
                 run: run.to_owned(),
                 step: from_step.to_owned(),
@@ -86,8 +164,8 @@ impl Journal {
                 }),
             };
         }
-        let now = self.now_ms();
-        let forked = with_pool!(self, |pool, sql| {
+        let now = journal.now_ms();
+        let forked = with_pool!(journal, |pool, sql| {
             let mut tx = pool.begin().await?;
             // Locks the original's record (a row lock on PostgreSQL, the write lock on
             // SQLite) while it is over, so no operator reopens it while it is copied.
@@ -162,7 +240,7 @@ impl Journal {
             }
         });
         if forked.is_none() {
-            return Err(match self.run_record(run).await? {
+            return Err(match journal.runs().get(run).await? {
                 None => JournalError::NotFound(format!("run {run}")),
                 Some(r) => refused(format!(
                     "it is {}: only a run that is over can be forked (cancel it first)",
@@ -171,60 +249,8 @@ impl Journal {
             });
         }
         tracing::info!(target: "backstop::journal", run, from_step, new_run, who, why, "run forked");
-        self.existing_run(new_run).await
+        journal.existing_run(new_run).await
     }
-
-    /// [`Runs::forks`](crate::Runs::forks).
-    pub(crate) async fn forks(&self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
-        with_pool!(self, |pool, sql| {
-            let rows = sqlx::query(&sql(&format!(
-                "SELECT {} FROM backstop_journal_runs WHERE forked_from = $1
-                 ORDER BY created_ms, run_id",
-                crate::run::RUN_COLUMNS
-            )))
-            .bind(run)
-            .fetch_all(pool)
-            .await?;
-            let mut forks = Vec::with_capacity(rows.len());
-            for row in rows {
-                forks.push(crate::run::run_from_row!(row));
-            }
-            Ok(forks)
-        })
-    }
-}
-
-/// The steps of `run` recorded before the first call of `from_step`, each over; or why the fork
-/// is refused: a step the run does not have is not found, as every missing run or step is.
-fn copied_steps<'a>(
-    steps: &'a [Step],
-    run: &str,
-    from_step: &str,
-) -> Result<&'a [Step], JournalError> {
-    let Some(at) = steps.iter().position(|s| *s.id.step == *from_step) else {
-        let mut names: Vec<&str> = steps.iter().map(|s| &*s.id.step).collect();
-        names.dedup();
-        let recorded = if names.is_empty() {
-            "it recorded no steps".to_owned()
-        } else {
-            format!("its steps are {}", names.join(", "))
-        };
-        return Err(JournalError::NotFound(format!(
-            "step {from_step:?} of run {run} ({recorded})"
-        )));
-    };
-    let before = &steps[..at];
-    if let Some(open) = before.iter().find(|s| !s.state.is_final()) {
-        return Err(JournalError::RunRefused {
-            run: run.to_owned(),
-            why: format!(
-                "step {} before the fork point is {}: its outcome must be known first (resolve \
-                 it, or fork from it)",
-                open.id, open.state
-            ),
-        });
-    }
-    Ok(before)
 }
 
 #[cfg(test)]

@@ -1,10 +1,10 @@
 //! What an operator does to a run's steps, each recorded in the step's history with who and
-//! why: send a failed step again ([`Operator::retry`](crate::Operator::retry)) or write the result the workflow
-//! will see ([`Operator::stub`](crate::Operator::stub)). Either puts a failed run, or one waiting for a person,
-//! back to pending, and a worker takes it from there.
+//! why: send a failed step again ([`Operator::retry`]) or write the result the workflow will see
+//! ([`Operator::stub`]). Either puts a failed run, or one waiting for a person, back to
+//! pending, and a worker takes it from there.
 
 use crate::{
-    JournalError,
+    JournalError, Operator,
     journal::Journal,
     model::{Step, StepId, StepState},
     run::{RETRYABLE, RunState},
@@ -12,14 +12,34 @@ use crate::{
 };
 
 impl Journal {
-    /// [`Operator::retry`](crate::Operator::retry).
-    pub(crate) async fn retry_step(
-        &self,
-        id: &StepId,
-        who: &str,
-        why: &str,
-    ) -> Result<Step, JournalError> {
-        let step = self.operator_step(id).await?;
+    /// The step an operator names, when its run can still be steered.
+    async fn operator_step(&self, id: &StepId) -> Result<Step, JournalError> {
+        let step = self
+            .runs()
+            .step(id)
+            .await?
+            .ok_or_else(|| JournalError::NotFound(format!("step {id}")))?;
+        if let Some(run) = self.runs().get(&id.run).await?
+            && matches!(run.state, RunState::Cancelled | RunState::Succeeded)
+        {
+            return Err(JournalError::RunRefused {
+                run: run.id,
+                why: format!("it is {}: its steps are not sent again", run.state),
+            });
+        }
+        Ok(step)
+    }
+}
+
+impl Operator<'_> {
+    /// Sends step `id` again, with the same key: a step that failed (before or after
+    /// execution, or by reconciliation), a parked one now, or one waiting for a person. The
+    /// step goes back to `pending`, and its run to pending. A step that succeeded, or one
+    /// whose outcome is unknown and not yet handed to a person (reconcile it first), is
+    /// refused, as is a step of a cancelled run.
+    pub async fn retry(self, id: &StepId, who: &str, why: &str) -> Result<Step, JournalError> {
+        let journal = self.0;
+        let step = journal.operator_step(id).await?;
         if !(RETRYABLE.contains(&step.state) || step.attention.is_some()) {
             let mut expected = RETRYABLE.to_vec();
             expected.push(StepState::RequiresReconciliation);
@@ -35,23 +55,28 @@ impl Journal {
             reason: Some(format!("retry: {why}")),
             ..Change::default()
         };
-        let step = self
+        let step = journal
             .move_step(id, &[step.state], StepState::Pending, change, true)
             .await?;
-        self.reopen_run(&id.run, who, &format!("step {id} sent again: {why}"))
+        journal
+            .reopen_run(&id.run, who, &format!("step {id} sent again: {why}"))
             .await?;
         Ok(step)
     }
 
-    /// [`Operator::stub`](crate::Operator::stub).
-    pub(crate) async fn stub_step(
-        &self,
+    /// Writes `result` as step `id`'s result, as if it had succeeded: the workflow sees it and
+    /// does not call the tool. Any step not succeeded may be stubbed (one in flight too: the
+    /// worker's own record of it is then refused, and the stub stands). Its run goes back to
+    /// pending.
+    pub async fn stub(
+        self,
         id: &StepId,
         result: &str,
         who: &str,
         why: &str,
     ) -> Result<Step, JournalError> {
-        let step = self.operator_step(id).await?;
+        let journal = self.0;
+        let step = journal.operator_step(id).await?;
         if step.state.succeeded() || step.state == StepState::Compensated {
             return Err(JournalError::AlreadyDone(Box::new(step)));
         }
@@ -61,7 +86,7 @@ impl Journal {
             reason: Some(format!("stub: {why}")),
             ..Change::default()
         };
-        let step = self
+        let step = journal
             .move_step(
                 id,
                 &[step.state],
@@ -70,25 +95,9 @@ impl Journal {
                 true,
             )
             .await?;
-        self.reopen_run(&id.run, who, &format!("step {id} stubbed: {why}"))
+        journal
+            .reopen_run(&id.run, who, &format!("step {id} stubbed: {why}"))
             .await?;
-        Ok(step)
-    }
-
-    /// The step an operator names, when its run can still be steered.
-    async fn operator_step(&self, id: &StepId) -> Result<Step, JournalError> {
-        let step = self
-            .step(id)
-            .await?
-            .ok_or_else(|| JournalError::NotFound(format!("step {id}")))?;
-        if let Some(run) = self.run_record(&id.run).await?
-            && matches!(run.state, RunState::Cancelled | RunState::Succeeded)
-        {
-            return Err(JournalError::RunRefused {
-                run: run.id,
-                why: format!("it is {}: its steps are not sent again", run.state),
-            });
-        }
         Ok(step)
     }
 }

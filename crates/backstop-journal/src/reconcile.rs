@@ -151,7 +151,7 @@ impl Journal {
     /// What resuming `run` does with each of its steps, now.
     pub async fn plan(&self, run: &str) -> Result<Vec<(Step, Next)>, JournalError> {
         let now = self.now_ms();
-        let steps = self.run(run).await?;
+        let steps = self.runs().steps(run).await?;
         if steps.is_empty() {
             return Err(JournalError::NotFound(format!("run {run}")));
         }

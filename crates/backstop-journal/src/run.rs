@@ -7,7 +7,7 @@
 #[cfg(feature = "sqlite")]
 use crate::journal::to_sqlite;
 use crate::{
-    JournalError,
+    JournalError, Runs,
     journal::{Journal, with_pool},
     model::{RunSummary, StepState},
 };
@@ -143,7 +143,7 @@ pub enum RunOutcome {
 }
 
 /// One thing that happened to a run (started, finished, cancelled, reopened), with who and
-/// why; a step's own changes are in its history ([`Runs::step_history`](crate::Runs::step_history)).
+/// why; a step's own changes are in its history ([`Runs::step_history`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RunEvent {
@@ -258,56 +258,80 @@ impl Journal {
         Ok(found)
     }
 
-    /// [`Runs::get`](crate::Runs::get).
-    pub(crate) async fn run_record(&self, run: &str) -> Result<Option<RunRecord>, JournalError> {
-        with_pool!(self, |pool, sql| {
-            let row = sqlx::query(&sql(&format!(
-                "SELECT {RUN_COLUMNS} FROM backstop_journal_runs WHERE run_id = $1"
-            )))
-            .bind(run)
-            .fetch_optional(pool)
-            .await?;
-            match row {
-                Some(row) => Ok(Some(run_from_row!(row))),
-                None => Ok(None),
-            }
-        })
-    }
-
     /// The record of run `run`, or `NotFound`.
     pub(crate) async fn existing_run(&self, run: &str) -> Result<RunRecord, JournalError> {
-        self.run_record(run)
+        self.runs()
+            .get(run)
             .await?
             .ok_or_else(|| JournalError::NotFound(format!("run {run}")))
     }
+}
 
-    /// [`Runs::events`](crate::Runs::events).
-    pub(crate) async fn run_events(&self, run: &str) -> Result<Vec<RunEvent>, JournalError> {
-        let rows: Vec<(i64, String, String, Option<String>)> = with_pool!(self, |pool, sql| {
-            sqlx::query_as(&sql(
-                "SELECT at_ms, actor, action, reason FROM backstop_journal_run_events
-                 WHERE run_id = $1 ORDER BY id",
-            ))
-            .bind(run)
-            .fetch_all(pool)
-            .await?
-        });
-        Ok(rows
-            .into_iter()
-            .map(|(at_ms, actor, action, reason)| RunEvent {
-                at_ms,
-                actor,
-                action,
-                reason,
-            })
-            .collect())
+/// Which runs [`Runs::list`] lists: the most recently changed first, at most `limit`, in a
+/// state and of a workflow when asked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunFilter {
+    /// At most this many runs.
+    pub limit: u32,
+    /// Only runs in this state.
+    pub state: Option<RunState>,
+    /// Only runs of this workflow.
+    pub workflow: Option<String>,
+}
+
+impl RunFilter {
+    /// The `limit` most recently changed runs, whatever their state and workflow.
+    pub fn latest(limit: u32) -> Self {
+        RunFilter {
+            limit,
+            state: None,
+            workflow: None,
+        }
     }
 
-    /// [`Runs::list`](crate::Runs::list).
-    pub(crate) async fn list_runs(
-        &self,
-        filter: &RunFilter,
-    ) -> Result<Vec<RunSummary>, JournalError> {
+    /// Only runs in `state`.
+    #[must_use]
+    pub fn state(mut self, state: RunState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Only runs of `workflow`.
+    #[must_use]
+    pub fn workflow(mut self, workflow: impl Into<String>) -> Self {
+        self.workflow = Some(workflow.into());
+        self
+    }
+}
+
+/// Step states an operator's `retry` sends again from.
+pub(crate) const RETRYABLE: [StepState; 4] = [
+    StepState::FailedBeforeExecution,
+    StepState::FailedAfterExecution,
+    StepState::ReconciledFailed,
+    StepState::Parked,
+];
+
+impl Runs<'_> {
+    /// The most recently changed runs that `filter` selects (in a state, of a workflow), at
+    /// most its limit, in one query: the filter is applied before the limit, so a workflow's
+    /// runs are found however many runs of other workflows changed since.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use backstop_journal::{Journal, RunFilter, RunState};
+    ///
+    /// let journal = Journal::in_memory().await.unwrap();
+    /// let failed_refunds = RunFilter::latest(20)
+    ///     .state(RunState::Failed)
+    ///     .workflow("refund");
+    /// assert!(journal.runs().list(&failed_refunds).await.unwrap().is_empty());
+    /// # }
+    /// ```
+    pub async fn list(self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
+        let journal = self.0;
         type Row = (
             String,
             Option<String>,
@@ -349,7 +373,7 @@ impl Journal {
              GROUP BY r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error
              ORDER BY r.updated_ms DESC, r.run_id LIMIT $1"
         );
-        let rows: Vec<Row> = with_pool!(self, |pool, sql| {
+        let rows: Vec<Row> = with_pool!(journal, |pool, sql| {
             let statement = sql(&query);
             let mut q = sqlx::query_as(&statement).bind(i64::from(filter.limit));
             if let Some(state) = filter.state {
@@ -397,50 +421,44 @@ impl Journal {
             )
             .collect()
     }
-}
 
-/// Which runs [`Runs::list`](crate::Runs::list) lists: the most recently changed first, at most `limit`, in a
-/// state and of a workflow when asked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RunFilter {
-    /// At most this many runs.
-    pub limit: u32,
-    /// Only runs in this state.
-    pub state: Option<RunState>,
-    /// Only runs of this workflow.
-    pub workflow: Option<String>,
-}
-
-impl RunFilter {
-    /// The `limit` most recently changed runs, whatever their state and workflow.
-    pub fn latest(limit: u32) -> Self {
-        RunFilter {
-            limit,
-            state: None,
-            workflow: None,
-        }
+    /// The record of run `run`.
+    pub async fn get(self, run: &str) -> Result<Option<RunRecord>, JournalError> {
+        let journal = self.0;
+        with_pool!(journal, |pool, sql| {
+            let row = sqlx::query(&sql(&format!(
+                "SELECT {RUN_COLUMNS} FROM backstop_journal_runs WHERE run_id = $1"
+            )))
+            .bind(run)
+            .fetch_optional(pool)
+            .await?;
+            match row {
+                Some(row) => Ok(Some(run_from_row!(row))),
+                None => Ok(None),
+            }
+        })
     }
 
-    /// Only runs in `state`.
-    #[must_use]
-    pub fn state(mut self, state: RunState) -> Self {
-        self.state = Some(state);
-        self
-    }
-
-    /// Only runs of `workflow`.
-    #[must_use]
-    pub fn workflow(mut self, workflow: impl Into<String>) -> Self {
-        self.workflow = Some(workflow.into());
-        self
+    /// What happened to run `run`, oldest first.
+    pub async fn events(self, run: &str) -> Result<Vec<RunEvent>, JournalError> {
+        let journal = self.0;
+        let rows: Vec<(i64, String, String, Option<String>)> = with_pool!(journal, |pool, sql| {
+            sqlx::query_as(&sql(
+                "SELECT at_ms, actor, action, reason FROM backstop_journal_run_events
+                 WHERE run_id = $1 ORDER BY id",
+            ))
+            .bind(run)
+            .fetch_all(pool)
+            .await?
+        });
+        Ok(rows
+            .into_iter()
+            .map(|(at_ms, actor, action, reason)| RunEvent {
+                at_ms,
+                actor,
+                action,
+                reason,
+            })
+            .collect())
     }
 }
-
-/// Step states an operator's `retry` sends again from.
-pub(crate) const RETRYABLE: [StepState; 4] = [
-    StepState::FailedBeforeExecution,
-    StepState::FailedAfterExecution,
-    StepState::ReconciledFailed,
-    StepState::Parked,
-];

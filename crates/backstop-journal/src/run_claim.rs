@@ -5,7 +5,7 @@
 #[cfg(feature = "sqlite")]
 use crate::journal::to_sqlite;
 use crate::{
-    JournalError,
+    JournalError, Operator,
     journal::{Journal, with_pool},
     run::{FINAL_STEPS, RunOutcome, RunRecord, RunState, insert_event},
 };
@@ -238,43 +238,6 @@ impl Journal {
         })
     }
 
-    /// [`Operator::cancel`](crate::Operator::cancel).
-    pub(crate) async fn cancel_run(
-        &self,
-        run: &str,
-        who: &str,
-        why: &str,
-    ) -> Result<RunRecord, JournalError> {
-        let moved = self
-            .move_run(
-                run,
-                RunMove {
-                    holder: None,
-                    error: Some(why.to_owned()),
-                    reason: Some(why.to_owned()),
-                    action: Some("cancelled"),
-                    actor: who,
-                    ..RunMove::new(
-                        RunState::Cancelled,
-                        &[RunState::Pending, RunState::NeedsHuman],
-                        who,
-                    )
-                },
-            )
-            .await?;
-        let found = self.existing_run(run).await?;
-        if !moved {
-            return Err(JournalError::RunRefused {
-                run: run.to_owned(),
-                why: format!(
-                    "it is {}: only a pending run or one waiting for a person can be cancelled",
-                    found.state
-                ),
-            });
-        }
-        Ok(found)
-    }
-
     /// Puts a failed run, or one waiting for a person, back to pending once none of its steps
     /// waits for a person: what an operator's repair of a step does to its run. A run pending
     /// already, or succeeded or cancelled, is left as it is.
@@ -404,5 +367,42 @@ impl<'a> RunMove<'a> {
             action: None,
             reason: None,
         }
+    }
+}
+
+impl Operator<'_> {
+    /// An operator cancels `run` (pending or waiting for a person), recorded with `who` and
+    /// `why`: no worker runs it again, and the worker running it stops at its next lease
+    /// renewal. A run that is over is refused.
+    pub async fn cancel(self, run: &str, who: &str, why: &str) -> Result<RunRecord, JournalError> {
+        let journal = self.0;
+        let moved = journal
+            .move_run(
+                run,
+                RunMove {
+                    holder: None,
+                    error: Some(why.to_owned()),
+                    reason: Some(why.to_owned()),
+                    action: Some("cancelled"),
+                    actor: who,
+                    ..RunMove::new(
+                        RunState::Cancelled,
+                        &[RunState::Pending, RunState::NeedsHuman],
+                        who,
+                    )
+                },
+            )
+            .await?;
+        let found = journal.existing_run(run).await?;
+        if !moved {
+            return Err(JournalError::RunRefused {
+                run: run.to_owned(),
+                why: format!(
+                    "it is {}: only a pending run or one waiting for a person can be cancelled",
+                    found.state
+                ),
+            });
+        }
+        Ok(found)
     }
 }

@@ -129,6 +129,7 @@ impl Journal {
     {
         let done = [StepState::Succeeded, StepState::ReconciledSucceeded];
         let original = self
+            .runs()
             .step(action)
             .await?
             .ok_or_else(|| JournalError::NotFound(format!("step {action}")))?;

@@ -4,7 +4,7 @@
 #[cfg(feature = "sqlite")]
 use crate::journal::to_sqlite;
 use crate::{
-    JournalError,
+    JournalError, Operator, Runs,
     journal::{CallIdentity, Journal, STEP_COLUMNS, with_pool},
     model::{NewStep, Resolution, Step, StepId, StepState, StepTransition},
 };
@@ -153,6 +153,7 @@ impl Journal {
             inserted
         });
         let step = self
+            .runs()
             .step(id)
             .await?
             .ok_or_else(|| JournalError::NotFound(format!("step {id}")))?;
@@ -204,7 +205,7 @@ impl Journal {
             found,
             to,
         };
-        let current = self.step(id).await?.ok_or_else(|| conflict(None))?;
+        let current = self.runs().step(id).await?.ok_or_else(|| conflict(None))?;
         if !from.contains(&current.state) || (!repair && !current.state.can_move_to(to)) {
             return Err(conflict(Some(current.state)));
         }
@@ -249,78 +250,13 @@ impl Journal {
             }
             done
         });
-        let step = self.step(id).await?.ok_or_else(|| conflict(None))?;
+        let step = self.runs().step(id).await?.ok_or_else(|| conflict(None))?;
         if !moved {
             // Another worker moved it between the read and the write.
             return Err(conflict(Some(step.state)));
         }
         crate::obs::transition(&step, current.state, now - current.updated_ms);
         Ok(step)
-    }
-
-    /// [`Runs::step`](crate::Runs::step).
-    pub(crate) async fn step(&self, id: &StepId) -> Result<Option<Step>, JournalError> {
-        with_pool!(self, |pool, sql| {
-            let row = sqlx::query(&sql(&format!(
-                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
-                 WHERE run_id = $1 AND step_id = $2 AND call_id = $3"
-            )))
-            .bind(&*id.run)
-            .bind(&*id.step)
-            .bind(&*id.call)
-            .fetch_optional(pool)
-            .await?;
-            match row {
-                Some(row) => Ok(Some(step_from_row!(row))),
-                None => Ok(None),
-            }
-        })
-    }
-
-    /// [`Runs::steps`](crate::Runs::steps).
-    pub(crate) async fn run(&self, run: &str) -> Result<Vec<Step>, JournalError> {
-        with_pool!(self, |pool, sql| {
-            let rows = sqlx::query(&sql(&format!(
-                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps WHERE run_id = $1
-                 ORDER BY created_ms, step_id, call_id"
-            )))
-            .bind(run)
-            .fetch_all(pool)
-            .await?;
-            let mut steps = Vec::with_capacity(rows.len());
-            for row in rows {
-                steps.push(step_from_row!(row));
-            }
-            Ok(steps)
-        })
-    }
-
-    /// [`Runs::stuck`](crate::Runs::stuck).
-    pub(crate) async fn stuck(&self) -> Result<Vec<Step>, JournalError> {
-        with_pool!(self, |pool, sql| {
-            let rows = sqlx::query(&sql(&format!(
-                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
-                 WHERE attention IS NOT NULL OR state = 'parked'
-                 ORDER BY updated_ms, run_id, step_id"
-            )))
-            .fetch_all(pool)
-            .await?;
-            let mut steps = Vec::with_capacity(rows.len());
-            for row in rows {
-                steps.push(step_from_row!(row));
-            }
-            Ok(steps)
-        })
-    }
-
-    /// [`Runs::step_history`](crate::Runs::step_history).
-    pub(crate) async fn history(&self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
-        self.transitions(&id.run, Some(id)).await
-    }
-
-    /// [`Runs::history`](crate::Runs::history).
-    pub(crate) async fn run_history(&self, run: &str) -> Result<Vec<StepTransition>, JournalError> {
-        self.transitions(run, None).await
     }
 
     async fn transitions(
@@ -420,16 +356,92 @@ impl Journal {
             Ok(())
         })
     }
+}
 
-    /// [`Operator::resolve`](crate::Operator::resolve).
-    pub(crate) async fn resolve(
-        &self,
+impl Runs<'_> {
+    /// Every step of `run`, in the order they were recorded.
+    pub async fn steps(self, run: &str) -> Result<Vec<Step>, JournalError> {
+        let journal = self.0;
+        with_pool!(journal, |pool, sql| {
+            let rows = sqlx::query(&sql(&format!(
+                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps WHERE run_id = $1
+                 ORDER BY created_ms, step_id, call_id"
+            )))
+            .bind(run)
+            .fetch_all(pool)
+            .await?;
+            let mut steps = Vec::with_capacity(rows.len());
+            for row in rows {
+                steps.push(step_from_row!(row));
+            }
+            Ok(steps)
+        })
+    }
+
+    /// Every recorded transition of every step of `run`, oldest first, in one query.
+    pub async fn history(self, run: &str) -> Result<Vec<StepTransition>, JournalError> {
+        let journal = self.0;
+        journal.transitions(run, None).await
+    }
+
+    /// The step recorded under `id`.
+    pub async fn step(self, id: &StepId) -> Result<Option<Step>, JournalError> {
+        let journal = self.0;
+        with_pool!(journal, |pool, sql| {
+            let row = sqlx::query(&sql(&format!(
+                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
+                 WHERE run_id = $1 AND step_id = $2 AND call_id = $3"
+            )))
+            .bind(&*id.run)
+            .bind(&*id.step)
+            .bind(&*id.call)
+            .fetch_optional(pool)
+            .await?;
+            match row {
+                Some(row) => Ok(Some(step_from_row!(row))),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Every recorded transition of step `id`, oldest first.
+    pub async fn step_history(self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
+        let journal = self.0;
+        journal.transitions(&id.run, Some(id)).await
+    }
+
+    /// Steps waiting for a person, and parked steps (with when they wake).
+    pub async fn stuck(self) -> Result<Vec<Step>, JournalError> {
+        let journal = self.0;
+        with_pool!(journal, |pool, sql| {
+            let rows = sqlx::query(&sql(&format!(
+                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
+                 WHERE attention IS NOT NULL OR state = 'parked'
+                 ORDER BY updated_ms, run_id, step_id"
+            )))
+            .fetch_all(pool)
+            .await?;
+            let mut steps = Vec::with_capacity(rows.len());
+            for row in rows {
+                steps.push(step_from_row!(row));
+            }
+            Ok(steps)
+        })
+    }
+}
+
+impl Operator<'_> {
+    /// An operator's repair of a step that is not over, recorded with `who` and `why`.
+    pub async fn resolve(
+        self,
         id: &StepId,
         resolution: Resolution,
         who: &str,
         why: &str,
     ) -> Result<Step, JournalError> {
-        let step = self
+        let journal = self.0;
+        let step = journal
+            .runs()
             .step(id)
             .await?
             .ok_or_else(|| JournalError::NotFound(format!("step {id}")))?;
@@ -459,8 +471,11 @@ impl Journal {
             reason: Some(why.to_owned()),
             ..Change::default()
         };
-        let step = self.move_step(id, &[step.state], to, change, true).await?;
-        self.reopen_run(&id.run, who, &format!("step {id} resolved: {why}"))
+        let step = journal
+            .move_step(id, &[step.state], to, change, true)
+            .await?;
+        journal
+            .reopen_run(&id.run, who, &format!("step {id} resolved: {why}"))
             .await?;
         Ok(step)
     }

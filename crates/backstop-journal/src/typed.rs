@@ -82,10 +82,11 @@ impl<In: Serialize, Out: DeserializeOwned> Workflow<In, Out> {
     }
 
     /// The output of run `run` once the workflow finished it; `None` while it has not (pending,
-    /// failed, cancelled or waiting for a person: [`Runs::get`](crate::Runs::get) says which).
+    /// failed, cancelled or waiting for a person: [`Runs::get`](crate::Runs::get) says
+    /// which).
     /// [`JournalError::NotFound`] when the journal has no such run.
     pub async fn output(&self, journal: &Journal, run: &str) -> Result<Option<Out>, JournalError> {
-        let Some(record) = journal.run_record(run).await? else {
+        let Some(record) = journal.runs().get(run).await? else {
             return Err(JournalError::NotFound(format!("run {run}")));
         };
         if record.state != RunState::Succeeded {

@@ -324,7 +324,7 @@ impl Worker {
             Lost::Store(e) => RunEnd::Released {
                 why: format!("the lease could not be renewed: {}", CauseChain(&e)),
             },
-            Lost::Claim => match self.journal.run_record(run).await {
+            Lost::Claim => match self.journal.runs().get(run).await {
                 Ok(Some(r)) if r.state == RunState::Cancelled => RunEnd::Cancelled,
                 Ok(Some(r)) => RunEnd::Released {
                     why: format!(
@@ -404,7 +404,7 @@ impl Worker {
         match written {
             Ok(end) => end,
             // Cancelled (or claimed by another) while it ran: the record says which.
-            Err(JournalError::RunRefused { why, .. }) => match self.journal.run_record(run).await {
+            Err(JournalError::RunRefused { why, .. }) => match self.journal.runs().get(run).await {
                 Ok(Some(r)) if r.state == RunState::Cancelled => RunEnd::Cancelled,
                 _ => RunEnd::Released { why },
             },
