@@ -177,6 +177,13 @@ impl From<sqlx::Error> for JournalError {
     }
 }
 
+/// The schema could not be applied: a store failure, its cause kept.
+impl From<sqlx::migrate::MigrateError> for JournalError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        JournalError::store(e)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

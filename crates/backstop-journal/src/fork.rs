@@ -4,8 +4,6 @@
 //! point on run anew under the new run's keys. One transaction: the original's record locked,
 //! the new run written with where it came from, the steps copied, an event on each run.
 
-#[cfg(feature = "sqlite")]
-use crate::journal::to_sqlite;
 use crate::{
     JournalError, Operator, Runs,
     journal::{Journal, STEP_COLUMNS, with_pool},
@@ -17,12 +15,12 @@ use crate::{
 /// Copies step `$s` into run `$new_run` inside the transaction `$tx`, with one history row
 /// saying where it came from.
 macro_rules! copy_step {
-    ($tx:expr, $sql:expr, $s:expr, $new_run:expr, $now:expr, $who:expr, $why:expr) => {{
+    ($tx:expr, $s:expr, $new_run:expr, $now:expr, $who:expr, $why:expr) => {{
         let s: &Step = $s;
-        sqlx::query(&$sql(&format!(
+        sqlx::query(&format!(
             "INSERT INTO backstop_journal_steps ({STEP_COLUMNS})
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, NULL, NULL, $13, $14, $15)"
-        )))
+        ))
         .bind($new_run)
         .bind(&*s.id.step)
         .bind(&*s.id.call)
@@ -40,12 +38,12 @@ macro_rules! copy_step {
         .bind(s.sent_ms)
         .execute(&mut *$tx)
         .await?;
-        sqlx::query(&$sql(
+        sqlx::query(
             "INSERT INTO backstop_journal_transitions
                 (run_id, step_id, call_id, from_state, to_state, at_ms, attempts, error, actor,
                  reason)
              VALUES ($1, $2, $3, NULL, $4, $5, $6, NULL, $7, $8)",
-        ))
+        )
         .bind($new_run)
         .bind(&*s.id.step)
         .bind(&*s.id.call)
@@ -98,12 +96,12 @@ impl Runs<'_> {
     /// The runs forked from run `run`, oldest first.
     pub async fn forks(self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool, sql| {
-            let rows = sqlx::query(&sql(&format!(
+        with_pool!(journal, |pool| {
+            let rows = sqlx::query(&format!(
                 "SELECT {} FROM backstop_journal_runs WHERE forked_from = $1
                  ORDER BY created_ms, run_id",
                 crate::run::RUN_COLUMNS
-            )))
+            ))
             .bind(run)
             .fetch_all(pool)
             .await?;
@@ -165,12 +163,14 @@ impl Operator<'_> {
             };
         }
         let now = journal.now_ms();
-        let forked = with_pool!(journal, |pool, sql| {
+        let forked = with_pool!(journal, |pool| {
             let mut tx = pool.begin().await?;
             // Locks the original's record (a row lock on PostgreSQL, the write lock on
             // SQLite) while it is over, so no operator reopens it while it is copied.
-            let ended = sqlx::query(&sql("UPDATE backstop_journal_runs SET updated_ms = $2
-                 WHERE run_id = $1 AND state IN ('succeeded', 'failed', 'cancelled')"))
+            let ended = sqlx::query(
+                "UPDATE backstop_journal_runs SET updated_ms = $2
+                 WHERE run_id = $1 AND state IN ('succeeded', 'failed', 'cancelled')",
+            )
             .bind(run)
             .bind(now)
             .execute(&mut *tx)
@@ -180,12 +180,12 @@ impl Operator<'_> {
             if !ended {
                 None
             } else {
-                let rows = sqlx::query(&sql(&format!(
+                let rows = sqlx::query(&format!(
                     "SELECT {STEP_COLUMNS} FROM backstop_journal_steps s WHERE run_id = $1
                      ORDER BY (SELECT MIN(t.id) FROM backstop_journal_transitions t
                                WHERE t.run_id = s.run_id AND t.step_id = s.step_id
                                  AND t.call_id = s.call_id), created_ms, step_id, call_id"
-                )))
+                ))
                 .bind(run)
                 .fetch_all(&mut *tx)
                 .await?;
@@ -194,9 +194,9 @@ impl Operator<'_> {
                     steps.push(step_from_row!(row));
                 }
                 let before = copied_steps(&steps, run, from_step)?;
-                let (workflow, input): (Option<String>, Option<String>) = sqlx::query_as(&sql(
+                let (workflow, input): (Option<String>, Option<String>) = sqlx::query_as(
                     "SELECT workflow, input FROM backstop_journal_runs WHERE run_id = $1",
-                ))
+                )
                 .bind(run)
                 .fetch_one(&mut *tx)
                 .await?;
@@ -205,11 +205,13 @@ impl Operator<'_> {
                         "it was not started as a workflow: no worker could run a fork of it".into(),
                     ));
                 }
-                let made = sqlx::query(&sql("INSERT INTO backstop_journal_runs
+                let made = sqlx::query(
+                    "INSERT INTO backstop_journal_runs
                         (run_id, created_ms, updated_ms, workflow, input, state, forked_from,
                          forked_at_step)
                      VALUES ($1, $2, $2, $3, $4, 'pending', $5, $6)
-                     ON CONFLICT (run_id) DO NOTHING"))
+                     ON CONFLICT (run_id) DO NOTHING",
+                )
                 .bind(new_run)
                 .bind(now)
                 .bind(&workflow)
@@ -229,12 +231,12 @@ impl Operator<'_> {
                 }
                 let copied = format!("copied from run {run} (fork at {from_step}): {why}");
                 for s in before {
-                    copy_step!(tx, sql, s, new_run, now, who, &copied);
+                    copy_step!(tx, s, new_run, now, who, &copied);
                 }
                 let into = format!("into run {new_run} at step {from_step}: {why}");
-                insert_event!(tx, sql, run, now, who, "forked", Some(into.as_str()));
+                insert_event!(tx, run, now, who, "forked", Some(into.as_str()));
                 let from = format!("from run {run} at step {from_step}: {why}");
-                insert_event!(tx, sql, new_run, now, who, "forked", Some(from.as_str()));
+                insert_event!(tx, new_run, now, who, "forked", Some(from.as_str()));
                 tx.commit().await?;
                 Some(())
             }

@@ -37,39 +37,19 @@ pub(crate) enum Backend {
 }
 
 /// Runs `$body` with `$pool` bound to whichever pool the journal has (the body is compiled
-/// once per backend).
+/// once per backend). The statements are written once, with `$N` parameters, which both
+/// PostgreSQL and sqlx's SQLite driver bind by number.
 macro_rules! with_pool {
-    ($self:expr, |$pool:ident, $sql:ident| $body:expr) => {
+    ($self:expr, |$pool:ident| $body:expr) => {
         match &$self.backend {
             #[cfg(feature = "sqlite")]
-            $crate::journal::Backend::Sqlite($pool) => {
-                let $sql = |s: &str| to_sqlite(s);
-                $body
-            }
+            $crate::journal::Backend::Sqlite($pool) => $body,
             #[cfg(feature = "postgres")]
-            $crate::journal::Backend::Postgres($pool) => {
-                let $sql = |s: &str| s.to_owned();
-                $body
-            }
+            $crate::journal::Backend::Postgres($pool) => $body,
         }
     };
 }
 pub(crate) use with_pool;
-
-/// SQLite's positional parameters are `?N`; the statements are written with PostgreSQL's `$N`.
-#[cfg(feature = "sqlite")]
-pub(crate) fn to_sqlite(sql: &str) -> String {
-    let mut out = String::with_capacity(sql.len());
-    let mut chars = sql.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) {
-            out.push('?');
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
 
 /// The durable step journal, on SQLite or PostgreSQL. Cheap to clone (a pool).
 #[derive(Clone)]
@@ -91,62 +71,6 @@ impl fmt::Debug for Journal {
 
 pub(crate) const STEP_COLUMNS: &str = "run_id, step_id, call_id, tool, idem_key, args_digest, kind, state, \
      attempts, last_error, result, provider_ref, park_until, attention, created_ms, updated_ms, sent_ms";
-
-/// The schema, version by version; each backend's DDL differs only in the id column.
-fn migrations(serial: &str) -> Vec<(i64, String)> {
-    vec![
-        (
-            1,
-            format!(
-                "CREATE TABLE IF NOT EXISTS backstop_journal_steps (
-                run_id TEXT NOT NULL, step_id TEXT NOT NULL, call_id TEXT NOT NULL,
-                tool TEXT NOT NULL, idem_key TEXT NOT NULL, args_digest TEXT NOT NULL,
-                kind TEXT NOT NULL, state TEXT NOT NULL, attempts BIGINT NOT NULL,
-                last_error TEXT, result TEXT, provider_ref TEXT, park_until BIGINT,
-                attention TEXT, created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL,
-                sent_ms BIGINT,
-                PRIMARY KEY (run_id, step_id, call_id));
-             CREATE INDEX IF NOT EXISTS backstop_journal_steps_state
-                ON backstop_journal_steps (state);
-             CREATE TABLE IF NOT EXISTS backstop_journal_transitions (
-                id {serial}, run_id TEXT NOT NULL, step_id TEXT NOT NULL, call_id TEXT NOT NULL,
-                from_state TEXT, to_state TEXT NOT NULL, at_ms BIGINT NOT NULL,
-                attempts BIGINT NOT NULL, error TEXT, actor TEXT NOT NULL, reason TEXT);
-             CREATE INDEX IF NOT EXISTS backstop_journal_transitions_step
-                ON backstop_journal_transitions (run_id, step_id, call_id, id);
-             CREATE TABLE IF NOT EXISTS backstop_journal_runs (
-                run_id TEXT PRIMARY KEY, created_ms BIGINT NOT NULL, updated_ms BIGINT NOT NULL,
-                claimed_by TEXT, claim_until BIGINT);"
-            ),
-        ),
-        (
-            2,
-            format!(
-                "ALTER TABLE backstop_journal_runs ADD COLUMN workflow TEXT;
-             ALTER TABLE backstop_journal_runs ADD COLUMN input TEXT;
-             ALTER TABLE backstop_journal_runs ADD COLUMN state TEXT NOT NULL DEFAULT 'pending';
-             ALTER TABLE backstop_journal_runs ADD COLUMN output TEXT;
-             ALTER TABLE backstop_journal_runs ADD COLUMN error TEXT;
-             ALTER TABLE backstop_journal_runs ADD COLUMN wake_ms BIGINT;
-             CREATE INDEX IF NOT EXISTS backstop_journal_runs_state
-                ON backstop_journal_runs (state, claim_until);
-             CREATE TABLE IF NOT EXISTS backstop_journal_run_events (
-                id {serial}, run_id TEXT NOT NULL, at_ms BIGINT NOT NULL, actor TEXT NOT NULL,
-                action TEXT NOT NULL, reason TEXT);
-             CREATE INDEX IF NOT EXISTS backstop_journal_run_events_run
-                ON backstop_journal_run_events (run_id, id)"
-            ),
-        ),
-        (
-            3,
-            "ALTER TABLE backstop_journal_runs ADD COLUMN forked_from TEXT;
-             ALTER TABLE backstop_journal_runs ADD COLUMN forked_at_step TEXT;
-             CREATE INDEX IF NOT EXISTS backstop_journal_runs_forked_from
-                ON backstop_journal_runs (forked_from)"
-                .to_owned(),
-        ),
-    ]
-}
 
 impl Journal {
     /// The journal in the SQLite file at `path` (created with its schema when missing). WAL
@@ -253,48 +177,16 @@ impl Journal {
         }
     }
 
+    /// Applies the schema's migrations (`migrations/sqlite`, `migrations/postgres`, embedded at
+    /// build time); on PostgreSQL under sqlx's advisory lock, so workers starting together
+    /// apply them once.
     async fn migrate(&self) -> Result<(), JournalError> {
-        let now = self.now_ms();
-        with_pool!(self, |pool, sql| {
-            let serial = if self.store_name() == "sqlite" {
-                "INTEGER PRIMARY KEY AUTOINCREMENT"
-            } else {
-                "BIGSERIAL PRIMARY KEY"
-            };
-            let mut tx = pool.begin().await?;
-            if self.store_name() == "postgres" {
-                // Two workers starting together apply the schema once.
-                sqlx::query("SELECT pg_advisory_xact_lock(7262116950237460)")
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            sqlx::query(
-                "CREATE TABLE IF NOT EXISTS backstop_journal_schema (
-                    version BIGINT PRIMARY KEY, applied_ms BIGINT NOT NULL)",
-            )
-            .execute(&mut *tx)
-            .await?;
-            let applied: Option<i64> =
-                sqlx::query_scalar("SELECT MAX(version) FROM backstop_journal_schema")
-                    .fetch_one(&mut *tx)
-                    .await?;
-            for (version, ddl) in migrations(serial) {
-                if applied.is_some_and(|a| a >= version) {
-                    continue;
-                }
-                for statement in ddl.split(';').map(str::trim).filter(|s| !s.is_empty()) {
-                    sqlx::query(statement).execute(&mut *tx).await?;
-                }
-                sqlx::query(&sql(
-                    "INSERT INTO backstop_journal_schema (version, applied_ms) VALUES ($1, $2)",
-                ))
-                .bind(version)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            }
-            tx.commit().await?;
-            Ok(())
-        })
+        match &self.backend {
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(pool) => sqlx::migrate!("migrations/sqlite").run(pool).await?,
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(pool) => sqlx::migrate!("migrations/postgres").run(pool).await?,
+        }
+        Ok(())
     }
 }

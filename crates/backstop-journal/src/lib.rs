@@ -5,7 +5,7 @@
 //! processes. Every step of a run (a tool call, identified by run, step and call ids) is written
 //! durably at each transition, before anything that depends on it happens: `pending`, then
 //! `sent` before the call leaves, then what came of it. After a crash a recovery worker claims
-//! the run ([`Journal::claim_next`]: `FOR UPDATE SKIP LOCKED` on PostgreSQL) and resumes it:
+//! the run (a [`Worker`]: `FOR UPDATE SKIP LOCKED` on PostgreSQL) and resumes it:
 //! a done step returns its stored result and is not called again, a step never sent is sent,
 //! a step whose outcome is unknown is *reconciled* with its provider first
 //! ([`Journal::reconcile_run`] with a [`Reconcile`] hook per tool: by key or by business
@@ -14,7 +14,8 @@
 //!
 //! Stores: one SQLite file, the default ([`Journal::sqlite`]; in memory for unit tests), or
 //! PostgreSQL for several workers ([`Journal::postgres`], feature `postgres`); the same schema,
-//! created and migrated on open, and no compile-time macros.
+//! applied on open by sqlx's migrations (`migrations/`, one directory per store); the same
+//! statements on both, with `$N` parameters.
 //!
 //! ```
 //! use backstop_journal::{CallResult, Journal, NewStep, StepState};

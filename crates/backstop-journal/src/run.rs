@@ -4,8 +4,6 @@
 //! pending, and once its lease runs out a worker claims it again. The run's claim and its moves
 //! are in `run_claim.rs`.
 
-#[cfg(feature = "sqlite")]
-use crate::journal::to_sqlite;
 use crate::{
     JournalError, Runs,
     journal::{Journal, with_pool},
@@ -194,11 +192,11 @@ pub(crate) use run_from_row;
 
 /// Writes one run event inside the transaction `$tx`.
 macro_rules! insert_event {
-    ($tx:expr, $sql:expr, $run:expr, $at:expr, $actor:expr, $action:expr, $reason:expr) => {{
-        sqlx::query(&$sql(
+    ($tx:expr, $run:expr, $at:expr, $actor:expr, $action:expr, $reason:expr) => {{
+        sqlx::query(
             "INSERT INTO backstop_journal_run_events (run_id, at_ms, actor, action, reason)
              VALUES ($1, $2, $3, $4, $5)",
-        ))
+        )
         .bind($run)
         .bind($at)
         .bind($actor)
@@ -225,13 +223,15 @@ impl Journal {
         input: Option<&str>,
     ) -> Result<RunRecord, JournalError> {
         let now = self.now_ms();
-        with_pool!(self, |pool, sql| {
+        with_pool!(self, |pool| {
             let mut tx = pool.begin().await?;
-            let started = sqlx::query(&sql("INSERT INTO backstop_journal_runs
+            let started = sqlx::query(
+                "INSERT INTO backstop_journal_runs
                     (run_id, created_ms, updated_ms, workflow, input, state)
                  VALUES ($1, $2, $2, $3, $4, 'pending')
                  ON CONFLICT (run_id) DO UPDATE SET workflow = $3, input = $4, updated_ms = $2
-                 WHERE backstop_journal_runs.workflow IS NULL"))
+                 WHERE backstop_journal_runs.workflow IS NULL",
+            )
             .bind(run)
             .bind(now)
             .bind(workflow)
@@ -241,7 +241,7 @@ impl Journal {
             .rows_affected()
                 == 1;
             if started {
-                insert_event!(tx, sql, run, now, "journal", "started", Some(workflow));
+                insert_event!(tx, run, now, "journal", "started", Some(workflow));
             }
             tx.commit().await?;
         });
@@ -373,9 +373,8 @@ impl Runs<'_> {
              GROUP BY r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error
              ORDER BY r.updated_ms DESC, r.run_id LIMIT $1"
         );
-        let rows: Vec<Row> = with_pool!(journal, |pool, sql| {
-            let statement = sql(&query);
-            let mut q = sqlx::query_as(&statement).bind(i64::from(filter.limit));
+        let rows: Vec<Row> = with_pool!(journal, |pool| {
+            let mut q = sqlx::query_as(&query).bind(i64::from(filter.limit));
             if let Some(state) = filter.state {
                 q = q.bind(state.as_str());
             }
@@ -425,10 +424,10 @@ impl Runs<'_> {
     /// The record of run `run`.
     pub async fn get(self, run: &str) -> Result<Option<RunRecord>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool, sql| {
-            let row = sqlx::query(&sql(&format!(
+        with_pool!(journal, |pool| {
+            let row = sqlx::query(&format!(
                 "SELECT {RUN_COLUMNS} FROM backstop_journal_runs WHERE run_id = $1"
-            )))
+            ))
             .bind(run)
             .fetch_optional(pool)
             .await?;
@@ -442,11 +441,11 @@ impl Runs<'_> {
     /// What happened to run `run`, oldest first.
     pub async fn events(self, run: &str) -> Result<Vec<RunEvent>, JournalError> {
         let journal = self.0;
-        let rows: Vec<(i64, String, String, Option<String>)> = with_pool!(journal, |pool, sql| {
-            sqlx::query_as(&sql(
+        let rows: Vec<(i64, String, String, Option<String>)> = with_pool!(journal, |pool| {
+            sqlx::query_as(
                 "SELECT at_ms, actor, action, reason FROM backstop_journal_run_events
                  WHERE run_id = $1 ORDER BY id",
-            ))
+            )
             .bind(run)
             .fetch_all(pool)
             .await?

@@ -2,8 +2,6 @@
 //! back finished, deferred, to a person or cancelled, each move one guarded statement with its
 //! event.
 
-#[cfg(feature = "sqlite")]
-use crate::journal::to_sqlite;
 use crate::{
     JournalError, Operator,
     journal::{Journal, with_pool},
@@ -101,14 +99,14 @@ impl Journal {
             crate::journal::Backend::Sqlite(pool) => {
                 // SQLite has one writer at a time: the statement is the claim.
                 let n = names.len();
-                let statement = to_sqlite(&format!(
+                let statement = format!(
                     "UPDATE backstop_journal_runs SET claimed_by = ${w}, claim_until = ${u},
                         wake_ms = NULL
                      WHERE run_id = ({pick})
                      RETURNING run_id",
                     w = n + 2,
                     u = n + 3
-                ));
+                );
                 let mut q = sqlx::query_scalar(&statement).bind(now);
                 for name in names {
                     q = q.bind(*name);
@@ -130,9 +128,11 @@ impl Journal {
         lease: Duration,
     ) -> Result<bool, JournalError> {
         let until = lease_end(self.now_ms(), lease);
-        with_pool!(self, |pool, sql| {
-            let renewed = sqlx::query(&sql("UPDATE backstop_journal_runs SET claim_until = $1
-                 WHERE run_id = $2 AND claimed_by = $3 AND state = 'pending'"))
+        with_pool!(self, |pool| {
+            let renewed = sqlx::query(
+                "UPDATE backstop_journal_runs SET claim_until = $1
+                 WHERE run_id = $2 AND claimed_by = $3 AND state = 'pending'",
+            )
             .bind(until)
             .bind(run)
             .bind(worker)
@@ -311,10 +311,9 @@ impl Journal {
              WHERE run_id = $6 AND state IN ({}) {holder} {attention}",
             from.join(", ")
         );
-        with_pool!(self, |pool, sql| {
+        with_pool!(self, |pool| {
             let mut tx = pool.begin().await?;
-            let statement = sql(&query);
-            let mut q = sqlx::query(&statement)
+            let mut q = sqlx::query(&query)
                 .bind(m.to.as_str())
                 .bind(&m.output)
                 .bind(&m.error)
@@ -326,7 +325,7 @@ impl Journal {
             }
             let moved = q.execute(&mut *tx).await?.rows_affected() == 1;
             if moved && let Some(action) = m.action {
-                insert_event!(tx, sql, run, now, m.actor, action, m.reason.as_deref());
+                insert_event!(tx, run, now, m.actor, action, m.reason.as_deref());
             }
             tx.commit().await?;
             Ok(moved)

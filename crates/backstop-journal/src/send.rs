@@ -5,8 +5,6 @@
 //! transaction. Everything else (a resumed step, an operator's repair) takes the general path
 //! of [`Journal::transition`].
 
-#[cfg(feature = "sqlite")]
-use crate::journal::to_sqlite;
 use crate::{
     JournalError,
     journal::{Journal, STEP_COLUMNS},
@@ -58,13 +56,13 @@ impl Journal {
             #[cfg(feature = "sqlite")]
             crate::journal::Backend::Sqlite(pool) => {
                 let mut tx = pool.begin().await?;
-                let insert = to_sqlite(&format!(
+                let insert = format!(
                     "INSERT INTO backstop_journal_steps ({STEP_COLUMNS})
                      VALUES ($1, $2, $3, $4, $5, $6, $7, 'sent', 1, NULL, NULL, NULL, NULL, NULL,
                              $8, $8, $8)
                      ON CONFLICT (run_id, step_id, call_id) DO NOTHING
                      RETURNING {STEP_COLUMNS}"
-                ));
+                );
                 let row = bind_new(sqlx::query(&insert), new, now)
                     .fetch_optional(&mut *tx)
                     .await?;
@@ -73,21 +71,21 @@ impl Journal {
                     None => return Ok(None),
                 };
                 let id = &new.id;
-                sqlx::query(&to_sqlite(&format!(
+                sqlx::query(&format!(
                     "{HISTORY} VALUES
                         ($1, $2, $3, NULL, 'pending', $4, 0, NULL, 'journal', NULL),
                         ($1, $2, $3, 'pending', 'sent', $4, 1, NULL, 'journal', NULL)"
-                )))
+                ))
                 .bind(&*id.run)
                 .bind(&*id.step)
                 .bind(&*id.call)
                 .bind(now)
                 .execute(&mut *tx)
                 .await?;
-                sqlx::query(&to_sqlite(
+                sqlx::query(
                     "INSERT INTO backstop_journal_runs (run_id, created_ms, updated_ms)
                      VALUES ($1, $2, $2) ON CONFLICT (run_id) DO UPDATE SET updated_ms = $2",
-                ))
+                )
                 .bind(&*id.run)
                 .bind(now)
                 .execute(&mut *tx)
@@ -143,9 +141,9 @@ impl Journal {
             #[cfg(feature = "sqlite")]
             crate::journal::Backend::Sqlite(pool) => {
                 let mut tx = pool.begin().await?;
-                let update = to_sqlite(&format!(
+                let update = format!(
                     "UPDATE backstop_journal_steps SET {set} WHERE {which} RETURNING {STEP_COLUMNS}"
-                ));
+                );
                 let row = bind_outcome(sqlx::query(&update), id, to, change, now, false)
                     .fetch_optional(&mut *tx)
                     .await?;
@@ -153,9 +151,9 @@ impl Journal {
                     Some(row) => step_from_row!(row),
                     None => return Ok(None),
                 };
-                sqlx::query(&to_sqlite(&format!(
+                sqlx::query(&format!(
                     "{HISTORY} VALUES ($1, $2, $3, 'sent', $4, $5, $6, $7, $8, $9)"
-                )))
+                ))
                 .bind(&*id.run)
                 .bind(&*id.step)
                 .bind(&*id.call)
@@ -167,13 +165,11 @@ impl Journal {
                 .bind(&change.reason)
                 .execute(&mut *tx)
                 .await?;
-                sqlx::query(&to_sqlite(
-                    "UPDATE backstop_journal_runs SET updated_ms = $1 WHERE run_id = $2",
-                ))
-                .bind(now)
-                .bind(&*id.run)
-                .execute(&mut *tx)
-                .await?;
+                sqlx::query("UPDATE backstop_journal_runs SET updated_ms = $1 WHERE run_id = $2")
+                    .bind(now)
+                    .bind(&*id.run)
+                    .execute(&mut *tx)
+                    .await?;
                 tx.commit().await?;
                 Some(step)
             }

@@ -1,8 +1,6 @@
 //! The steps' journal: each step recorded, moved from state to state with compare-and-set in a
 //! transaction with its history row, read back, and repaired by an operator.
 
-#[cfg(feature = "sqlite")]
-use crate::journal::to_sqlite;
 use crate::{
     JournalError, Operator, Runs,
     journal::{CallIdentity, Journal, STEP_COLUMNS, with_pool},
@@ -77,15 +75,15 @@ pub(crate) use step_from_row;
 
 /// Writes one history row inside the transaction `$tx`.
 macro_rules! insert_transition {
-    ($tx:expr, $sql:expr, $id:expr, $from:expr, $to:expr, $at:expr, $attempts:expr, $change:expr) => {{
+    ($tx:expr, $id:expr, $from:expr, $to:expr, $at:expr, $attempts:expr, $change:expr) => {{
         let change: &Change = $change;
         let from: Option<StepState> = $from;
         let to: StepState = $to;
-        sqlx::query(&$sql(
+        sqlx::query(
             "INSERT INTO backstop_journal_transitions
                 (run_id, step_id, call_id, from_state, to_state, at_ms, attempts, error, actor, reason)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        ))
+        )
         .bind(&*$id.run)
         .bind(&*$id.step)
         .bind(&*$id.call)
@@ -108,14 +106,14 @@ impl Journal {
     pub async fn begin(&self, new: &NewStep) -> Result<Step, JournalError> {
         let now = self.now_ms();
         let id = &new.id;
-        let inserted = with_pool!(self, |pool, sql| {
+        let inserted = with_pool!(self, |pool| {
             let mut tx = pool.begin().await?;
-            let inserted = sqlx::query(&sql(&format!(
+            let inserted = sqlx::query(&format!(
                 "INSERT INTO backstop_journal_steps ({STEP_COLUMNS})
                  VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', 0, NULL, NULL, NULL, NULL, NULL,
                          $8, $8, NULL)
                  ON CONFLICT (run_id, step_id, call_id) DO NOTHING"
-            )))
+            ))
             .bind(&*id.run)
             .bind(&*id.step)
             .bind(&*id.call)
@@ -131,7 +129,6 @@ impl Journal {
             if inserted {
                 insert_transition!(
                     tx,
-                    sql,
                     id,
                     None,
                     StepState::Pending,
@@ -139,11 +136,11 @@ impl Journal {
                     0u32,
                     &Change::default()
                 );
-                sqlx::query(&sql(
+                sqlx::query(
                     "INSERT INTO backstop_journal_runs (run_id, created_ms, updated_ms)
                      VALUES ($1, $2, $2)
                      ON CONFLICT (run_id) DO UPDATE SET updated_ms = $2",
-                ))
+                )
                 .bind(&*id.run)
                 .bind(now)
                 .execute(&mut *tx)
@@ -209,16 +206,16 @@ impl Journal {
         if !from.contains(&current.state) || (!repair && !current.state.can_move_to(to)) {
             return Err(conflict(Some(current.state)));
         }
-        let moved = with_pool!(self, |pool, sql| {
+        let moved = with_pool!(self, |pool| {
             let mut tx = pool.begin().await?;
             let attempts = i64::from(current.attempts) + i64::from(change.attempt);
-            let done = sqlx::query(&sql(
+            let done = sqlx::query(
                 "UPDATE backstop_journal_steps SET state = $1, attempts = $2,
                     last_error = COALESCE($3, last_error), result = COALESCE($4, result),
                     provider_ref = COALESCE($5, provider_ref), park_until = $6, attention = $7,
                     updated_ms = $8, sent_ms = CASE WHEN $1 = 'sent' THEN $8 ELSE sent_ms END
                  WHERE run_id = $9 AND step_id = $10 AND call_id = $11 AND state = $12",
-            ))
+            )
             .bind(to.as_str())
             .bind(attempts)
             .bind(&change.error)
@@ -238,14 +235,12 @@ impl Journal {
             if done {
                 let from = Some(current.state);
                 let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
-                insert_transition!(tx, sql, id, from, to, now, attempts, &change);
-                sqlx::query(&sql(
-                    "UPDATE backstop_journal_runs SET updated_ms = $1 WHERE run_id = $2",
-                ))
-                .bind(now)
-                .bind(&*id.run)
-                .execute(&mut *tx)
-                .await?;
+                insert_transition!(tx, id, from, to, now, attempts, &change);
+                sqlx::query("UPDATE backstop_journal_runs SET updated_ms = $1 WHERE run_id = $2")
+                    .bind(now)
+                    .bind(&*id.run)
+                    .execute(&mut *tx)
+                    .await?;
                 tx.commit().await?;
             }
             done
@@ -284,9 +279,8 @@ impl Journal {
             "SELECT step_id, call_id, from_state, to_state, at_ms, attempts, error, actor, reason
              FROM backstop_journal_transitions WHERE run_id = $1 {one} ORDER BY id"
         );
-        let rows: Vec<Row> = with_pool!(self, |pool, sql| {
-            let statement = sql(&query);
-            let mut q = sqlx::query_as(&statement).bind(run);
+        let rows: Vec<Row> = with_pool!(self, |pool| {
+            let mut q = sqlx::query_as(&query).bind(run);
             if let Some(id) = step {
                 q = q.bind(&*id.step).bind(&*id.call);
             }
@@ -325,11 +319,11 @@ impl Journal {
     ) -> Result<bool, JournalError> {
         let now = self.now_ms();
         let until = now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX));
-        with_pool!(self, |pool, sql| {
-            let claimed = sqlx::query(&sql(
+        with_pool!(self, |pool| {
+            let claimed = sqlx::query(
                 "UPDATE backstop_journal_runs SET claimed_by = $1, claim_until = $2
                  WHERE run_id = $3 AND (claimed_by IS NULL OR claimed_by = $1 OR claim_until < $4)",
-            ))
+            )
             .bind(worker)
             .bind(until)
             .bind(run)
@@ -344,11 +338,11 @@ impl Journal {
     /// Gives `run` back (only `worker`'s own claim).
     #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn release(&self, run: &str, worker: &str) -> Result<(), JournalError> {
-        with_pool!(self, |pool, sql| {
-            sqlx::query(&sql(
+        with_pool!(self, |pool| {
+            sqlx::query(
                 "UPDATE backstop_journal_runs SET claimed_by = NULL, claim_until = NULL
                  WHERE run_id = $1 AND claimed_by = $2",
-            ))
+            )
             .bind(run)
             .bind(worker)
             .execute(pool)
@@ -362,11 +356,11 @@ impl Runs<'_> {
     /// Every step of `run`, in the order they were recorded.
     pub async fn steps(self, run: &str) -> Result<Vec<Step>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool, sql| {
-            let rows = sqlx::query(&sql(&format!(
+        with_pool!(journal, |pool| {
+            let rows = sqlx::query(&format!(
                 "SELECT {STEP_COLUMNS} FROM backstop_journal_steps WHERE run_id = $1
                  ORDER BY created_ms, step_id, call_id"
-            )))
+            ))
             .bind(run)
             .fetch_all(pool)
             .await?;
@@ -387,11 +381,11 @@ impl Runs<'_> {
     /// The step recorded under `id`.
     pub async fn step(self, id: &StepId) -> Result<Option<Step>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool, sql| {
-            let row = sqlx::query(&sql(&format!(
+        with_pool!(journal, |pool| {
+            let row = sqlx::query(&format!(
                 "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
                  WHERE run_id = $1 AND step_id = $2 AND call_id = $3"
-            )))
+            ))
             .bind(&*id.run)
             .bind(&*id.step)
             .bind(&*id.call)
@@ -413,12 +407,12 @@ impl Runs<'_> {
     /// Steps waiting for a person, and parked steps (with when they wake).
     pub async fn stuck(self) -> Result<Vec<Step>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool, sql| {
-            let rows = sqlx::query(&sql(&format!(
+        with_pool!(journal, |pool| {
+            let rows = sqlx::query(&format!(
                 "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
                  WHERE attention IS NOT NULL OR state = 'parked'
                  ORDER BY updated_ms, run_id, step_id"
-            )))
+            ))
             .fetch_all(pool)
             .await?;
             let mut steps = Vec::with_capacity(rows.len());
