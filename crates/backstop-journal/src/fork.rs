@@ -9,7 +9,6 @@ use crate::{
     journal::{Journal, STEP_COLUMNS, with_pool},
     model::Step,
     run::{ForkPoint, RunRecord, insert_event},
-    steps::step_from_row,
 };
 
 /// Copies step `$s` into run `$new_run` inside the transaction `$tx`, with one history row
@@ -107,7 +106,7 @@ impl Runs<'_> {
             .await?;
             let mut forks = Vec::with_capacity(rows.len());
             for row in rows {
-                forks.push(crate::run::run_from_row!(row));
+                forks.push(crate::rows::run(&row)?);
             }
             Ok(forks)
         })
@@ -191,7 +190,7 @@ impl Operator<'_> {
                 .await?;
                 let mut steps: Vec<Step> = Vec::with_capacity(rows.len());
                 for row in rows {
-                    steps.push(step_from_row!(row));
+                    steps.push(crate::rows::step(&row)?);
                 }
                 let before = copied_steps(&steps, run, from_step)?;
                 let (workflow, input): (Option<String>, Option<String>) = sqlx::query_as(

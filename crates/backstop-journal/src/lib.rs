@@ -58,6 +58,7 @@ mod model;
 mod obs;
 mod operator;
 mod reconcile;
+mod rows;
 mod run;
 mod run_claim;
 mod runner;

@@ -8,6 +8,7 @@ use crate::{
     JournalError, Runs,
     journal::{Journal, with_pool},
     model::{RunSummary, StepState},
+    rows::SummaryRow,
 };
 use serde::{Serialize, Serializer};
 use std::{fmt, str::FromStr};
@@ -162,34 +163,6 @@ pub(crate) const RUN_COLUMNS: &str = "run_id, workflow, input, state, output, er
 pub(crate) const FINAL_STEPS: &str = "('succeeded', 'failed_after_execution', 'reconciled_succeeded', \
      'reconciled_failed', 'compensated')";
 
-macro_rules! run_from_row {
-    ($row:expr) => {{
-        use sqlx::Row;
-        let row = $row;
-        let state: String = row.try_get("state")?;
-        RunRecord {
-            id: row.try_get("run_id")?,
-            workflow: row.try_get("workflow")?,
-            input: row.try_get("input")?,
-            state: state
-                .parse()
-                .map_err(|e: crate::UnknownState| JournalError::store(e))?,
-            output: row.try_get("output")?,
-            error: row.try_get("error")?,
-            claimed_by: row.try_get("claimed_by")?,
-            claim_until: row.try_get("claim_until")?,
-            wake_ms: row.try_get("wake_ms")?,
-            created_ms: row.try_get("created_ms")?,
-            updated_ms: row.try_get("updated_ms")?,
-            forked_from: match (row.try_get("forked_from")?, row.try_get("forked_at_step")?) {
-                (Some(run), Some(step)) => Some($crate::ForkPoint { run, step }),
-                _ => None,
-            },
-        }
-    }};
-}
-pub(crate) use run_from_row;
-
 /// Writes one run event inside the transaction `$tx`.
 macro_rules! insert_event {
     ($tx:expr, $run:expr, $at:expr, $actor:expr, $action:expr, $reason:expr) => {{
@@ -332,20 +305,6 @@ impl Runs<'_> {
     /// ```
     pub async fn list(self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
         let journal = self.0;
-        type Row = (
-            String,
-            Option<String>,
-            String,
-            i64,
-            Option<String>,
-            Option<i64>,
-            Option<String>,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-        );
         // `$1` is the limit; each condition asked for takes the next parameter.
         let mut conditions = Vec::new();
         if filter.state.is_some() {
@@ -361,19 +320,20 @@ impl Runs<'_> {
         };
         let query = format!(
             "SELECT r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error,
-                COUNT(s.step_id),
-                COALESCE(SUM(CASE WHEN s.state IN {FINAL_STEPS} THEN 1 ELSE 0 END), 0),
-                COALESCE(SUM(CASE WHEN s.attention IS NOT NULL THEN 1 ELSE 0 END), 0),
-                COALESCE(SUM(CASE WHEN s.state = 'parked' THEN 1 ELSE 0 END), 0),
+                COUNT(s.step_id) AS steps,
+                COALESCE(SUM(CASE WHEN s.state IN {FINAL_STEPS} THEN 1 ELSE 0 END), 0) AS done,
+                COALESCE(SUM(CASE WHEN s.attention IS NOT NULL THEN 1 ELSE 0 END), 0)
+                    AS needs_human,
+                COALESCE(SUM(CASE WHEN s.state = 'parked' THEN 1 ELSE 0 END), 0) AS parked,
                 COALESCE(SUM(CASE WHEN s.state IN ('sent', 'unknown', 'requires_reconciliation')
-                    THEN 1 ELSE 0 END), 0)
+                    THEN 1 ELSE 0 END), 0) AS unknown
              FROM backstop_journal_runs r
              LEFT JOIN backstop_journal_steps s ON s.run_id = r.run_id
              {filter_sql}
              GROUP BY r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error
              ORDER BY r.updated_ms DESC, r.run_id LIMIT $1"
         );
-        let rows: Vec<Row> = with_pool!(journal, |pool| {
+        let rows: Vec<SummaryRow> = with_pool!(journal, |pool| {
             let mut q = sqlx::query_as(&query).bind(i64::from(filter.limit));
             if let Some(state) = filter.state {
                 q = q.bind(state.as_str());
@@ -383,42 +343,7 @@ impl Runs<'_> {
             }
             q.fetch_all(pool).await?
         });
-        let count = |n: i64| u32::try_from(n).unwrap_or(u32::MAX);
-        rows.into_iter()
-            .map(
-                |(
-                    run,
-                    workflow,
-                    st,
-                    updated_ms,
-                    claimed_by,
-                    wake_ms,
-                    error,
-                    steps,
-                    done,
-                    human,
-                    parked,
-                    unknown,
-                )| {
-                    Ok(RunSummary {
-                        run,
-                        workflow,
-                        state: st
-                            .parse()
-                            .map_err(|e: crate::UnknownState| JournalError::store(e))?,
-                        steps: count(steps),
-                        done: count(done),
-                        needs_human: count(human),
-                        parked: count(parked),
-                        unknown: count(unknown),
-                        updated_ms,
-                        claimed_by,
-                        wake_ms,
-                        error,
-                    })
-                },
-            )
-            .collect()
+        rows.into_iter().map(RunSummary::try_from).collect()
     }
 
     /// The record of run `run`.
@@ -432,7 +357,7 @@ impl Runs<'_> {
             .fetch_optional(pool)
             .await?;
             match row {
-                Some(row) => Ok(Some(run_from_row!(row))),
+                Some(row) => Ok(Some(crate::rows::run(&row)?)),
                 None => Ok(None),
             }
         })

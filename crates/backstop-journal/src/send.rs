@@ -9,7 +9,7 @@ use crate::{
     JournalError,
     journal::{Journal, STEP_COLUMNS},
     model::{NewStep, Step, StepId, StepState},
-    steps::{Change, step_from_row},
+    steps::Change,
 };
 
 /// A history row's columns.
@@ -49,7 +49,7 @@ impl Journal {
                     .fetch_pg(pool, bind_new(sqlx::query(&query), new, now))
                     .await?;
                 match row {
-                    Some(row) => Some(step_from_row!(row)),
+                    Some(row) => Some(crate::rows::step(&row)?),
                     None => None,
                 }
             }
@@ -67,7 +67,7 @@ impl Journal {
                     .fetch_optional(&mut *tx)
                     .await?;
                 let step = match row {
-                    Some(row) => step_from_row!(row),
+                    Some(row) => crate::rows::step(&row)?,
                     None => return Ok(None),
                 };
                 let id = &new.id;
@@ -134,7 +134,7 @@ impl Journal {
                     )
                     .await?;
                 match row {
-                    Some(row) => Some(step_from_row!(row)),
+                    Some(row) => Some(crate::rows::step(&row)?),
                     None => None,
                 }
             }
@@ -148,7 +148,7 @@ impl Journal {
                     .fetch_optional(&mut *tx)
                     .await?;
                 let step = match row {
-                    Some(row) => step_from_row!(row),
+                    Some(row) => crate::rows::step(&row)?,
                     None => return Ok(None),
                 };
                 sqlx::query(&format!(

@@ -5,6 +5,7 @@ use crate::{
     JournalError, Operator, Runs,
     journal::{CallIdentity, Journal, STEP_COLUMNS, with_pool},
     model::{NewStep, Resolution, Step, StepId, StepState, StepTransition},
+    rows::TransitionRow,
 };
 use std::time::Duration;
 
@@ -38,40 +39,6 @@ impl Change {
         }
     }
 }
-
-macro_rules! step_from_row {
-    ($row:expr) => {{
-        use sqlx::Row;
-        let row = $row;
-        let state: String = row.try_get("state")?;
-        let kind: String = row.try_get("kind")?;
-        let attempts: i64 = row.try_get("attempts")?;
-        $crate::model::Step {
-            id: $crate::model::StepId::new(
-                &row.try_get::<String, _>("run_id")?,
-                &row.try_get::<String, _>("step_id")?,
-                &row.try_get::<String, _>("call_id")?,
-            ),
-            tool: row.try_get("tool")?,
-            key: row.try_get("idem_key")?,
-            args_digest: row.try_get("args_digest")?,
-            kind: $crate::model::StepKind::parse(&kind),
-            state: state
-                .parse()
-                .map_err(|e: crate::model::UnknownState| JournalError::store(e))?,
-            attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-            last_error: row.try_get("last_error")?,
-            result: row.try_get("result")?,
-            provider_ref: row.try_get("provider_ref")?,
-            park_until: row.try_get("park_until")?,
-            attention: row.try_get("attention")?,
-            created_ms: row.try_get("created_ms")?,
-            updated_ms: row.try_get("updated_ms")?,
-            sent_ms: row.try_get("sent_ms")?,
-        }
-    }};
-}
-pub(crate) use step_from_row;
 
 /// Writes one history row inside the transaction `$tx`.
 macro_rules! insert_transition {
@@ -259,17 +226,6 @@ impl Journal {
         run: &str,
         step: Option<&StepId>,
     ) -> Result<Vec<StepTransition>, JournalError> {
-        type Row = (
-            String,
-            String,
-            Option<String>,
-            String,
-            i64,
-            i64,
-            Option<String>,
-            String,
-            Option<String>,
-        );
         let one = if step.is_some() {
             "AND step_id = $2 AND call_id = $3"
         } else {
@@ -279,33 +235,14 @@ impl Journal {
             "SELECT step_id, call_id, from_state, to_state, at_ms, attempts, error, actor, reason
              FROM backstop_journal_transitions WHERE run_id = $1 {one} ORDER BY id"
         );
-        let rows: Vec<Row> = with_pool!(self, |pool| {
+        let rows: Vec<TransitionRow> = with_pool!(self, |pool| {
             let mut q = sqlx::query_as(&query).bind(run);
             if let Some(id) = step {
                 q = q.bind(&*id.step).bind(&*id.call);
             }
             q.fetch_all(pool).await?
         });
-        let parse = |s: &str| s.parse::<StepState>().map_err(JournalError::store);
-        rows.into_iter()
-            .map(
-                |(step_id, call_id, from, to, at_ms, attempts, error, actor, reason)| {
-                    Ok(StepTransition {
-                        id: match step {
-                            Some(id) => id.clone(),
-                            None => StepId::new(run, &step_id, &call_id),
-                        },
-                        from: from.as_deref().map(parse).transpose()?,
-                        to: parse(&to)?,
-                        at_ms,
-                        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-                        error,
-                        actor,
-                        reason,
-                    })
-                },
-            )
-            .collect()
+        rows.into_iter().map(|row| row.of_run(run)).collect()
     }
 
     /// Claims `run` for `worker` for `lease`: `true` when no other worker holds it (a claim
@@ -366,7 +303,7 @@ impl Runs<'_> {
             .await?;
             let mut steps = Vec::with_capacity(rows.len());
             for row in rows {
-                steps.push(step_from_row!(row));
+                steps.push(crate::rows::step(&row)?);
             }
             Ok(steps)
         })
@@ -392,7 +329,7 @@ impl Runs<'_> {
             .fetch_optional(pool)
             .await?;
             match row {
-                Some(row) => Ok(Some(step_from_row!(row))),
+                Some(row) => Ok(Some(crate::rows::step(&row)?)),
                 None => Ok(None),
             }
         })
@@ -417,7 +354,7 @@ impl Runs<'_> {
             .await?;
             let mut steps = Vec::with_capacity(rows.len());
             for row in rows {
-                steps.push(step_from_row!(row));
+                steps.push(crate::rows::step(&row)?);
             }
             Ok(steps)
         })
