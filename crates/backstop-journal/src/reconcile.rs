@@ -74,6 +74,33 @@ pub enum Reconciled {
     },
 }
 
+impl Reconciled {
+    /// It happened, and the provider's answer was `value`: what a typed step
+    /// ([`RunContext::run`](crate::RunContext::run)) stores, as JSON, so the workflow reads it
+    /// as the value it would have returned. A value that cannot be written as JSON cannot be
+    /// stored: a person decides.
+    ///
+    /// ```
+    /// use backstop_journal::Reconciled;
+    ///
+    /// assert_eq!(
+    ///     Reconciled::happened(&"refund 4200"),
+    ///     Reconciled::Happened { result: Some("\"refund 4200\"".into()), provider_ref: None },
+    /// );
+    /// ```
+    pub fn happened<T: serde::Serialize + ?Sized>(value: &T) -> Reconciled {
+        match serde_json::to_string(value) {
+            Ok(json) => Reconciled::Happened {
+                result: Some(json),
+                provider_ref: None,
+            },
+            Err(e) => Reconciled::CannotTell {
+                why: format!("it happened, and its answer cannot be written as JSON: {e}"),
+            },
+        }
+    }
+}
+
 /// Asks a tool's provider what became of a step that was sent and not answered, by its key
 /// or by business identity, before anything sends it again.
 pub trait Reconcile: Send + Sync {

@@ -145,7 +145,9 @@ impl RunContext {
     /// call.
     ///
     /// The step's tool is its name: the CLI shows it, and a [`Reconcile`](crate::Reconcile)
-    /// hook for it is registered under it (`Reconcilers::new().tool("refund", hook)`).
+    /// hook for it is registered under it (`Reconcilers::new().tool("refund", hook)`); a hook
+    /// that finds the call happened answers with its value,
+    /// [`Reconciled::happened(&value)`](crate::Reconciled::happened).
     ///
     /// `args` identify the call: they are stored as JSON, and a resumed step given other
     /// arguments under the same name is a different call, for a person to decide. The value is

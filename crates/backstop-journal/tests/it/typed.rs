@@ -196,10 +196,7 @@ async fn a_worker_killed_after_an_effect_resumes_without_doing_it_again(
             .any(|(what, key)| what == "restock" && *key == s.key);
         async move {
             if found {
-                Reconciled::Happened {
-                    result: serde_json::to_string("restock-done").ok(),
-                    provider_ref: None,
-                }
+                Reconciled::happened("restock-done")
             } else {
                 Reconciled::NotHappened
             }
