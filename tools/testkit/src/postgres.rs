@@ -186,7 +186,7 @@ impl PostgresServer {
     fn launch(&mut self) -> Result<(), String> {
         let data = self.dir.join("data");
         let options = format!(
-            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c max_connections=50",
+            "-p {} -c listen_addresses=127.0.0.1 -k {} -c fsync=off -c max_connections=200",
             self.port,
             self.dir.display()
         );
