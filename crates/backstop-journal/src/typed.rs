@@ -12,7 +12,7 @@ use crate::{
     runner::CallResult,
     workflow::{RunContext, RunError},
 };
-use backstop_core::ReportsOutcome;
+use backstop_core::{Outcome, ReportsOutcome};
 use serde::{Serialize, de::DeserializeOwned};
 use std::{any::type_name, fmt, future::Future, marker::PhantomData, sync::Arc};
 
@@ -171,8 +171,24 @@ impl RunContext {
         })?;
         let done = self
             .step(step, step, &args, |sent| async move {
-                let result = call(sent).await;
-                CallResult::from_result(&result, |value| serde_json::to_string(value).ok())
+                match call(sent).await {
+                    Ok(value) => match serde_json::to_string(&value) {
+                        Ok(json) => CallResult::Succeeded {
+                            result: Some(json),
+                            provider_ref: None,
+                        },
+                        // It happened, and what it answered cannot be kept: the run fails
+                        // rather than read something else on a replay.
+                        Err(e) => CallResult::Failed {
+                            outcome: Outcome::Completed,
+                            error: format!(
+                                "it happened, and its value cannot be written as JSON: {e}"
+                            ),
+                            retry_after: None,
+                        },
+                    },
+                    Err(e) => CallResult::from_result(&Err::<(), _>(e), |_| None),
+                }
             })
             .await?;
         let stored = done.result.as_deref().unwrap_or("null");

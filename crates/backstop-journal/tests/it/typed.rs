@@ -308,6 +308,23 @@ async fn values_that_do_not_read_as_their_types_are_refused(j: &Journal) {
             && why.contains("stored result does not read as alloc::string::String"),
         "{why}"
     );
+    // A value that cannot be written as JSON cannot be replayed: the run fails, saying so.
+    const UNKEPT: Workflow<(), usize> = Workflow::new("unkept");
+    let w = Worker::new(j.clone(), "w-unkept").register(UNKEPT, |ctx, ()| async move {
+        let by_pair: std::collections::HashMap<(u8, u8), u8> = ctx
+            .run("pairs", &(), |_| async {
+                Ok::<_, Refused>([((1, 2), 3)].into_iter().collect())
+            })
+            .await?;
+        Ok(by_pair.len())
+    });
+    UNKEPT.start(j, "typed-unkept", &()).await.unwrap();
+    w.run_until_idle().await.unwrap();
+    let record = j.runs().get("typed-unkept").await.unwrap().unwrap();
+    assert_eq!(record.state, RunState::Failed);
+    let why = record.error.unwrap();
+    assert!(why.contains("cannot be written as JSON"), "{why}");
+
     // The output of a run of another workflow does not read as this one's.
     const OTHER: Workflow<(), Vec<String>> = Workflow::new("changed");
     let e = OTHER.output(j, "typed-changed").await.unwrap_err();
