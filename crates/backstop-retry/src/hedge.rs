@@ -2,7 +2,7 @@
 //!
 //! [`HedgeLayer`] goes under the retry layer, around the client: an attempt that is replay-safe
 //! (an idempotent method, or a key the dependency honours) and still unanswered after the
-//! dependency's latency at a high percentile (its [`BoundLatency`] record, p95 by default) gets a
+//! dependency's latency at a high percentile (its [`LatencyTimeouts`] record, p95 by default) gets a
 //! second copy sent; the first success wins and the others are dropped (their requests
 //! cancelled). Each hedge withdraws one retry from the same per-dependency budget as retries do
 //! (and from the call's [`Run`] when it has one), so hedges stop when the dependency is failing
@@ -17,7 +17,7 @@
 use crate::{Resend, obs};
 use backstop_classify::Classify;
 use backstop_core::{Dependency, HasExtensions, ReplaySafe, RetryBudget, Run};
-use backstop_timeout::BoundLatency;
+use backstop_timeout::LatencyTimeouts;
 use pin_project::pin_project;
 use std::{
     fmt,
@@ -70,7 +70,7 @@ struct Shared<C, P> {
     hedging: Hedging,
     classifier: C,
     resend: P,
-    latency: BoundLatency,
+    latency: LatencyTimeouts,
     budget: Arc<dyn RetryBudget>,
     dependency: Dependency,
 }
@@ -105,7 +105,7 @@ impl<C, P> HedgeLayer<C, P> {
     pub fn new(
         hedging: Hedging,
         dependency: Dependency,
-        latency: BoundLatency,
+        latency: LatencyTimeouts,
         budget: Arc<dyn RetryBudget>,
         classifier: C,
         resend: P,

@@ -176,6 +176,9 @@ struct Inner {
 #[derive(Clone)]
 pub struct LatencyTimeouts {
     inner: Arc<Inner>,
+    /// The dependency this handle is bound to ([`bind`](Self::bind)), with its record looked
+    /// up once.
+    bound: Option<(Dependency, Arc<Record>)>,
 }
 
 impl fmt::Debug for LatencyTimeouts {
@@ -183,6 +186,7 @@ impl fmt::Debug for LatencyTimeouts {
         f.debug_struct("LatencyTimeouts")
             .field("config", &self.inner.config)
             .field("dependencies", &self.inner.records.len())
+            .field("bound", &self.dependency())
             .finish()
     }
 }
@@ -196,6 +200,7 @@ impl LatencyTimeouts {
                 records: Registry::new(config.max_dependencies, |_| Record::new()),
                 config,
             }),
+            bound: None,
         })
     }
 
@@ -204,23 +209,62 @@ impl LatencyTimeouts {
         &self.inner.config
     }
 
-    /// The record for one dependency, looked up once (what a stack with a fixed dependency
-    /// keeps).
-    pub fn bind(&self, dependency: &Dependency) -> BoundLatency {
-        BoundLatency {
-            record: self.inner.records.get(dependency),
-            dependency: dependency.clone(),
-            timeouts: self.clone(),
+    /// The same timeouts, bound to `dependency`: its record is looked up once (what a stack
+    /// with a fixed dependency keeps), and it names the dependency of requests that carry none.
+    /// Every other dependency is still looked up by name.
+    #[must_use]
+    pub fn bind(&self, dependency: &Dependency) -> LatencyTimeouts {
+        LatencyTimeouts {
+            inner: self.inner.clone(),
+            bound: Some((dependency.clone(), self.inner.records.get(dependency))),
+        }
+    }
+
+    /// The dependency this handle is bound to, if it is.
+    pub fn dependency(&self) -> Option<&Dependency> {
+        self.bound.as_ref().map(|(dependency, _)| dependency)
+    }
+
+    /// The bound record when `dependency` is the bound one.
+    fn bound_to(&self, dependency: &Dependency) -> Option<&Arc<Record>> {
+        match &self.bound {
+            Some((bound, record)) if bound == dependency => Some(record),
+            _ => None,
         }
     }
 
     /// Records a successful attempt to `dependency` that took `latency`.
     pub fn record(&self, dependency: &Dependency, latency: Duration) {
-        self.record_in(&self.inner.records.get(dependency), latency);
+        match self.bound_to(dependency) {
+            Some(record) => self.record_in(record, latency),
+            None => self.record_in(&self.inner.records.get(dependency), latency),
+        }
+    }
+
+    /// Records an attempt to `dependency` that a learned timeout cut (it took at least its
+    /// limit). Cuts are counted apart from answers: a few (within twice the percentile's
+    /// tail, 2 % for p99: attempts that hang) leave the limit on the answered attempts'
+    /// percentile; more than that mean the percentile lies past the limit, which then rises by
+    /// `factor` at each recomputation until answers fit under it. Without them a timeout learned
+    /// from fast answers would cut the slow ones and never learn them. An attempt cut at the
+    /// fallback is not recorded (the fallback is a guess, not evidence).
+    pub fn record_cut(&self, dependency: &Dependency) {
+        let cut = |record: &Record| {
+            if record.timeout.load(Ordering::Relaxed) != 0 {
+                self.record_cut_in(record);
+            }
+        };
+        match self.bound_to(dependency) {
+            Some(record) => cut(record),
+            None => cut(&self.inner.records.get(dependency)),
+        }
     }
 
     /// The timeout for attempt `attempt` (1 for the first) to `dependency`, now.
     pub fn timeout(&self, dependency: &Dependency, attempt: u32) -> Duration {
+        if let Some(record) = self.bound_to(dependency) {
+            return self.timeout_in(record, attempt);
+        }
         match self.inner.records.tracked(dependency) {
             Some(record) => self.timeout_in(&record, attempt),
             None => self.scaled(self.inner.config.fallback, attempt),
@@ -338,6 +382,9 @@ impl LatencyTimeouts {
     /// The latency at the hedge percentile for `dependency`, once the record holds enough
     /// samples: when a hedged read sends its second attempt.
     pub fn hedge_delay(&self, dependency: &Dependency) -> Option<Duration> {
+        if let Some(record) = self.bound_to(dependency) {
+            return self.hedge_in(record);
+        }
         self.inner
             .records
             .tracked(dependency)
@@ -350,78 +397,5 @@ impl LatencyTimeouts {
         let doublings = attempt.saturating_sub(1).min(20);
         base.saturating_mul(1 << doublings)
             .clamp(c.floor, c.ceiling)
-    }
-}
-
-/// A [`LatencyTimeouts`] record for one dependency, from [`LatencyTimeouts::bind`].
-#[derive(Clone)]
-pub struct BoundLatency {
-    record: Arc<Record>,
-    dependency: Dependency,
-    timeouts: LatencyTimeouts,
-}
-
-impl fmt::Debug for BoundLatency {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BoundLatency")
-            .field("dependency", &self.dependency)
-            .field("timeouts", &self.timeouts)
-            .finish()
-    }
-}
-
-impl BoundLatency {
-    /// The dependency whose record this is.
-    pub fn dependency(&self) -> &Dependency {
-        &self.dependency
-    }
-
-    /// Records a successful attempt to `dependency` (this record's, or another's).
-    #[inline]
-    pub fn record(&self, dependency: &Dependency, latency: Duration) {
-        if *dependency == self.dependency {
-            self.timeouts.record_in(&self.record, latency);
-        } else {
-            self.timeouts.record(dependency, latency);
-        }
-    }
-
-    /// The timeout for attempt `attempt` to `dependency`, now.
-    #[inline]
-    pub fn timeout(&self, dependency: &Dependency, attempt: u32) -> Duration {
-        if *dependency == self.dependency {
-            self.timeouts.timeout_in(&self.record, attempt)
-        } else {
-            self.timeouts.timeout(dependency, attempt)
-        }
-    }
-
-    /// Records an attempt to `dependency` that a learned timeout cut (it took at least its
-    /// limit). Cuts are counted apart from answers: a few (within twice the percentile's
-    /// tail, 2 % for p99: attempts that hang) leave the limit on the answered attempts'
-    /// percentile; more than that mean the percentile lies past the limit, which then rises by
-    /// `factor` at each recomputation until answers fit under it. Without them a timeout learned
-    /// from fast answers would cut the slow ones and never learn them. An attempt cut at the
-    /// fallback is not recorded (the fallback is a guess, not evidence).
-    #[inline]
-    pub fn record_cut(&self, dependency: &Dependency) {
-        let record = if *dependency == self.dependency {
-            self.record.clone()
-        } else {
-            self.timeouts.inner.records.get(dependency)
-        };
-        if record.timeout.load(Ordering::Relaxed) != 0 {
-            self.timeouts.record_cut_in(&record);
-        }
-    }
-
-    /// When a hedged read to `dependency` sends its second attempt, once known.
-    #[inline]
-    pub fn hedge_delay(&self, dependency: &Dependency) -> Option<Duration> {
-        if *dependency == self.dependency {
-            self.timeouts.hedge_in(&self.record)
-        } else {
-            self.timeouts.hedge_delay(dependency)
-        }
     }
 }

@@ -1,7 +1,7 @@
 //! The attempt timeout learned from the dependency's latency: [`LearnedTimeoutLayer`].
 
 use crate::{
-    BoundLatency,
+    LatencyTimeouts,
     timed::{AttemptCutoff, TimedFuture},
 };
 use backstop_core::{
@@ -57,7 +57,9 @@ use tower_service::Service;
 /// ```
 #[derive(Debug)]
 pub struct LearnedTimeoutLayer<C> {
-    latency: BoundLatency,
+    latency: LatencyTimeouts,
+    /// The dependency of requests that name none: the one `latency` is bound to.
+    dependency: Dependency,
     classifier: Arc<C>,
     fixed: Duration,
 }
@@ -66,6 +68,7 @@ impl<C> Clone for LearnedTimeoutLayer<C> {
     fn clone(&self) -> Self {
         LearnedTimeoutLayer {
             latency: self.latency.clone(),
+            dependency: self.dependency.clone(),
             classifier: self.classifier.clone(),
             fixed: self.fixed,
         }
@@ -73,11 +76,17 @@ impl<C> Clone for LearnedTimeoutLayer<C> {
 }
 
 impl<C> LearnedTimeoutLayer<C> {
-    /// Limits learned in `latency`'s record, successes judged by `classifier`, and `fixed` for
-    /// requests that are not replay-safe.
-    pub fn new(latency: BoundLatency, classifier: C, fixed: Duration) -> Self {
+    /// Limits learned in `latency`'s records, successes judged by `classifier`, and `fixed` for
+    /// requests that are not replay-safe. A request that names no dependency is timed as the
+    /// one `latency` is [bound](LatencyTimeouts::bind) to (unbound: as an unnamed one).
+    pub fn new(latency: LatencyTimeouts, classifier: C, fixed: Duration) -> Self {
+        let dependency = latency
+            .dependency()
+            .cloned()
+            .unwrap_or_else(Dependency::unnamed);
         LearnedTimeoutLayer {
-            latency,
+            latency: latency.bind(&dependency),
+            dependency,
             classifier: Arc::new(classifier),
             fixed,
         }
@@ -136,7 +145,7 @@ where
 
     fn call(&mut self, mut req: Req) -> Self::Future {
         let layer = &self.layer;
-        let dependency = Dependency::of(&req).unwrap_or_else(|| layer.latency.dependency().clone());
+        let dependency = Dependency::of(&req).unwrap_or_else(|| layer.dependency.clone());
         let learned = ReplaySafe::is_marked(&req) || layer.classifier.is_replay_safe(&req);
         let limit = if learned {
             let attempt = CallContext::attempt_of(&req).unwrap_or(1);
@@ -173,7 +182,7 @@ where
 
 /// What an attempt planned from the record tells it when it ends.
 struct Learning<C> {
-    latency: BoundLatency,
+    latency: LatencyTimeouts,
     classifier: Arc<C>,
     dependency: Dependency,
     limit: Duration,
@@ -285,7 +294,7 @@ mod tests {
         req
     }
 
-    fn latency() -> BoundLatency {
+    fn latency() -> LatencyTimeouts {
         let config = LatencyConfig::default()
             .min_samples(10)
             .fallback(Duration::from_secs(2));

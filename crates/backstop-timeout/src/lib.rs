@@ -62,7 +62,7 @@ mod learned;
 mod obs;
 mod timed;
 
-pub use adaptive::{BoundLatency, LatencyConfig, LatencyTimeouts};
+pub use adaptive::{LatencyConfig, LatencyTimeouts};
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};
 pub use deadline::{DeadlineLayer, WithDeadline};

@@ -18,7 +18,7 @@ use backstop_retry::{
     future::{ResponseFuture, Retryable},
 };
 use backstop_timeout::{
-    AttemptTimeout, AttemptTimeoutLayer, BoundLatency, DeadlineLayer, LearnedTimeout,
+    AttemptTimeout, AttemptTimeoutLayer, DeadlineLayer, LatencyTimeouts, LearnedTimeout,
     LearnedTimeoutLayer, WithDeadline, future::TimedFuture,
 };
 use pin_project::pin_project;
@@ -237,7 +237,7 @@ pub struct BackstopLayer<C, P, I, Pol = StandardPolicy> {
 #[derive(Clone)]
 pub(crate) struct HedgeParts<C> {
     pub(crate) classifier: C,
-    pub(crate) latency: BoundLatency,
+    pub(crate) latency: LatencyTimeouts,
     pub(crate) budget: Arc<dyn RetryBudget>,
 }
 
