@@ -104,11 +104,7 @@ impl Runs<'_> {
             .bind(run)
             .fetch_all(pool)
             .await?;
-            let mut forks = Vec::with_capacity(rows.len());
-            for row in rows {
-                forks.push(crate::rows::run(&row)?);
-            }
-            Ok(forks)
+            rows.iter().map(crate::rows::run).collect()
         })
     }
 }

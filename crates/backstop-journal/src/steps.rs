@@ -301,11 +301,7 @@ impl Runs<'_> {
             .bind(run)
             .fetch_all(pool)
             .await?;
-            let mut steps = Vec::with_capacity(rows.len());
-            for row in rows {
-                steps.push(crate::rows::step(&row)?);
-            }
-            Ok(steps)
+            rows.iter().map(crate::rows::step).collect()
         })
     }
 
@@ -352,11 +348,7 @@ impl Runs<'_> {
             ))
             .fetch_all(pool)
             .await?;
-            let mut steps = Vec::with_capacity(rows.len());
-            for row in rows {
-                steps.push(crate::rows::step(&row)?);
-            }
-            Ok(steps)
+            rows.iter().map(crate::rows::step).collect()
         })
     }
 }
