@@ -3,7 +3,8 @@
 //! test's own, on real time). A store of one's own can be held to it the same way.
 //!
 //! Time only ever runs past a lease or a TTL here (a check made *within* a lease uses a lease
-//! of 30 s), so a slow machine cannot turn a pass into a failure.
+//! of 30 s, a renewal made right after its claim a first lease of 1 s), so a slow machine cannot
+//! turn a pass into a failure.
 
 use backstop_replay::{Claim, ReplayStore, StoredResponse};
 use bytes::Bytes;
@@ -11,6 +12,8 @@ use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
 const LONG: Duration = Duration::from_secs(30);
 const SHORT: Duration = Duration::from_millis(200);
+/// The lease a claim is made with before it is renewed.
+const FIRST: Duration = Duration::from_secs(1);
 
 fn response(body: &'static str) -> StoredResponse {
     StoredResponse {
@@ -84,10 +87,11 @@ async fn contract<S: ReplayStore + Send + Sync + 'static>(s: S, pass: Pass) {
             .unwrap()
     );
 
-    // Renewed, a claim outlives the lease it was made with.
-    let token = claimed(&*s, "c:renewed", 6, SHORT).await;
+    // Renewed, a claim outlives the lease it was made with. That first lease is a second long,
+    // so the renewal right after the claim cannot miss it on a stalled machine.
+    let token = claimed(&*s, "c:renewed", 6, FIRST).await;
     assert!(s.renew("c:renewed", token, LONG).await.unwrap());
-    pass(SHORT * 2).await;
+    pass(FIRST * 2).await;
     assert_eq!(
         s.claim("c:renewed", [6; 32], LONG).await.unwrap(),
         Claim::InFlight {
