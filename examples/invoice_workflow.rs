@@ -1,4 +1,4 @@
-//! Seed 001's invoice workflow, killed mid-step and resumed from the journal.
+//! An invoice workflow, killed mid-step and resumed from the journal.
 //!
 //! `cargo run --example invoice_workflow`. A worker process creates an invoice, reserves
 //! inventory and sends the email, journaling every step in a SQLite file. It is killed with

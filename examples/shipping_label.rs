@@ -1,4 +1,4 @@
-//! The fulfilment agent of the seed documents, on tokio's paused clock.
+//! A fulfilment agent, on tokio's paused clock.
 //!
 //! The agent calls `purchase_shipping_label(order_id, carrier, service)`; the runtime derives
 //! the idempotency key from (run id, step id, tool-call id). The carrier API (in-process here,

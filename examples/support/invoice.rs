@@ -1,4 +1,4 @@
-//! Seed 001's invoice workflow: create an invoice, reserve inventory, send the email, each step
+//! An invoice workflow: create an invoice, reserve inventory, send the email, each step
 //! journaled, each call through the Backstop stack over hyper-util, against three loopback
 //! services.
 //!

@@ -59,7 +59,7 @@ fn reqwest_client_runs() {
     reqwest_client::main().unwrap();
 }
 
-/// The README's typed workflow, on a PostgreSQL of the test's own: three steps, each once.
+/// The guide's typed workflow, on a PostgreSQL of the test's own: three steps, each once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn typed_workflow_runs_on_postgres() {
     let pg = backstop_testkit::PostgresServer::start().await;

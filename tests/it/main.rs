@@ -19,7 +19,6 @@ mod journal_stack;
 mod mcp;
 mod observability;
 mod otel_metrics;
-mod readme_code;
 mod readme_texts;
 mod soak;
 mod stack;

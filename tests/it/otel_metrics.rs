@@ -383,14 +383,14 @@ async fn a_failed_call_names_its_error_and_the_breaker_its_state() {
     );
 }
 
-/// The README's telemetry table is the crate's: the same rows, so every instrument is in it.
+/// The guide's telemetry table is the crate's: the same rows, so every instrument is in it.
 #[test]
-fn the_readme_shows_the_telemetry_table() {
-    let readme = include_str!("../../README.md");
+fn the_guide_shows_the_telemetry_table() {
+    let readme = include_str!("../../docs/guide/08-telemetry.md");
     let docs = include_str!("../../crates/backstop-otel/src/lib.rs");
     let rows = docs.lines().filter_map(|l| l.strip_prefix("//! "));
     for row in rows.filter(|r| r.starts_with("| `")) {
-        assert!(readme.contains(row), "the README lacks the row {row}");
+        assert!(readme.contains(row), "the guide lacks the row {row}");
     }
     for name in backstop::otel::INSTRUMENTS {
         assert!(readme.contains(&format!("| `{name}` |")), "{name}");

@@ -1,5 +1,5 @@
-//! The README's sample error texts are the real ones: each is produced here and compared with
-//! the README's block.
+//! The guide's sample error texts (and the README's, a part of them) are the real ones: each is
+//! produced here and compared with the guide's block.
 
 use backstop::{
     Backstop, BoxError, Error, HasExtensions, Outcome,
@@ -20,13 +20,10 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 
 type Body = Full<Bytes>;
 
-/// The paragraphs of the README's "What the model is told" block, each on one line.
-fn readme_samples() -> Vec<String> {
-    let readme = include_str!("../../README.md");
-    let start = readme
-        .find("## What the model is told")
-        .expect("the section");
-    let block = &readme[start..];
+/// The paragraphs of the `text` block under `heading` in `doc`, each on one line.
+fn samples(doc: &str, heading: &str) -> Vec<String> {
+    let start = doc.find(heading).expect("the section");
+    let block = &doc[start..];
     let block = &block[block.find("```text\n").expect("the block") + 8..];
     let block = &block[..block.find("```").expect("its end")];
     block
@@ -36,16 +33,24 @@ fn readme_samples() -> Vec<String> {
         .collect()
 }
 
+/// The guide's sample error texts: each test below produces one.
+fn guide_samples() -> Vec<String> {
+    samples(
+        include_str!("../../docs/guide/01-http-clients.md"),
+        "## What your code, or the model, is told",
+    )
+}
+
 /// The error's text.
 fn told(err: &Error) -> String {
     err.to_string()
 }
 
-fn assert_in_readme(text: &str) {
-    let samples = readme_samples();
+fn assert_in_guide(text: &str) {
+    let samples = guide_samples();
     assert!(
         samples.iter().any(|s| s == text),
-        "not in the README's samples:\n{text}\nsamples:\n{samples:#?}"
+        "not in the guide's samples:\n{text}\nsamples:\n{samples:#?}"
     );
 }
 
@@ -54,8 +59,17 @@ fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Body> 
 }
 
 #[test]
-fn the_readme_has_five_samples() {
-    assert_eq!(readme_samples().len(), 5);
+fn the_guide_has_five_samples_and_the_readme_two_of_them() {
+    let guide = guide_samples();
+    assert_eq!(guide.len(), 5);
+    let readme = samples(include_str!("../../README.md"), "## One screen");
+    assert_eq!(readme.len(), 2);
+    for text in readme {
+        assert!(
+            guide.contains(&text),
+            "the README's sample is not a real one: {text}"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -83,7 +97,7 @@ async fn an_open_circuit() {
     };
     let _ = svc.clone().oneshot(get()).await;
     let err = svc.oneshot(get()).await.unwrap_err();
-    assert_in_readme(&told(&err));
+    assert_in_guide(&told(&err));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,7 +114,7 @@ async fn a_lost_reply_without_a_key() {
         .body(Body::from("{}"))
         .unwrap();
     let err = svc.oneshot(post).await.unwrap_err();
-    assert_in_readme(&told(&err));
+    assert_in_guide(&told(&err));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,7 +130,7 @@ async fn a_lost_reply_with_a_key_nobody_vouched_for() {
         .body(Body::from("{}"))
         .unwrap();
     let err = svc.oneshot(post).await.unwrap_err();
-    assert_in_readme(&told(&err));
+    assert_in_guide(&told(&err));
 }
 
 #[derive(Clone, Debug)]
@@ -188,7 +202,7 @@ async fn a_tool_that_answered_with_an_error() {
         extensions: http::Extensions::new(),
     };
     let err = svc.oneshot(call).await.unwrap_err();
-    assert_in_readme(&told(&err));
+    assert_in_guide(&told(&err));
 }
 
 /// A client that is never ready.
@@ -225,5 +239,5 @@ async fn a_deadline() {
         .await
         .expect("ended by the deadline")
         .unwrap_err();
-    assert_in_readme(&told(&err));
+    assert_in_guide(&told(&err));
 }

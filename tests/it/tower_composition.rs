@@ -1,5 +1,5 @@
 //! tower's `ConcurrencyLimit`, `RateLimit` and `hedge` composed with the stack, where the
-//! README puts them: under the stack, around the client, so they see attempts. Against real
+//! guide puts them: under the stack, around the client, so they see attempts. Against real
 //! loopback servers, on the real clock with short durations.
 
 use backstop::{Backstop, ErrorKind, Outcome, Preset};
@@ -45,7 +45,7 @@ async fn a_concurrency_limit_under_the_stack_bounds_attempts_in_flight() {
         },
     ))
     .await;
-    // README block 7's shape: the limit around the client, the stack on top.
+    // The guide's shape (composing by hand): the limit around the client, the stack on top.
     let limited = ServiceBuilder::new().concurrency_limit(2).service(client());
     let search = Backstop::http("tower-composition-search-api")
         .preset(Preset::ReadOnly)

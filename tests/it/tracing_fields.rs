@@ -1,5 +1,6 @@
 //! What the stack tells operators through `tracing`: a span per call and per attempt with the
-//! fields the seed documents list, and an event per retry. Each test runs in a process of its
+//! fields an operator needs (dependency, run and tool-call ids, key, attempts, outcome, error),
+//! and an event per retry. Each test runs in a process of its
 //! own (`common::in_own_process`): tracing caches each callsite's interest per process, and a
 //! test without a subscriber running in parallel could make one of these miss spans.
 

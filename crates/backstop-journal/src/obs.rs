@@ -1,4 +1,4 @@
-//! Seed 001's journal metrics, through the `metrics` facade when the `metrics` feature is on,
+//! The journal's metrics, through the `metrics` facade when the `metrics` feature is on,
 //! and `tracing` events always (target `backstop::journal`):
 //! `backstop_journal_transitions_total{tool, to}`, `backstop_journal_unknown_outcomes_total{tool}`
 //! (the unknown-result rate over `..._transitions_total{to="sent"}`),

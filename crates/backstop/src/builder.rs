@@ -14,7 +14,7 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
 /// The default attempt timeout when no p99 is given: 10 s.
 pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How the call's side effects are treated, after the policy table of the seed documents.
+/// How the call's side effects are treated: one preset per kind of action.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Preset {

@@ -1,4 +1,4 @@
-//! The seed documents' figures, measured on the real stack: reliability of 20-call agent tasks
+//! The figures Backstop is built on, measured on the real stack: reliability of 20-call agent tasks
 //! with 2 % transient failures, duplicates with and without keys, and the load a total outage
 //! puts on the dependency under each retry strategy.
 //!
@@ -22,7 +22,7 @@ fn main() {
         "Reliability: {} tasks x {} tool calls, 2 % transient failures per attempt, half of them replies lost after the effect was committed",
         r.tasks, r.calls
     );
-    println!("| figure | measured | seed documents |");
+    println!("| figure | measured | expected (arithmetic) |");
     println!("|---|---:|---:|");
     println!(
         "| clean tasks without retries | {:.2} % | 66.8 % |",

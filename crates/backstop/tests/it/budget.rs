@@ -21,7 +21,7 @@ async fn a_thousand_requests_to_an_always_503_dependency_stay_within_the_budget(
     let always_503 = service_fn(move |_req: Request<String>| {
         seen.fetch_add(1, Ordering::SeqCst);
         // A concrete error type: with `BoxError` here, spawning the stack inline hits rustc's
-        // "implementation of `From` is not general enough" (see the README's troubleshooting).
+        // "implementation of `From` is not general enough" (see the guide's troubleshooting chapter).
         async { Ok::<_, std::io::Error>(Response::builder().status(503).body(()).unwrap()) }
     });
     let budget = Budget::default();

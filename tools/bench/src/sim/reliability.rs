@@ -1,4 +1,4 @@
-//! The seed documents' reliability figure: agent tasks of many calls over a flaky dependency,
+//! The reliability figure: agent tasks of many calls over a flaky dependency,
 //! with and without Backstop, and the duplicate effects each leaves.
 
 use crate::stacks::{Req, Res, TowerPolicy};
