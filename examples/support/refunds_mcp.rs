@@ -57,6 +57,9 @@ pub struct RefundTools {
     pub seen: Arc<Mutex<Vec<(JsonObject, JsonObject)>>>,
     /// Tasks `export_statement` started.
     pub tasks: Arc<AtomicU32>,
+    /// The time each call that reached the handler had left, as the Backstop stacks it would
+    /// call inherit it (`Deadline::current`).
+    pub time_left: Arc<Mutex<Vec<Option<std::time::Duration>>>>,
 }
 
 impl RefundTools {
@@ -154,6 +157,10 @@ impl ServerHandler for RefundTools {
         let _span =
             tracing::info_span!(target: "refunds", "handle", tool = %request.name).entered();
         self.handled.fetch_add(1, Ordering::SeqCst);
+        self.time_left
+            .lock()
+            .expect("time left")
+            .push(backstop::Deadline::current().map(backstop::Deadline::remaining));
         let args = request.arguments.unwrap_or_default();
         self.seen
             .lock()

@@ -18,8 +18,8 @@ use backstop::{
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
     retry::{Hedging, RetryLayer, StandardPolicy},
     timeout::{
-        AttemptTimeoutLayer, BodyTimeoutLayer, DeadlineLayer, LatencyConfig, LatencyTimeouts,
-        LearnedTimeoutLayer,
+        AttemptTimeoutLayer, BodyTimeoutLayer, CallerDeadlineLayer, DeadlineLayer, LatencyConfig,
+        LatencyTimeouts, LearnedTimeoutLayer,
     },
 };
 use bytes::Bytes;
@@ -92,6 +92,9 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 .dependency("conformance-policy")
                 .policy(policy);
             status_of(layer.layer(inner))
+        }),
+        ("the caller's deadline, on a server", |inner| {
+            status_of(CallerDeadlineLayer::new(Duration::from_secs(60)).layer(inner))
         }),
         ("the attempt timeout", |inner| {
             status_of(AttemptTimeoutLayer::new(Duration::from_secs(1)).layer(inner))

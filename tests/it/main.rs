@@ -9,6 +9,7 @@ mod client_guarantees;
 mod common;
 mod conformance;
 mod crash_replay;
+mod deadline_wire;
 mod examples;
 mod grpc;
 mod http_outage;

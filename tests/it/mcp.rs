@@ -796,3 +796,55 @@ mod tower_mcp_router {
         assert_eq!(booked.load(Ordering::SeqCst), 1);
     }
 }
+
+/// Each attempt of a tool call carries its time left in `_meta`; the tool server's replay
+/// handler makes it the deadline every stack the tool calls inherits, and does not start a call
+/// whose time is spent (nor claim its key).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_carries_its_time_left_and_a_spent_one_is_not_started() {
+    use backstop::mcp::{META_TIME_LEFT, codes, rmcp::to_params};
+    use rmcp::{
+        ServiceError,
+        model::{MetaObject, RequestMetaObject},
+    };
+
+    let server = RefundServer::start(None).await;
+    let client = connect(&server).await;
+    let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
+    // The attempt timeout is 3 s, the deadline 8 s: an attempt has at most 3 s.
+    let tools = payments().build().unwrap().rmcp(client.peer().clone());
+    let status = catalog
+        .call("order_status", json!({"order": "ORD-7"}))
+        .unwrap();
+    tools.oneshot(status).await.unwrap();
+    let meta = server.tools.seen.lock().unwrap()[0].0.clone();
+    let sent = meta[META_TIME_LEFT].as_u64().expect("the time left, in ms");
+    assert!(sent > 0 && sent <= 3000, "{sent}");
+    let inherited = server.tools.time_left.lock().unwrap()[0].expect("inherited by the tool");
+    assert!(inherited <= Duration::from_millis(sent), "{inherited:?}");
+
+    // A keyed refund whose caller's time is spent: refused, not started.
+    let keyed = |left: u64| {
+        let call = ToolCall::new("issue_refund", json!({"order": "ORD-8", "eur": 5})).unwrap();
+        let mut params = to_params(&call);
+        let mut meta = serde_json::Map::new();
+        meta.insert(META_KEY.to_owned(), json!("spent-refund-1"));
+        meta.insert(META_TIME_LEFT.to_owned(), json!(left));
+        params.meta = Some(RequestMetaObject(MetaObject(meta)));
+        params
+    };
+    let handled = server.tools.handled.load(Ordering::SeqCst);
+    match client.peer().call_tool_once(keyed(0)).await {
+        Err(ServiceError::McpError(e)) => {
+            assert_eq!(i64::from(e.code.0), codes::DEADLINE_SPENT, "{e:?}")
+        }
+        other => panic!("a spent call must be refused: {other:?}"),
+    }
+    assert_eq!(server.tools.handled.load(Ordering::SeqCst), handled);
+    assert!(server.tools.refunds().is_empty());
+    // Its key was not claimed: with time left the refund is booked, once.
+    client.peer().call_tool_once(keyed(5000)).await.unwrap();
+    client.peer().call_tool_once(keyed(5000)).await.unwrap();
+    assert_eq!(server.tools.refunds().len(), 1);
+    client.cancel().await.unwrap();
+}

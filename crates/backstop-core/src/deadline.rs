@@ -26,6 +26,11 @@ pub fn instant_after(now: Instant, d: Duration) -> Instant {
         .unwrap_or(now)
 }
 
+tokio::task_local! {
+    /// The deadline of the request the current task serves: see [`Deadline::scope`].
+    static INHERITED: Deadline;
+}
+
 /// The instant by which a whole logical call (every attempt and every backoff sleep) must end.
 ///
 /// The deadline layer and the retry layer store it in the request's extensions (see
@@ -93,6 +98,67 @@ impl Deadline {
         ext.get::<crate::context::CallContext>()
             .and_then(|c| c.deadline)
             .or_else(|| ext.get::<Deadline>().copied())
+    }
+
+    /// The time `req` has left on the wire: until its attempt is cut (the end an attempt
+    /// timeout planned for it, within the deadline), else until its deadline; `None` when
+    /// nothing limits it. What a client sends onward so that the server can stop working for a
+    /// caller that has given up ([`TIME_LEFT_HEADER`](crate::TIME_LEFT_HEADER)).
+    ///
+    /// ```
+    /// use backstop_core::Deadline;
+    /// use std::time::Duration;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let mut req = http::Request::new(());
+    /// assert_eq!(Deadline::time_left(&req), None);
+    /// Deadline::after(Duration::from_secs(2)).tighten(&mut req);
+    /// assert_eq!(Deadline::time_left(&req), Some(Duration::from_secs(2)));
+    /// # }
+    /// ```
+    pub fn time_left<R: HasExtensions + ?Sized>(req: &R) -> Option<Duration> {
+        let end = crate::context::CallContext::of(req)
+            .and_then(crate::context::CallContext::attempt_end)
+            .map(|(at, _)| at)
+            .or_else(|| Deadline::of(req).map(Deadline::instant))?;
+        Some(end.saturating_duration_since(Instant::now()))
+    }
+
+    /// The deadline the current task inherited from the request it serves
+    /// ([`scope`](Self::scope)), if any. Backstop's deadline layer tightens every call made in
+    /// that task to it, so a server's outbound calls end when its caller's time does.
+    pub fn current() -> Option<Deadline> {
+        INHERITED.try_with(|d| *d).ok()
+    }
+
+    /// Runs `fut` with this deadline inherited by every Backstop stack it calls
+    /// ([`current`](Self::current)), tightened to the deadline it already inherits, if that is
+    /// earlier: a scope never extends a deadline. What a server layer that reads its caller's
+    /// time left does around the handler; a task spawned inside does not inherit it (wrap the
+    /// spawned future in its own scope).
+    ///
+    /// ```
+    /// use backstop_core::Deadline;
+    /// use std::time::Duration;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let caller = Deadline::after(Duration::from_secs(2));
+    /// let seen = caller.scope(async {
+    ///     // A later deadline nested inside does not extend the caller's.
+    ///     Deadline::after(Duration::from_secs(60)).scope(async { Deadline::current() }).await
+    /// }).await;
+    /// assert_eq!(seen, Some(caller));
+    /// assert_eq!(Deadline::current(), None);
+    /// # }
+    /// ```
+    pub fn scope<F: Future>(self, fut: F) -> tokio::task::futures::TaskLocalFuture<Deadline, F> {
+        let effective = match Deadline::current() {
+            Some(outer) if outer <= self => outer,
+            _ => self,
+        };
+        INHERITED.scope(effective, fut)
     }
 
     /// Records this deadline on the request unless it already carries an earlier one, and

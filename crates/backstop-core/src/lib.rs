@@ -48,6 +48,13 @@ mod verdict;
 pub use budget::{NoBudget, RetryBudget};
 pub use context::{CallContext, Claim, ScopeOwner};
 pub use deadline::Deadline;
+
+/// The header a Backstop client sends on each HTTP attempt with the time that attempt has left,
+/// in whole milliseconds rounded up ([`Deadline::time_left`]), and a server's deadline layer
+/// reads: `backstop-time-left-ms`. gRPC calls carry `grpc-timeout` instead, MCP tool calls
+/// `_meta["dev.backstop/time-left-ms"]`.
+pub const TIME_LEFT_HEADER: http::HeaderName =
+    http::HeaderName::from_static("backstop-time-left-ms");
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, InvalidConfig,

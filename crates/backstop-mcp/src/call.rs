@@ -18,6 +18,52 @@ pub const META_KEY: &str = "dev.backstop/idempotency-key";
 /// [`META_KEY`] and read when it is absent.
 pub const META_KEY_ALIAS: &str = "idempotencyKey";
 
+/// Where each attempt of a tool call carries the time it has left, in whole milliseconds
+/// (rounded up): `_meta["dev.backstop/time-left-ms"]`, as HTTP attempts carry
+/// [`TIME_LEFT_HEADER`](backstop_core::TIME_LEFT_HEADER). A tool server's `ReplayHandler`
+/// reads it: a call whose time is spent is not started, and every Backstop stack the tool calls
+/// ends when the caller's time does.
+pub const META_TIME_LEFT: &str = "dev.backstop/time-left-ms";
+
+/// The time a call's `_meta` says it has left ([`META_TIME_LEFT`]), capped at `max`: `None`
+/// when it says nothing usable (absent, not a whole number of milliseconds).
+///
+/// ```
+/// use backstop_mcp::{META_TIME_LEFT, time_left};
+/// use serde_json::json;
+/// use std::time::Duration;
+///
+/// let meta = |v| json!({ META_TIME_LEFT: v }).as_object().unwrap().clone();
+/// let max = Duration::from_secs(60);
+/// assert_eq!(time_left(&meta(json!(1500)), max), Some(Duration::from_millis(1500)));
+/// assert_eq!(time_left(&meta(json!(1e30)), max), Some(max));
+/// assert_eq!(time_left(&meta(json!("soon")), max), None);
+/// assert_eq!(time_left(&meta(json!(-1)), max), None);
+/// ```
+pub fn time_left(
+    meta: &Map<String, Value>,
+    max: std::time::Duration,
+) -> Option<std::time::Duration> {
+    let value = meta.get(META_TIME_LEFT)?;
+    let ms = value.as_u64().or_else(|| {
+        value
+            .as_f64()
+            .filter(|f| *f >= 0.0 && f.is_finite())
+            .map(|f| f.ceil() as u64)
+    });
+    match ms {
+        Some(ms) => Some(std::time::Duration::from_millis(ms).min(max)),
+        None => {
+            tracing::debug!(
+                target: "backstop::deadline",
+                value = %value,
+                "ignored a malformed time left in _meta (whole milliseconds expected)"
+            );
+            None
+        }
+    }
+}
+
 /// Set to `true` in a result's `_meta` when a tool server's replay layer answered with the
 /// stored result of an earlier call instead of running the tool again.
 pub const META_REPLAYED: &str = "dev.backstop/replayed";

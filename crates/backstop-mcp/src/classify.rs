@@ -20,7 +20,7 @@ use std::{error::Error, time::Duration};
 /// | JSON-RPC parse error, invalid request, method not found, invalid params; MCP's resource not found (-32002), header mismatch, missing capability, unsupported protocol version (-32020 to -32022); any other code outside -32099 to -32000 | fatal | completed (the server answered; nothing to repeat) |
 /// | JSON-RPC internal error (-32603), or an implementation-defined server error (-32099 to -32000) not listed here | retryable | unknown (the handler may have run part of it) |
 /// | overloaded ([`codes::OVERLOADED`]), replay store unavailable ([`codes::REPLAY_UNAVAILABLE`]), a call with the key still running ([`codes::KEY_IN_FLIGHT`]) | retryable, after `data.retryAfterMs` | not sent (this attempt did not run the tool) |
-/// | key reused for a different call ([`codes::KEY_REUSED`]); the replay layer misconfigured ([`codes::REPLAY_MISCONFIGURED`]) | fatal | not sent |
+/// | key reused for a different call ([`codes::KEY_REUSED`]); the replay layer misconfigured ([`codes::REPLAY_MISCONFIGURED`]); the caller's time spent when the call arrived ([`codes::DEADLINE_SPENT`]) | fatal | not sent |
 /// | outcome unknown ([`codes::OUTCOME_UNKNOWN`]) | fatal | unknown |
 /// | anything else in the error's cause chain: as `backstop_classify::classify_error` says (attempt timeouts: unknown; an open circuit: not sent) | | |
 ///
@@ -53,7 +53,7 @@ pub fn verdict_of_rpc(e: &RpcError) -> Verdict {
                 after,
             }
         }
-        codes::KEY_REUSED | codes::REPLAY_MISCONFIGURED => Verdict::Fatal {
+        codes::KEY_REUSED | codes::REPLAY_MISCONFIGURED | codes::DEADLINE_SPENT => Verdict::Fatal {
             outcome: Outcome::NotSent,
         },
         codes::OUTCOME_UNKNOWN => Verdict::Fatal {

@@ -38,6 +38,9 @@ pub mod codes {
     /// Backstop replay (HTTP's 500 `principal-missing`): the server is misconfigured (the call
     /// reached the replay layer without an authenticated principal) and the call was not run.
     pub const REPLAY_MISCONFIGURED: i64 = -32095;
+    /// Backstop (HTTP's 408 from a `CallerDeadlineLayer`): the caller's time was spent when the
+    /// call arrived, and it was not started.
+    pub const DEADLINE_SPENT: i64 = -32096;
 }
 
 /// A JSON-RPC error object, as an MCP server sends it.

@@ -48,7 +48,9 @@ pub mod rmcp;
 pub mod tower_mcp;
 pub mod trace;
 
-pub use call::{META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, ToolCall};
+pub use call::{
+    META_ERROR, META_KEY, META_KEY_ALIAS, META_REPLAYED, META_TIME_LEFT, ToolCall, time_left,
+};
 pub use classify::{McpClassifier, verdict_of, verdict_of_rpc};
 pub use error::{RpcError, ToolError, codes};
 pub use policy::{ToolCatalog, ToolHints, ToolPolicy};

@@ -13,7 +13,7 @@ use crate::{
     },
     store::{Claim, Fingerprint},
 };
-use backstop_core::BoxError;
+use backstop_core::{BoxError, Deadline};
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, request::Parts};
 use http_body::Body;
@@ -126,7 +126,18 @@ where
     let mut req = rebuilt(keyed.parts, keyed.bytes);
     req.extensions_mut().insert(lease);
     // The handler's own task continues the request's span (and so its trace).
+    // The handler's task inherits the caller's deadline, as the request's own task did.
+    let inherited = match (Deadline::of(&req), Deadline::current()) {
+        (Some(on_request), Some(task)) => Some(on_request.min(task)),
+        (on_request, task) => on_request.or(task),
+    };
     let claimed = run_claimed(cfg.clone(), svc, req, keyed.store_key, token, held);
+    let claimed = async move {
+        match inherited {
+            Some(deadline) => deadline.scope(claimed).await,
+            None => claimed.await,
+        }
+    };
     match tokio::spawn(claimed.in_current_span()).await {
         Ok(result) => result,
         // The handler panicked: the task's guard recorded the outcome as unknown, or, in a

@@ -66,6 +66,11 @@ impl<S> Layer<S> for DeadlineLayer {
 /// Records a [`Deadline`](backstop_core::Deadline) on each request (keeping a tighter one the caller set) and fails the
 /// call with [`DeadlineExceeded`](backstop_core::DeadlineExceeded) when it passes.
 ///
+/// In a task serving a request whose caller sent its time left
+/// ([`CallerDeadlineLayer`](crate::CallerDeadlineLayer)), the caller's deadline
+/// ([`Deadline::current`](backstop_core::Deadline::current)) is tightened onto every call as well:
+/// a server's outbound calls end when its caller's time does.
+///
 /// Inner Backstop layers end the call by themselves before the deadline with a precise
 /// verdict (the retry layer waits no longer than it, the attempt timeout cuts the last attempt
 /// at it); this layer's own timer is the guarantee for inner services that do not look at the
@@ -168,6 +173,10 @@ where
                 length: self.budget,
             };
             return TimedFuture::too_late(passed, dependency);
+        }
+        // A server serving a caller's request inherits the caller's deadline.
+        if let Some(inherited) = Deadline::current() {
+            inherited.tighten(&mut req);
         }
         let now = Instant::now();
         let deadline = match self.budget {

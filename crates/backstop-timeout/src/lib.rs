@@ -56,6 +56,7 @@
 mod adaptive;
 mod attempt;
 mod body;
+mod caller;
 mod deadline;
 mod latency_record;
 mod learned;
@@ -65,6 +66,7 @@ mod timed;
 pub use adaptive::{LatencyConfig, LatencyTimeouts};
 pub use attempt::{AttemptTimeout, AttemptTimeoutLayer};
 pub use body::{BodyTimedOut, BodyTimeout, BodyTimeoutLayer, TimedBody};
+pub use caller::{CallerDeadline, CallerDeadlineLayer};
 pub use deadline::{DeadlineLayer, WithDeadline};
 pub use learned::{LearnedTimeout, LearnedTimeoutLayer};
 
@@ -79,6 +81,7 @@ pub mod plumbing {
 /// Future types.
 pub mod future {
     pub use crate::body::BodyTimeoutFuture;
+    pub use crate::caller::CallerDeadlineFuture;
     pub use crate::learned::LearnedFuture;
     pub use crate::timed::TimedFuture;
 }

@@ -1,19 +1,23 @@
-//! The attempt number sent onward, under a header the caller names (as Envoy's
-//! `x-envoy-attempt-count` does), so a server can tell a retry from a first try.
+//! What each attempt tells the server beside the request: its number, under a header the caller
+//! names (as Envoy's `x-envoy-attempt-count` does), so a server can tell a retry from a first
+//! try; and the time it has left, so a server can stop working for a caller that has given up.
 
-use backstop_core::CallContext;
+use backstop_core::{CallContext, Deadline};
 use std::task::{Context, Poll};
 use tower_service::Service;
 
-/// Sets the configured header to the attempt's number (1 on the first) on each attempt's
-/// request; does nothing when no header is configured.
+/// Sets, on each attempt's request, the configured headers: the attempt's number (1 on the
+/// first) and its time left in whole milliseconds, rounded up ([`Deadline::time_left`]: until
+/// the attempt timeout cuts it, within the deadline). A header that is not configured is not
+/// sent.
 #[derive(Clone, Debug)]
-pub struct AttemptCount<S> {
+pub struct AttemptHeaders<S> {
     pub(crate) inner: S,
-    pub(crate) header: Option<http::HeaderName>,
+    pub(crate) attempt: Option<http::HeaderName>,
+    pub(crate) time_left: Option<http::HeaderName>,
 }
 
-impl<S, B> Service<http::Request<B>> for AttemptCount<S>
+impl<S, B> Service<http::Request<B>> for AttemptHeaders<S>
 where
     S: Service<http::Request<B>>,
 {
@@ -26,11 +30,18 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<B>) -> S::Future {
-        if let Some(name) = &self.header
+        if let Some(name) = &self.attempt
             && let Some(n) = CallContext::attempt_of(&req)
         {
             req.headers_mut()
                 .insert(name.clone(), http::HeaderValue::from(n));
+        }
+        if let Some(name) = &self.time_left
+            && let Some(left) = Deadline::time_left(&req)
+        {
+            let ms = u64::try_from(left.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+            req.headers_mut()
+                .insert(name.clone(), http::HeaderValue::from(ms));
         }
         self.inner.call(req)
     }

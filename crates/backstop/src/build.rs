@@ -213,6 +213,7 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             hedging,
             transport,
             attempt_header: self.attempt_header,
+            time_left_header: self.time_left_header,
             otel: self.otel,
             throttle,
             breaker,

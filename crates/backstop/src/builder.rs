@@ -91,6 +91,7 @@ pub struct Backstop<C, P, I, Pol = StandardPolicy> {
     pub(crate) idempotency: bool,
     pub(crate) honours_keys: bool,
     pub(crate) attempt_header: Option<http::HeaderName>,
+    pub(crate) time_left_header: Option<http::HeaderName>,
     pub(crate) sink: Option<Arc<dyn DeadLetterSink>>,
     pub(crate) reconcile: Option<Reconcile>,
     pub(crate) otel: crate::telemetry::Otel,
@@ -158,6 +159,25 @@ impl<P> Backstop<HttpClassifier, P, HttpKeys> {
         self.attempt_header = Some(name);
         self
     }
+
+    /// Sends each attempt's time left (until its attempt timeout cuts it, within the deadline;
+    /// whole milliseconds, rounded up) under `name` instead of
+    /// [`TIME_LEFT_HEADER`](backstop_core::TIME_LEFT_HEADER), where a server's
+    /// [`CallerDeadlineLayer`](backstop_timeout::CallerDeadlineLayer) reads it: the server stops
+    /// its own outbound calls when the caller's time is up, and starts nothing for a caller
+    /// whose time is spent. Sent by default; gRPC stacks send `grpc-timeout` instead.
+    #[must_use]
+    pub fn time_left_header(mut self, name: http::HeaderName) -> Self {
+        self.time_left_header = Some(name);
+        self
+    }
+
+    /// Sends no time left (for a dependency that refuses unknown headers).
+    #[must_use]
+    pub fn no_time_left_header(mut self) -> Self {
+        self.time_left_header = None;
+        self
+    }
 }
 
 impl<C> Backstop<C, CloneResend, ToolKeys> {
@@ -201,6 +221,7 @@ impl<C, P, I> Backstop<C, P, I> {
             idempotency: true,
             honours_keys: false,
             attempt_header: None,
+            time_left_header: Some(backstop_core::TIME_LEFT_HEADER),
             sink: None,
             reconcile: None,
             otel: crate::telemetry::Otel::default(),
@@ -438,6 +459,7 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             idempotency: self.idempotency,
             honours_keys: self.honours_keys,
             attempt_header: self.attempt_header,
+            time_left_header: self.time_left_header,
             sink: self.sink,
             reconcile: self.reconcile,
             otel: self.otel,

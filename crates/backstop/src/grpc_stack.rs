@@ -2,7 +2,7 @@
 
 use crate::{
     Backstop,
-    attempt_header::AttemptCount,
+    attempt_header::AttemptHeaders,
     box_errors::BoxErrors,
     transport::{Attempts, Describe, Transport, TransportSettings, attempts},
 };
@@ -61,11 +61,13 @@ impl<B> Describe<http::Request<B>> for StreamingResend {
 }
 
 impl<S> Transport<S> for StreamingResend {
-    type Client = Attempts<BoxErrors<BodyTimeout<GrpcAttempt<AttemptCount<S>>>>>;
+    type Client = Attempts<BoxErrors<BodyTimeout<GrpcAttempt<AttemptHeaders<S>>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
-        let client = AttemptCount {
+        // The time left travels as `grpc-timeout` (below).
+        let client = AttemptHeaders {
             inner: client,
-            header: settings.attempt_header.clone(),
+            attempt: settings.attempt_header.clone(),
+            time_left: None,
         };
         let client = GrpcAttempt {
             inner: client,

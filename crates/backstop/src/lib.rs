@@ -99,7 +99,8 @@ pub mod future {
 }
 
 pub use backstop_core::{
-    BoxError, Deadline, Dependency, HasExtensions, Outcome, ReplaySafe, Run, WithExtensions,
+    BoxError, Deadline, Dependency, HasExtensions, Outcome, ReplaySafe, Run, TIME_LEFT_HEADER,
+    WithExtensions,
 };
 #[cfg(feature = "journal")]
 pub use journaled::HttpJudge;

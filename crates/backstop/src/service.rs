@@ -228,6 +228,7 @@ pub struct BackstopLayer<C, P, I, Pol = StandardPolicy> {
     pub(crate) hedging: Option<HedgeParts<C>>,
     pub(crate) transport: P,
     pub(crate) attempt_header: Option<http::HeaderName>,
+    pub(crate) time_left_header: Option<http::HeaderName>,
     pub(crate) otel: crate::telemetry::Otel,
     pub(crate) throttle: Option<ThrottleLayer<C>>,
     pub(crate) breaker: Option<BreakerLayer<C>>,
@@ -321,6 +322,7 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone, Pol: Clone> Layer<S>
         let settings = TransportSettings {
             attempt_timeout: Some(self.attempt_timeout.limit()),
             attempt_header: self.attempt_header.clone(),
+            time_left_header: self.time_left_header.clone(),
             otel: self.otel.clone(),
         };
         let client = self.transport.wrap(client, &settings);

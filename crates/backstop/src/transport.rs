@@ -2,7 +2,7 @@
 //! stack's attempt timeout and the client. Sealed: named by the stack's types, implemented here
 //! for HTTP, tool calls and gRPC only.
 
-use crate::{attempt_header::AttemptCount, box_errors::BoxErrors};
+use crate::{attempt_header::AttemptHeaders, box_errors::BoxErrors};
 use backstop_retry::{CloneResend, HttpResend};
 use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
 use std::time::Duration;
@@ -40,6 +40,7 @@ impl<Req> Describe<Req> for CloneResend {}
 pub struct TransportSettings {
     /// The header the attempt number goes under (HTTP), if any.
     pub(crate) attempt_header: Option<http::HeaderName>,
+    pub(crate) time_left_header: Option<http::HeaderName>,
     /// The stack's fixed attempt timeout (what a body or a gRPC call planned without the
     /// stack's attempt timeout outside would be given).
     pub(crate) attempt_timeout: Option<Duration>,
@@ -70,11 +71,12 @@ pub(crate) fn attempts<S>(client: S, settings: &TransportSettings) -> Attempts<S
 }
 
 impl<S> Transport<S> for HttpResend {
-    type Client = Attempts<BoxErrors<BodyTimeout<AttemptCount<S>>>>;
+    type Client = Attempts<BoxErrors<BodyTimeout<AttemptHeaders<S>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
-        let client = AttemptCount {
+        let client = AttemptHeaders {
             inner: client,
-            header: settings.attempt_header.clone(),
+            attempt: settings.attempt_header.clone(),
+            time_left: settings.time_left_header.clone(),
         };
         let client = BoxErrors(BodyTimeoutLayer::new(settings.attempt_timeout).layer(client));
         attempts(client, settings)

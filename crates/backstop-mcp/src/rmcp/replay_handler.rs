@@ -18,6 +18,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
+    time::Duration,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -106,7 +107,11 @@ pub struct ReplayHandler<H> {
     handler: Arc<H>,
     replay: ToolReplay<HandlerTools<H>>,
     principal: Option<Arc<PrincipalFn>>,
+    max_time_left: Duration,
 }
+
+/// The most time a caller's `_meta` can give a call unless the server says otherwise.
+const MAX_TIME_LEFT: Duration = Duration::from_secs(300);
 
 impl<H> Clone for ReplayHandler<H> {
     fn clone(&self) -> Self {
@@ -114,6 +119,7 @@ impl<H> Clone for ReplayHandler<H> {
             handler: self.handler.clone(),
             replay: self.replay.clone(),
             principal: self.principal.clone(),
+            max_time_left: self.max_time_left,
         }
     }
 }
@@ -134,7 +140,17 @@ impl<H: ServerHandler> ReplayHandler<H> {
             }),
             handler,
             principal: None,
+            max_time_left: MAX_TIME_LEFT,
         }
+    }
+
+    /// The most time a caller can give a call through its `_meta`
+    /// ([`META_TIME_LEFT`](crate::META_TIME_LEFT)): a larger value, an untrusted caller's or an
+    /// absurd one, is cut to this. 5 minutes unless set.
+    #[must_use]
+    pub fn max_time_left(mut self, max: Duration) -> Self {
+        self.max_time_left = max;
+        self
     }
 
     /// How to find the principal a call acts for, from its request context (what the
@@ -153,7 +169,9 @@ impl<H: ServerHandler> ReplayHandler<H> {
         &self.handler
     }
 
-    /// The call in its `tool` span, a child of the trace context the call carried.
+    /// The call in its `tool` span, a child of the trace context the call carried, within the
+    /// time its caller has left: not started when that is spent, and inherited by every
+    /// Backstop stack the tool calls.
     async fn traced(
         &self,
         request: CallToolRequestParams,
@@ -161,7 +179,20 @@ impl<H: ServerHandler> ReplayHandler<H> {
     ) -> Result<CallToolResponse, McpError> {
         use tracing::Instrument;
         let span = crate::trace::tool_span(&request.name, &context.meta.0.0);
-        self.replayed(request, context).instrument(span).await
+        let left = crate::time_left(&context.meta.0.0, self.max_time_left);
+        let served = self.replayed(request, context).instrument(span);
+        match left {
+            None => served.await,
+            Some(left) if left.is_zero() => Err(McpError::new(
+                ErrorCode(crate::codes::DEADLINE_SPENT as i32),
+                "the caller's time was spent when the call arrived: it was not started",
+                Some(serde_json::json!({
+                    "type": "urn:backstop:problem:deadline-spent",
+                    "status": 408,
+                })),
+            )),
+            Some(left) => backstop_core::Deadline::after(left).scope(served).await,
+        }
     }
 
     async fn replayed(

@@ -1,0 +1,309 @@
+//! The server's side of a deadline that crosses the wire: the time its caller has left, read
+//! from each request and inherited by every Backstop stack the handler calls.
+
+use backstop_core::{BoxError, Deadline, TIME_LEFT_HEADER};
+use http::{HeaderName, Request, Response, StatusCode};
+use pin_project::pin_project;
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+use tokio::task::futures::TaskLocalFuture;
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// Applies [`CallerDeadline`]: serves each request within the time its caller said it has left.
+///
+/// A Backstop client sends each attempt's time left, in milliseconds, under
+/// [`TIME_LEFT_HEADER`] (Envoy's `x-envoy-expected-rq-timeout-ms` is the same idea: pass
+/// [`header`](Self::header) to read it). For each request the layer:
+///
+/// - reads the value (whole milliseconds, ASCII digits); a malformed one is ignored, with a
+///   `tracing` event (target `backstop::deadline`), as if there were none;
+/// - caps it at the layer's `max`, so a caller cannot hand the server an absurd deadline;
+/// - answers at once, without calling the service, when it is zero: the caller's time is spent,
+///   the work is *not started* (`408 Request Timeout`, an empty body). Put the layer outside a
+///   replay layer, so that such a request claims no idempotency key;
+/// - otherwise puts the deadline on the request (a tighter one already there, the server's own,
+///   is kept) and runs the service within it ([`Deadline::scope`]): every Backstop stack the
+///   handler calls in its task ends by then, whatever its own deadline. It never extends a
+///   deadline the server set itself.
+///
+/// The handler itself is not cut when the time passes (its caller has gone; whether to stop
+/// half-way is the handler's choice: a `tower::timeout` inside, or `Deadline::of(&req)`).
+///
+/// ```
+/// use backstop_core::{Deadline, TIME_LEFT_HEADER};
+/// use backstop_timeout::CallerDeadlineLayer;
+/// use std::time::Duration;
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), backstop_core::BoxError> {
+/// let handler = service_fn(|_req: http::Request<()>| async {
+///     // What every Backstop stack called from here inherits.
+///     let left = Deadline::current().map(Deadline::remaining);
+///     Ok::<_, backstop_core::BoxError>(http::Response::new(format!("{left:?}")))
+/// });
+/// let server = CallerDeadlineLayer::new(Duration::from_secs(30)).layer(handler);
+///
+/// let req = http::Request::builder().header(TIME_LEFT_HEADER, "1500").body(())?;
+/// assert_eq!(server.clone().oneshot(req).await?.body(), "Some(1.5s)");
+///
+/// // Its time is spent: not started.
+/// let spent = http::Request::builder().header(TIME_LEFT_HEADER, "0").body(())?;
+/// assert_eq!(server.oneshot(spent).await?.status(), 408);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CallerDeadlineLayer {
+    header: HeaderName,
+    max: Duration,
+}
+
+impl CallerDeadlineLayer {
+    /// Reads [`TIME_LEFT_HEADER`], and gives no caller more than `max`.
+    pub fn new(max: Duration) -> Self {
+        CallerDeadlineLayer {
+            header: TIME_LEFT_HEADER,
+            max,
+        }
+    }
+
+    /// Reads the time left from `name` instead.
+    #[must_use]
+    pub fn header(mut self, name: HeaderName) -> Self {
+        self.header = name;
+        self
+    }
+}
+
+impl<S> Layer<S> for CallerDeadlineLayer {
+    type Service = CallerDeadline<S>;
+    fn layer(&self, inner: S) -> CallerDeadline<S> {
+        CallerDeadline {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// Serves each request within the time its caller has left: see [`CallerDeadlineLayer`].
+#[derive(Clone, Debug)]
+pub struct CallerDeadline<S> {
+    inner: S,
+    layer: CallerDeadlineLayer,
+}
+
+impl<S> CallerDeadline<S> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+/// What a caller said of its time: nothing usable, or this much.
+fn time_left<B>(req: &Request<B>, header: &HeaderName, max: Duration) -> Option<Duration> {
+    let value = req.headers().get(header)?;
+    let ms = value
+        .to_str()
+        .ok()
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|v| v.parse::<u64>().ok().or(Some(u64::MAX)));
+    match ms {
+        Some(ms) => Some(Duration::from_millis(ms).min(max)),
+        None => {
+            tracing::debug!(
+                target: "backstop::deadline",
+                header = %header,
+                value = ?value,
+                "ignored a malformed time left (whole milliseconds expected)"
+            );
+            None
+        }
+    }
+}
+
+impl<S, B, ResB> Service<Request<B>> for CallerDeadline<S>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    ResB: Default,
+{
+    type Response = Response<ResB>;
+    type Error = S::Error;
+    type Future = CallerDeadlineFuture<S::Future, ResB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let Some(left) = time_left(&req, &self.layer.header, self.layer.max) else {
+            return CallerDeadlineFuture::new(State::Served {
+                inner: self.inner.call(req),
+            });
+        };
+        if left.is_zero() {
+            let mut res = Response::new(ResB::default());
+            *res.status_mut() = StatusCode::REQUEST_TIMEOUT;
+            return CallerDeadlineFuture::new(State::Spent { res: Some(res) });
+        }
+        let deadline = Deadline::after(left).tighten(&mut req);
+        CallerDeadlineFuture::new(State::Within {
+            inner: deadline.scope(self.inner.call(req)),
+        })
+    }
+}
+
+/// Response future of [`CallerDeadline`].
+#[pin_project]
+#[derive(Debug)]
+pub struct CallerDeadlineFuture<F, ResB> {
+    #[pin]
+    state: State<F, ResB>,
+}
+
+#[pin_project(project = StateProj)]
+#[derive(Debug)]
+enum State<F, ResB> {
+    /// No time left was sent: served as it came.
+    Served {
+        #[pin]
+        inner: F,
+    },
+    /// Served within the caller's deadline.
+    Within {
+        #[pin]
+        inner: TaskLocalFuture<Deadline, F>,
+    },
+    /// The caller's time was spent: answered without calling the service.
+    Spent { res: Option<Response<ResB>> },
+}
+
+impl<F, ResB> CallerDeadlineFuture<F, ResB> {
+    fn new(state: State<F, ResB>) -> Self {
+        CallerDeadlineFuture { state }
+    }
+}
+
+impl<F, ResB, E> Future for CallerDeadlineFuture<F, ResB>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+{
+    type Output = Result<Response<ResB>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Served { inner } => inner.poll(cx),
+            StateProj::Within { inner } => inner.poll(cx),
+            StateProj::Spent { res } => {
+                Poll::Ready(Ok(res.take().expect("polled after completion")))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::{ServiceExt, service_fn};
+
+    /// What the handler saw: the deadline on its request and the one its task inherited, as
+    /// time left.
+    type Seen = Option<(Option<Duration>, Option<Duration>)>;
+
+    fn echo()
+    -> impl Service<Request<()>, Response = Response<Seen>, Error = BoxError, Future: Send> + Clone
+    {
+        service_fn(|req: Request<()>| async move {
+            let on_request = Deadline::of(&req).map(Deadline::remaining);
+            let inherited = Deadline::current().map(Deadline::remaining);
+            Ok::<_, BoxError>(Response::new(Some((on_request, inherited))))
+        })
+    }
+
+    fn with(value: &str) -> Request<()> {
+        Request::builder()
+            .header(TIME_LEFT_HEADER, value)
+            .body(())
+            .unwrap()
+    }
+
+    async fn seen(layer: CallerDeadlineLayer, req: Request<()>) -> Response<Seen> {
+        layer.layer(echo()).oneshot(req).await.unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_time_left_is_the_requests_deadline_and_the_tasks() {
+        let layer = CallerDeadlineLayer::new(Duration::from_secs(30));
+        let res = seen(layer, with("1500")).await;
+        let left = Some(Duration::from_millis(1500));
+        assert_eq!(res.into_body(), Some((left, left)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_absurd_value_is_capped_by_the_servers_maximum() {
+        let layer = CallerDeadlineLayer::new(Duration::from_secs(30));
+        let thirty = Some(Duration::from_secs(30));
+        for absurd in ["86400000000", "99999999999999999999999999"] {
+            let res = seen(layer.clone(), with(absurd)).await;
+            assert_eq!(res.into_body(), Some((thirty, thirty)), "{absurd}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_malformed_or_missing_value_is_ignored() {
+        let layer = CallerDeadlineLayer::new(Duration::from_secs(30));
+        for bad in ["", "-5", "1.5", "1s", " 100", "0x10"] {
+            let res = seen(layer.clone(), with(bad)).await;
+            assert_eq!(res.status(), 200, "{bad:?}");
+            assert_eq!(res.into_body(), Some((None, None)), "{bad:?}");
+        }
+        let res = seen(layer, Request::new(())).await;
+        assert_eq!(res.into_body(), Some((None, None)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spent_caller_is_answered_at_once_and_nothing_runs() {
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let seen = calls.clone();
+        let svc = CallerDeadlineLayer::new(Duration::from_secs(30)).layer(service_fn(
+            move |_req: Request<()>| {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok::<_, BoxError>(Response::new(String::new())) }
+            },
+        ));
+        let res = svc.oneshot(with("0")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_servers_own_deadline_is_never_extended() {
+        let layer = CallerDeadlineLayer::new(Duration::from_secs(30));
+        // On the request, set by a layer outside.
+        let mut req = with("5000");
+        Deadline::after(Duration::from_secs(1)).tighten(&mut req);
+        let one = Some(Duration::from_secs(1));
+        let res = seen(layer.clone(), req).await;
+        assert_eq!(res.into_body().unwrap().0, one);
+        // Inherited by the task the server runs the request in.
+        let res = Deadline::after(Duration::from_secs(1))
+            .scope(seen(layer, with("5000")))
+            .await;
+        assert_eq!(res.into_body().unwrap().1, one);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn another_header_can_carry_it() {
+        let name = HeaderName::from_static("x-envoy-expected-rq-timeout-ms");
+        let layer = CallerDeadlineLayer::new(Duration::from_secs(30)).header(name.clone());
+        let req = Request::builder().header(name, "250").body(()).unwrap();
+        let left = Some(Duration::from_millis(250));
+        assert_eq!(seen(layer, req).await.into_body(), Some((left, left)));
+    }
+}
