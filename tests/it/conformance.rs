@@ -93,6 +93,10 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 .policy(policy);
             status_of(layer.layer(inner))
         }),
+        ("the quota layer", |inner| {
+            let quotas = backstop::quota::Quotas::seeded(Duration::from_millis(10), 7);
+            status_of(backstop::quota::QuotaLayer::new(quotas).layer(inner))
+        }),
         ("the caller's deadline, on a server", |inner| {
             status_of(CallerDeadlineLayer::new(Duration::from_secs(60)).layer(inner))
         }),

@@ -20,6 +20,7 @@ mod journal_stack;
 mod mcp;
 mod observability;
 mod otel_metrics;
+mod quota;
 mod readme_texts;
 mod soak;
 mod stack;

@@ -1,6 +1,7 @@
 use crate::Verdict;
 use backstop_core::{
-    AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome, ReportsOutcome, Throttled,
+    AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome, OverQuota, ReportsOutcome,
+    Throttled,
 };
 use std::{error::Error, io};
 
@@ -48,7 +49,8 @@ as_error_for!(
     AttemptTimedOut,
     DeadlineExceeded,
     CircuitOpen,
-    Throttled
+    Throttled,
+    OverQuota
 );
 
 #[cfg(feature = "hyper")]
@@ -73,6 +75,7 @@ impl AsError for std::convert::Infallible {
 /// | [`DeadlineExceeded`] | fatal (no time left) | as recorded |
 /// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
 /// | [`Throttled`] (client-side adaptive throttling) | fatal (do not call it now) | not sent |
+/// | [`OverQuota`] (the dependency's advertised quota, paced by `backstop-quota`) | fatal (the quota does not come back in time) | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
 /// | reqwest: connect error / timeout (feature `reqwest`) | retryable | not sent / unknown |
 /// | hyper: request cancelled before it was written | retryable | not sent |
@@ -132,7 +135,7 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     if is_attempt_timeout(e) {
         return retry(Outcome::Unknown);
     }
-    if e.is::<CircuitOpen>() || e.is::<Throttled>() {
+    if e.is::<CircuitOpen>() || e.is::<Throttled>() || e.is::<OverQuota>() {
         return Some(Verdict::Fatal {
             outcome: Outcome::NotSent,
         });

@@ -407,6 +407,87 @@ impl fmt::Display for Throttled {
 
 impl Error for Throttled {}
 
+/// An attempt was not sent: it would exceed a quota its dependency advertises (requests or
+/// tokens per window, as `backstop-quota` reads them), and the quota does not come back before
+/// the call's deadline, or the attempt costs more than the whole quota. The side effect is
+/// [`Outcome::NotSent`]; [`retry_in`](Self::retry_in) says when the quota comes back.
+#[derive(Clone, Debug)]
+pub struct OverQuota {
+    dependency: Dependency,
+    unit: &'static str,
+    limit: Option<u64>,
+    remaining: u64,
+    cost: u64,
+    retry_in: Option<Duration>,
+}
+
+impl OverQuota {
+    /// A refusal for `dependency`: the attempt costs `cost` of `unit` (`"tokens"`), of which
+    /// `remaining` are left of `limit`; the quota comes back in `retry_in` (`None`: the attempt
+    /// costs more than the whole quota).
+    #[doc(hidden)] // How Backstop's layers reach each other; not for users.
+    pub fn new(
+        dependency: Dependency,
+        unit: &'static str,
+        limit: Option<u64>,
+        remaining: u64,
+        cost: u64,
+        retry_in: Option<Duration>,
+    ) -> Self {
+        OverQuota {
+            dependency,
+            unit,
+            limit,
+            remaining,
+            cost,
+            retry_in,
+        }
+    }
+
+    /// The dependency.
+    pub fn dependency(&self) -> &Dependency {
+        &self.dependency
+    }
+
+    /// When the quota comes back; `None` when the attempt costs more than the whole quota.
+    pub fn retry_in(&self) -> Option<Duration> {
+        self.retry_in
+    }
+}
+
+impl fmt::Display for OverQuota {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (dependency, unit, cost) = (&self.dependency, self.unit, self.cost);
+        match (self.retry_in, self.limit) {
+            (None, Some(limit)) => write!(
+                f,
+                "the call needs {cost} {unit}, more than the whole quota {dependency} allows                  ({limit} {unit} a window), so it was not sent: make it smaller"
+            ),
+            (retry_in, limit) => {
+                write!(
+                    f,
+                    "the call needs {cost} {unit} and {dependency}'s quota has {} left",
+                    self.remaining
+                )?;
+                if let Some(limit) = limit {
+                    write!(f, " of {limit}")?;
+                }
+                write!(f, ", so it was not sent")?;
+                if let Some(t) = retry_in {
+                    write!(
+                        f,
+                        " (the quota comes back in {}, after this call's deadline)",
+                        HumanDuration::rounded_up(t)
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Error for OverQuota {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,7 +58,7 @@ pub const TIME_LEFT_HEADER: http::HeaderName =
 pub use dependency::{ByAuthority, Dependency, DependencyKey};
 pub use error::{
     AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, InvalidConfig,
-    ReplyLost, Throttled,
+    OverQuota, ReplyLost, Throttled,
 };
 pub use extensions::{HasExtensions, ReplaySafe, UnvouchedKey, WithExtensions};
 pub use outcome::{Outcome, ReportsOutcome};

@@ -6,7 +6,7 @@ use backstop_core::ReportsOutcome;
 use backstop_core::plumbing::{CauseChain, DeadlineWords, HumanDuration};
 use backstop_core::{
     AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, Dependency,
-    InvalidConfig, Outcome, ReplyLost, Throttled,
+    InvalidConfig, Outcome, OverQuota, ReplyLost, Throttled,
 };
 use std::{error::Error as StdError, fmt, time::Duration};
 
@@ -203,6 +203,15 @@ impl Error {
                 "this run has used all of its retries ({dependency} kept failing): do not retry; \
                  finish without this tool, or tell the user"
             ),
+            (ErrorKind::OverQuota, _) => match self.retry_after {
+                Some(after) => format!(
+                    "{dependency}'s quota is used up: try again in {}, or do less",
+                    HumanDuration::rounded_up(after)
+                ),
+                None => format!(
+                    "the request is larger than {dependency}'s whole quota: make it smaller"
+                ),
+            },
             (ErrorKind::Throttled, _) => format!(
                 "{dependency} is overloaded and this client is shedding its calls: do not retry \
                  now; try again later, or tell the user"
@@ -359,6 +368,9 @@ pub enum ErrorKind {
     /// The dependency has been shedding load and the client refused the call itself, before
     /// sending it (client-side adaptive throttling).
     Throttled,
+    /// The call would exceed a quota the dependency advertises, which does not come back before
+    /// the deadline: the client did not send it.
+    OverQuota,
     /// The last attempt timed out.
     TimedOut,
     /// The call's deadline passed, or the next attempt could not start before it.
@@ -378,6 +390,7 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::BudgetExhausted => "budget_exhausted",
             ErrorKind::Throttled => "throttled",
+            ErrorKind::OverQuota => "over_quota",
             ErrorKind::TimedOut => "timed_out",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::NotRetried => "not_retried",
@@ -417,6 +430,15 @@ impl Diagnosis {
                     circuit: Some(open.state()),
                     retry_in: open.retry_in(),
                     dependency: Some(open.dependency().clone()),
+                    ..Diagnosis::default()
+                };
+            }
+            if let Some(q) = e.downcast_ref::<OverQuota>() {
+                return Diagnosis {
+                    kind: Some(ErrorKind::OverQuota),
+                    outcome: Some(Outcome::NotSent),
+                    retry_in: q.retry_in(),
+                    dependency: Some(q.dependency().clone()),
                     ..Diagnosis::default()
                 };
             }
@@ -555,6 +577,7 @@ impl fmt::Display for Told<'_> {
             ErrorKind::Throttled => {
                 write!(f, "{cause}; do not retry now; {guidance}; tell the user")
             }
+            ErrorKind::OverQuota => write!(f, "{cause}; {guidance}"),
             ErrorKind::TimedOut => write!(
                 f,
                 "{dep} did not reply in time ({tries}: {cause}); {guidance}"
@@ -620,6 +643,11 @@ pub(crate) fn refused_before_sending(error: &(dyn StdError + 'static)) -> bool {
     d.outcome == Some(Outcome::NotSent)
         && matches!(
             d.kind,
-            Some(ErrorKind::Unavailable | ErrorKind::Throttled | ErrorKind::DeadlineExceeded)
+            Some(
+                ErrorKind::Unavailable
+                    | ErrorKind::Throttled
+                    | ErrorKind::OverQuota
+                    | ErrorKind::DeadlineExceeded
+            )
         )
 }

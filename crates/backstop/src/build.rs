@@ -186,6 +186,9 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             .map(|b| BreakerLayer::new(b, classifier.clone()).dependency(self.dependency.clone()));
         let throttle = (self.throttle.take())
             .map(|t| ThrottleLayer::new(t, classifier.clone()).dependency(self.dependency.clone()));
+        #[cfg(feature = "quota")]
+        let pace = (self.quotas.take())
+            .map(|q| backstop_quota::QuotaLayer::new(q).dependency(self.dependency.clone()));
         let hedging = latency.map(|latency| HedgeParts {
             classifier,
             latency,
@@ -216,6 +219,8 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             time_left_header: self.time_left_header,
             otel: self.otel,
             throttle,
+            #[cfg(feature = "quota")]
+            pace,
             breaker,
         })
     }

@@ -37,7 +37,7 @@ pub enum Preset {
 /// Builds the whole Backstop stack for one dependency, in the one right order:
 ///
 /// ```text
-/// call (idempotency key, call span, errors, dead letters) -> deadline -> retry (budget) -> throttle -> breaker -> attempt timeout -> service
+/// call (idempotency key, call span, errors, dead letters) -> deadline -> retry (budget) -> throttle -> pace -> breaker -> attempt timeout -> service
 /// ```
 ///
 /// The call's work, once per logical call, around tower layers of one concern each, in that
@@ -87,6 +87,8 @@ pub struct Backstop<C, P, I, Pol = StandardPolicy> {
     pub(crate) p99: Option<Duration>,
     pub(crate) budget: Option<Option<Budget>>,
     pub(crate) throttle: Option<AdaptiveThrottle>,
+    #[cfg(feature = "quota")]
+    pub(crate) quotas: Option<backstop_quota::Quotas>,
     pub(crate) breaker: Option<Option<Breaker>>,
     pub(crate) idempotency: bool,
     pub(crate) honours_keys: bool,
@@ -217,6 +219,8 @@ impl<C, P, I> Backstop<C, P, I> {
             p99: None,
             budget: None,
             throttle: None,
+            #[cfg(feature = "quota")]
+            quotas: None,
             breaker: None,
             idempotency: true,
             honours_keys: false,
@@ -345,6 +349,21 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
         self
     }
 
+    /// Paces every attempt, first or retry, to the quotas the dependency advertises in its
+    /// responses' headers (requests and tokens per window: `backstop::quota`), inside the retry
+    /// layer and outside the breaker: an attempt the quota has no room for waits for its reset
+    /// within the deadline, spread with the other callers of that reset, or ends at once with
+    /// an error of kind `OverQuota`, nothing sent, saying when the quota comes back. A request's
+    /// `Cost` (tokens) is charged beside its one request. One `Quotas` given to several stacks
+    /// paces them against one account. Feature `quota`; HTTP stacks read the headers, others
+    /// pace only to what a layer of theirs puts in the responses' extensions (`Told`).
+    #[cfg(feature = "quota")]
+    #[must_use]
+    pub fn pace(mut self, quotas: backstop_quota::Quotas) -> Self {
+        self.quotas = Some(quotas);
+        self
+    }
+
     /// The circuit breaker ([`Breaker::process_wide`] otherwise).
     #[must_use]
     pub fn breaker(mut self, breaker: Breaker) -> Self {
@@ -455,6 +474,8 @@ impl<C, P, I, Pol> Backstop<C, P, I, Pol> {
             p99: self.p99,
             budget: self.budget,
             throttle: self.throttle,
+            #[cfg(feature = "quota")]
+            quotas: self.quotas,
             breaker: self.breaker,
             idempotency: self.idempotency,
             honours_keys: self.honours_keys,

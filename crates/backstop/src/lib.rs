@@ -121,6 +121,8 @@ pub use backstop_journal as journal;
 pub use backstop_mcp as mcp;
 #[cfg(feature = "otel")]
 pub use backstop_otel as otel;
+#[cfg(feature = "quota")]
+pub use backstop_quota as quota;
 #[cfg(feature = "replay")]
 pub use backstop_replay as replay;
 pub use backstop_retry as retry;

@@ -40,8 +40,14 @@ type Timed<S, C> = Either<LearnedTimeout<S, C>, AttemptTimeout<S>>;
 /// Through the breaker when the stack has one, then timed.
 type Gated<S, C> = Either<CircuitBreaker<Timed<S, C>, C>, Timed<S, C>>;
 
-/// Each attempt: admitted by the adaptive throttle when the stack has one, then gated.
-type Attempt<S, C> = Either<Throttle<Gated<S, C>, C>, Gated<S, C>>;
+/// Paced to the dependency's advertised quotas when the stack paces (feature `quota`).
+#[cfg(feature = "quota")]
+type Paced<G> = Either<backstop_quota::Paced<G>, G>;
+#[cfg(not(feature = "quota"))]
+type Paced<G> = G;
+
+/// Each attempt: admitted by the adaptive throttle when the stack has one, paced, then gated.
+type Attempt<S, C> = Either<Throttle<Paced<Gated<S, C>>, C>, Paced<Gated<S, C>>>;
 
 /// The stack under the call's work: the deadline, the retry layer, the throttle, the breaker,
 /// the attempt timeout, the client as its transport wraps it.
@@ -231,6 +237,8 @@ pub struct BackstopLayer<C, P, I, Pol = StandardPolicy> {
     pub(crate) time_left_header: Option<http::HeaderName>,
     pub(crate) otel: crate::telemetry::Otel,
     pub(crate) throttle: Option<ThrottleLayer<C>>,
+    #[cfg(feature = "quota")]
+    pub(crate) pace: Option<backstop_quota::QuotaLayer>,
     pub(crate) breaker: Option<BreakerLayer<C>>,
 }
 
@@ -323,6 +331,8 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone, Pol: Clone> Layer<S>
             attempt_timeout: Some(self.attempt_timeout.limit()),
             attempt_header: self.attempt_header.clone(),
             time_left_header: self.time_left_header.clone(),
+            #[cfg(feature = "quota")]
+            read_quotas: self.pace.is_some(),
             otel: self.otel.clone(),
         };
         let client = self.transport.wrap(client, &settings);
@@ -333,6 +343,11 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone, Pol: Clone> Layer<S>
         let gated = match &self.breaker {
             Some(breaker) => Either::Left(breaker.layer(timed)),
             None => Either::Right(timed),
+        };
+        #[cfg(feature = "quota")]
+        let gated = match &self.pace {
+            Some(pace) => Either::Left(pace.layer(gated)),
+            None => Either::Right(gated),
         };
         let attempt = match &self.throttle {
             Some(throttle) => Either::Left(throttle.layer(gated)),

@@ -41,6 +41,9 @@ pub struct TransportSettings {
     /// The header the attempt number goes under (HTTP), if any.
     pub(crate) attempt_header: Option<http::HeaderName>,
     pub(crate) time_left_header: Option<http::HeaderName>,
+    /// Whether each response's quota headers are read for the pacing layer.
+    #[cfg(feature = "quota")]
+    pub(crate) read_quotas: bool,
     /// The stack's fixed attempt timeout (what a body or a gRPC call planned without the
     /// stack's attempt timeout outside would be given).
     pub(crate) attempt_timeout: Option<Duration>,
@@ -51,6 +54,12 @@ pub struct TransportSettings {
 
 /// The client as the retry layer calls it: with feature `otel`, every attempt passes the
 /// attempt metrics (a branch when the stack has no telemetry).
+/// Each response's quota headers read for the pacing layer, when the stack paces.
+#[cfg(feature = "quota")]
+pub(crate) type ReadQuotas<S> = tower::util::Either<backstop_quota::ReadQuotas<S>, S>;
+#[cfg(not(feature = "quota"))]
+pub(crate) type ReadQuotas<S> = S;
+
 #[cfg(feature = "otel")]
 pub(crate) type Attempts<S> = backstop_otel::AttemptMetrics<S>;
 #[cfg(not(feature = "otel"))]
@@ -71,8 +80,13 @@ pub(crate) fn attempts<S>(client: S, settings: &TransportSettings) -> Attempts<S
 }
 
 impl<S> Transport<S> for HttpResend {
-    type Client = Attempts<BoxErrors<BodyTimeout<AttemptHeaders<S>>>>;
+    type Client = Attempts<BoxErrors<BodyTimeout<AttemptHeaders<ReadQuotas<S>>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
+        #[cfg(feature = "quota")]
+        let client = match settings.read_quotas {
+            true => tower::util::Either::Left(backstop_quota::ReadQuotas::new(client)),
+            false => tower::util::Either::Right(client),
+        };
         let client = AttemptHeaders {
             inner: client,
             attempt: settings.attempt_header.clone(),

@@ -1,0 +1,416 @@
+//! The pacing layer: each attempt admitted against its dependency's quotas, and each response
+//! read for what it says of them.
+
+use crate::{
+    Cost, Quotas,
+    headers::{Advertised, Unit, advertised},
+    quotas::{Admission, Refusal},
+};
+use backstop_core::{BoxError, CircuitOpen, Deadline, Dependency, HasExtensions, OverQuota};
+use http::{Response, StatusCode};
+use pin_project::pin_project;
+use std::{
+    error::Error as StdError,
+    fmt,
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll, ready},
+    time::SystemTime,
+};
+use tokio::time::{Instant, Sleep, sleep_until};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// Applies [`Paced`]: every attempt to a dependency waits for the quota its responses advertise
+/// instead of meeting a `429`.
+///
+/// Place it inside the retry layer, so that every attempt is paced, and outside the breaker and
+/// the attempt timeout, so that a wait for the quota is neither a failure nor part of an
+/// attempt's time. For each attempt:
+///
+/// - the quotas its dependency advertised (requests, tokens: see [`advertised`]) are asked for
+///   one request and the request's [`Cost`] in tokens; when they have enough, it goes now and
+///   its cost is reserved until it is answered;
+/// - when one has not, it waits for that quota's reset, within the call's deadline; callers
+///   woken by one reset (or by one `Retry-After`) go at instants spread over the quotas' spread
+///   after it, so that a fleet of tasks does not come back in the same millisecond;
+/// - when the reset comes after the deadline, or the attempt costs more than the whole quota,
+///   it ends at once, *not sent*, with an [`OverQuota`] that says when the quota comes back;
+/// - what its response says of the quotas ([`Told`], read from the headers by
+///   [`ReadQuotasLayer`] next to the client) replaces what was known: the server's remaining
+///   figure, less what is still in flight since; a `429` or `503` that gives only `Retry-After`
+///   (seconds) or `retry-after-ms` closes the dependency's requests until then.
+///
+/// Before the first response, nothing is known and nothing waits. A dependency's quota is
+/// per process: processes sharing one quota each pace against what the server says is left.
+///
+/// ```
+/// use backstop_core::{BoxError, Dependency};
+/// use backstop_quota::{Cost, QuotaLayer, Quotas, ReadQuotasLayer, Unit};
+/// use std::time::Duration;
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), BoxError> {
+/// // An LLM API that allows 3,000 tokens a minute and says so on every response.
+/// let api = service_fn(|_req: http::Request<()>| async {
+///     let res = http::Response::builder()
+///         .header("x-ratelimit-limit-tokens", "3000")
+///         .header("x-ratelimit-remaining-tokens", "1000")
+///         .header("x-ratelimit-reset-tokens", "60s")
+///         .body(())?;
+///     Ok::<_, BoxError>(res)
+/// });
+/// let quotas = Quotas::seeded(Duration::ZERO, 7);
+/// let svc = ServiceBuilder::new()
+///     .layer(QuotaLayer::new(quotas.clone()).dependency("llm-api"))
+///     .layer(ReadQuotasLayer) // right over the client: each response's quota headers
+///     .service(api);
+/// let prompt = |tokens| {
+///     let mut req = http::Request::new(());
+///     req.extensions_mut().insert(Cost::tokens(tokens));
+///     req
+/// };
+/// svc.clone().oneshot(prompt(2000)).await?;
+/// let llm = Dependency::from("llm-api");
+/// assert_eq!(quotas.remaining(&llm, Unit::Tokens), Some(1000));
+///
+/// // 1,500 tokens do not fit in the 1,000 left: the call waits for the reset, a minute.
+/// let started = tokio::time::Instant::now();
+/// svc.oneshot(prompt(1500)).await?;
+/// assert_eq!(started.elapsed(), Duration::from_secs(60));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct QuotaLayer {
+    quotas: Quotas,
+    dependency: Dependency,
+}
+
+impl QuotaLayer {
+    /// Attempts paced against `quotas`, for one dependency: a dependency of its own
+    /// ([`Dependency::unnamed`]) until [`dependency`](Self::dependency) names it. A
+    /// [`Dependency`] the request carries (the retry layer's) wins.
+    pub fn new(quotas: Quotas) -> Self {
+        QuotaLayer {
+            quotas,
+            dependency: Dependency::unnamed(),
+        }
+    }
+
+    /// Names the dependency of requests that carry none.
+    #[must_use]
+    pub fn dependency(mut self, name: impl Into<Dependency>) -> Self {
+        self.dependency = name.into();
+        self
+    }
+}
+
+impl<S> Layer<S> for QuotaLayer {
+    type Service = Paced<S>;
+    fn layer(&self, inner: S) -> Paced<S> {
+        Paced {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// Paces attempts to the quotas their dependency advertises: see [`QuotaLayer`].
+#[derive(Clone, Debug)]
+pub struct Paced<S> {
+    inner: S,
+    layer: QuotaLayer,
+}
+
+impl<S> Paced<S> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, Req> Service<Req> for Paced<S>
+where
+    S: Service<Req, Response: HasExtensions> + Clone,
+    S::Error: Into<BoxError>,
+    Req: HasExtensions,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = PacedFuture<S, Req>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        // The handle polled ready goes with the call; a clone stays behind.
+        let clone = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, clone);
+        let pacing = Pacing {
+            quotas: self.layer.quotas.clone(),
+            dependency: Dependency::of(&req).unwrap_or_else(|| self.layer.dependency.clone()),
+            cost: req.extensions().get::<Cost>().copied().unwrap_or_default(),
+            deadline: Deadline::of(&req).map(Deadline::instant),
+        };
+        let state = pacing.next(ready, req, true);
+        PacedFuture { pacing, state }
+    }
+}
+
+/// What an attempt is paced by.
+#[derive(Clone, Debug)]
+struct Pacing {
+    quotas: Quotas,
+    dependency: Dependency,
+    cost: Cost,
+    deadline: Option<Instant>,
+}
+
+impl Pacing {
+    /// Asks the quotas, and goes, waits or ends accordingly.
+    fn next<S: Service<Req>, Req>(&self, mut svc: S, req: Req, spread: bool) -> State<S, Req> {
+        let now = Instant::now();
+        match self
+            .quotas
+            .admit(&self.dependency, self.cost, now, self.deadline, spread)
+        {
+            Admission::Now => State::Calling {
+                fut: svc.call(req),
+                reservation: Some(Reservation(Some(self.clone()))),
+            },
+            Admission::At(at) => State::Waiting {
+                sleep: Box::pin(sleep_until(at)),
+                svc: Some((svc, req)),
+            },
+            Admission::Refused(r) => State::Refused(Some(self.refusal(r))),
+        }
+    }
+
+    fn refusal(&self, r: Refusal) -> OverQuota {
+        OverQuota::new(
+            self.dependency.clone(),
+            r.unit.as_str(),
+            r.limit,
+            r.remaining,
+            r.cost,
+            r.after,
+        )
+    }
+}
+
+/// An attempt's cost, reserved until it is answered: released as spent (its outcome unknown)
+/// if the attempt is dropped first.
+#[derive(Debug)]
+struct Reservation(Option<Pacing>);
+
+impl Reservation {
+    fn end(mut self, sent: bool, advertised: &[Advertised]) {
+        if let Some(p) = self.0.take() {
+            p.quotas
+                .ended(&p.dependency, p.cost, Instant::now(), sent, advertised);
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            p.quotas
+                .ended(&p.dependency, p.cost, Instant::now(), true, &[]);
+        }
+    }
+}
+
+/// Response future of [`Paced`].
+#[pin_project]
+pub struct PacedFuture<S: Service<Req>, Req> {
+    pacing: Pacing,
+    #[pin]
+    state: State<S, Req>,
+}
+
+impl<S: Service<Req>, Req> fmt::Debug for PacedFuture<S, Req> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PacedFuture")
+            .field("dependency", &self.pacing.dependency)
+            .finish_non_exhaustive()
+    }
+}
+
+#[pin_project(project = StateProj)]
+enum State<S: Service<Req>, Req> {
+    /// Waiting for the quota, with the handle polled ready and the request.
+    Waiting {
+        sleep: Pin<Box<Sleep>>,
+        svc: Option<(S, Req)>,
+    },
+    /// Sent, its cost reserved.
+    Calling {
+        #[pin]
+        fut: S::Future,
+        reservation: Option<Reservation>,
+    },
+    /// Not sent: the quota does not come back in time.
+    Refused(Option<OverQuota>),
+}
+
+impl<S, Req> Future for PacedFuture<S, Req>
+where
+    S: Service<Req, Response: HasExtensions>,
+    S::Error: Into<BoxError>,
+{
+    type Output = Result<S::Response, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Waiting { sleep, svc } => {
+                    ready!(sleep.as_mut().poll(cx));
+                    let (svc, req) = svc.take().expect("polled after completion");
+                    let next = this.pacing.next(svc, req, false);
+                    this.state.set(next);
+                }
+                StateProj::Calling { fut, reservation } => {
+                    let result = ready!(fut.poll(cx));
+                    let reservation = reservation.take().expect("polled after completion");
+                    return Poll::Ready(match result {
+                        Ok(res) => {
+                            let told = res.extensions().get::<Told>();
+                            reservation.end(true, told.map_or(&[], |t| &t.0));
+                            Ok(res)
+                        }
+                        Err(e) => {
+                            let e = e.into();
+                            reservation.end(!refused(&*e), &[]);
+                            Err(e)
+                        }
+                    });
+                }
+                StateProj::Refused(refusal) => {
+                    let refusal = refusal.take().expect("polled after completion");
+                    return Poll::Ready(Err(refusal.into()));
+                }
+            }
+        }
+    }
+}
+
+/// What a response said of its dependency's quotas, as [`ReadQuotas`] read them from its
+/// headers: the response's extension that [`Paced`] learns from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Told(pub Vec<Advertised>);
+
+impl Told {
+    /// What `res` says of its dependency's quotas: its headers as [`advertised`] reads them, and
+    /// for a `429` or `503` that gives only `Retry-After` (in seconds), no requests until then.
+    pub fn of<B>(res: &Response<B>) -> Told {
+        let headers = res.headers();
+        let mut found = advertised(headers, SystemTime::now());
+        let refused = matches!(
+            res.status(),
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        );
+        if refused && found.iter().all(|a| a.remaining != Some(0)) {
+            let after = headers
+                .get(http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(std::time::Duration::from_secs);
+            if let Some(after) = after {
+                found.retain(|a| a.unit != Unit::Requests);
+                found.push(Advertised {
+                    unit: Unit::Requests,
+                    limit: None,
+                    remaining: Some(0),
+                    reset: Some(after),
+                });
+            }
+        }
+        Told(found)
+    }
+}
+
+/// Applies [`ReadQuotas`]: each HTTP response's quota headers read into its extensions
+/// ([`Told`]), where a [`Paced`] service outside learns from them. Put it right over the
+/// client (a Backstop stack built with `pace` does).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReadQuotasLayer;
+
+impl<S> Layer<S> for ReadQuotasLayer {
+    type Service = ReadQuotas<S>;
+    fn layer(&self, inner: S) -> ReadQuotas<S> {
+        ReadQuotas { inner }
+    }
+}
+
+/// Reads each response's quota headers into its extensions: see [`ReadQuotasLayer`].
+#[derive(Clone, Debug)]
+pub struct ReadQuotas<S> {
+    inner: S,
+}
+
+impl<S> ReadQuotas<S> {
+    /// Reads `inner`'s responses.
+    pub fn new(inner: S) -> Self {
+        ReadQuotas { inner }
+    }
+}
+
+impl<S, Req, B> Service<Req> for ReadQuotas<S>
+where
+    S: Service<Req, Response = Response<B>>,
+{
+    type Response = Response<B>;
+    type Error = S::Error;
+    type Future = ReadQuotasFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        ReadQuotasFuture {
+            inner: self.inner.call(req),
+        }
+    }
+}
+
+/// Response future of [`ReadQuotas`].
+#[pin_project]
+#[derive(Debug)]
+pub struct ReadQuotasFuture<F> {
+    #[pin]
+    inner: F,
+}
+
+impl<F, B, E> Future for ReadQuotasFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut res = ready!(self.project().inner.poll(cx))?;
+        let told = Told::of(&res);
+        if !told.0.is_empty() {
+            res.extensions_mut().insert(told);
+        }
+        Poll::Ready(Ok(res))
+    }
+}
+
+/// Whether a layer further in refused the attempt before sending it (an open circuit).
+fn refused(error: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<CircuitOpen>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}

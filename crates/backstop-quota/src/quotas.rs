@@ -1,0 +1,452 @@
+//! Each dependency's quotas as its responses advertise them, and the attempts admitted against
+//! them.
+
+use crate::headers::{Advertised, Unit};
+use backstop_core::Dependency;
+use rand::{RngExt, SeedableRng, rngs::SmallRng};
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
+use tokio::time::Instant;
+
+/// What an attempt will cost beyond its one request: tokens, for an LLM API. Put it in the
+/// request's extensions; it is charged against every token quota the dependency advertises
+/// (tokens, input tokens, output tokens) until the response's own figures correct it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// Tokens the call is expected to use.
+    pub tokens: u64,
+}
+
+impl Cost {
+    /// A call expected to use `tokens`.
+    pub const fn tokens(tokens: u64) -> Self {
+        Cost { tokens }
+    }
+
+    /// What it costs of `unit`.
+    fn of(self, unit: Unit) -> u64 {
+        match unit {
+            Unit::Requests => 1,
+            Unit::Tokens | Unit::InputTokens | Unit::OutputTokens => self.tokens,
+        }
+    }
+}
+
+/// How many dependencies' quotas are kept; a process calling more is not paced for the rest.
+const MAX_DEPENDENCIES: usize = 4096;
+
+/// The quotas of the dependencies a process calls, learned from their responses; clones share
+/// them, so every stack calling one dependency paces against one account.
+#[derive(Clone)]
+pub struct Quotas {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    dependencies: Mutex<HashMap<Dependency, Account>>,
+    spread: Duration,
+    rng: Mutex<SmallRng>,
+}
+
+impl fmt::Debug for Quotas {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Quotas")
+            .field("spread", &self.inner.spread)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas::new(Duration::from_secs(2), rand::make_rng())
+    }
+}
+
+/// One dependency's quotas, by unit.
+#[derive(Debug, Default)]
+struct Account {
+    windows: HashMap<Unit, Window>,
+}
+
+/// One quota: what is left of it (the server's figure less what is in flight since), and when
+/// it resets.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    limit: Option<u64>,
+    remaining: u64,
+    reset_at: Option<Instant>,
+    /// Reserved by attempts admitted and not yet answered.
+    in_flight: u64,
+    /// Set once the window has run out: attempts arriving around its reset are spread over the
+    /// quotas' spread after it, instead of all at once.
+    ran_out: bool,
+    /// The reset of a window that had run out, while attempts after it are still spread.
+    spread_from: Option<Instant>,
+}
+
+/// What an attempt is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// Go now; its cost is reserved.
+    Now,
+    /// Wait until then, and ask again.
+    At(Instant),
+    /// The wait would not end before the deadline (or the cost is more than the whole quota):
+    /// not sent.
+    Refused(Refusal),
+}
+
+/// Why an attempt was refused: the quota it would exceed, and when it could go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub(crate) unit: Unit,
+    pub(crate) limit: Option<u64>,
+    pub(crate) remaining: u64,
+    pub(crate) cost: u64,
+    /// When it could be sent; `None`: never (it costs more than the whole quota).
+    pub(crate) after: Option<Duration>,
+}
+
+impl Quotas {
+    /// Quotas whose waiters, woken by one reset, are spread over up to `spread` after it, with
+    /// `rng`'s draws (seed it for a reproducible spread).
+    pub(crate) fn new(spread: Duration, rng: SmallRng) -> Self {
+        Quotas {
+            inner: Arc::new(Inner {
+                dependencies: Mutex::default(),
+                spread,
+                rng: Mutex::new(rng),
+            }),
+        }
+    }
+
+    /// Quotas whose waiters are spread over up to `spread` after a reset (2 s unless set), with
+    /// reproducible draws from `seed`.
+    pub fn seeded(spread: Duration, seed: u64) -> Self {
+        Quotas::new(spread, SmallRng::seed_from_u64(seed))
+    }
+
+    /// Quotas whose waiters are spread over up to `spread` after a reset.
+    pub fn with_spread(spread: Duration) -> Self {
+        Quotas::new(spread, rand::make_rng())
+    }
+
+    /// What is left of `dependency`'s quota in `unit`, as this process knows it (the server's
+    /// last figure less the attempts in flight since), if it advertised one.
+    pub fn remaining(&self, dependency: &Dependency, unit: Unit) -> Option<u64> {
+        let now = Instant::now();
+        let mut all = self.lock();
+        let window = all.get_mut(dependency)?.windows.get_mut(&unit)?;
+        roll(window, now);
+        Some(window.remaining)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Dependency, Account>> {
+        // A panic while the map was held leaves it as it was: still the best figures there are.
+        self.inner
+            .dependencies
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn jitter(&self, up_to: Duration) -> Duration {
+        if up_to.is_zero() {
+            return Duration::ZERO;
+        }
+        let mut rng = self.inner.rng.lock().unwrap_or_else(|p| p.into_inner());
+        let nanos = u64::try_from(up_to.as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(rng.random_range(0..nanos))
+    }
+
+    /// Asks to send an attempt of `cost` to `dependency` at `now`, before `deadline`. `spread`
+    /// is false for an attempt that already waited for its turn (it is not spread twice).
+    pub(crate) fn admit(
+        &self,
+        dependency: &Dependency,
+        cost: Cost,
+        now: Instant,
+        deadline: Option<Instant>,
+        spread: bool,
+    ) -> Admission {
+        let mut all = self.lock();
+        let Some(account) = all.get_mut(dependency) else {
+            return Admission::Now;
+        };
+        // The latest instant any quota lets it go, and a quota it would exceed.
+        let mut wake: Option<Instant> = None;
+        let mut spread_from: Option<Instant> = None;
+        let mut short: Option<Refusal> = None;
+        for (&unit, window) in &mut account.windows {
+            let need = cost.of(unit);
+            roll(window, now);
+            if need == 0 {
+                continue;
+            }
+            if window.limit.is_some_and(|limit| need > limit) {
+                return Admission::Refused(Refusal {
+                    unit,
+                    limit: window.limit,
+                    remaining: window.remaining,
+                    cost: need,
+                    after: None,
+                });
+            }
+            if let Some(reset) = window.spread_from {
+                if now < reset + self.inner.spread {
+                    // Reset after running out: everyone woken by it goes within the spread.
+                    spread_from = Some(spread_from.map_or(reset, |s: Instant| s.max(reset)));
+                } else {
+                    window.spread_from = None;
+                }
+            }
+            if need <= window.remaining {
+                continue;
+            }
+            // Not enough left: it waits for the reset (a window whose reset is unknown cannot be
+            // waited for; the server says no if it must).
+            let Some(reset_at) = window.reset_at else {
+                continue;
+            };
+            window.ran_out = true;
+            if wake.is_none_or(|w| reset_at > w) {
+                wake = Some(reset_at);
+                short = Some(Refusal {
+                    unit,
+                    limit: window.limit,
+                    remaining: window.remaining,
+                    cost: need,
+                    after: Some(reset_at.saturating_duration_since(now)),
+                });
+            }
+        }
+        let spread_end = |from: Instant| {
+            deadline.map_or(from + self.inner.spread, |d| {
+                d.min(from + self.inner.spread)
+            })
+        };
+        if let Some(wake) = wake {
+            if deadline.is_some_and(|d| wake >= d) {
+                return Admission::Refused(short.expect("a quota it waits for"));
+            }
+            // Spread the waiters of one reset over the spread after it, within the deadline.
+            let end = spread_end(wake);
+            return Admission::At(wake + self.jitter(end.saturating_duration_since(wake)));
+        }
+        if spread
+            && let Some(from) = spread_from
+            && now < from + self.inner.spread
+        {
+            let end = spread_end(from);
+            let at = from + self.jitter(end.saturating_duration_since(from));
+            if at > now {
+                return Admission::At(at);
+            }
+        }
+        for (&unit, window) in &mut account.windows {
+            let need = cost.of(unit);
+            window.remaining = window.remaining.saturating_sub(need);
+            window.in_flight = window.in_flight.saturating_add(need);
+        }
+        Admission::Now
+    }
+
+    /// An attempt admitted with `cost` has ended: its reservation is released, and what the
+    /// response said of the quotas (as of `now`) replaces what was known. `sent` is false for
+    /// an attempt that never left (its cost is given back).
+    pub(crate) fn ended(
+        &self,
+        dependency: &Dependency,
+        cost: Cost,
+        now: Instant,
+        sent: bool,
+        advertised: &[Advertised],
+    ) {
+        let mut all = self.lock();
+        if !all.contains_key(dependency) {
+            if advertised.is_empty() || all.len() >= MAX_DEPENDENCIES {
+                return;
+            }
+            all.insert(dependency.clone(), Account::default());
+        }
+        let account = all.get_mut(dependency).expect("inserted");
+        for (&unit, window) in &mut account.windows {
+            let need = cost.of(unit);
+            window.in_flight = window.in_flight.saturating_sub(need);
+            if !sent {
+                window.remaining = window.remaining.saturating_add(need);
+            }
+        }
+        for a in advertised {
+            let window = account.windows.entry(a.unit).or_insert(Window {
+                limit: None,
+                remaining: u64::MAX,
+                reset_at: None,
+                in_flight: 0,
+                ran_out: false,
+                spread_from: None,
+            });
+            window.limit = a.limit.or(window.limit);
+            if let Some(reset) = a.reset {
+                window.reset_at = Some(now + reset);
+            }
+            if let Some(remaining) = a.remaining {
+                // The server counted every attempt it answered; those still in flight it has
+                // not seen.
+                window.remaining = remaining.saturating_sub(window.in_flight);
+            }
+            if window.remaining == 0 {
+                window.ran_out = true;
+            }
+        }
+    }
+}
+
+/// A window past its reset starts again: full when its limit is known, unknown otherwise; if it
+/// had run out, the attempts that waited for its reset are spread after it.
+fn roll(window: &mut Window, now: Instant) {
+    if let Some(reset) = window.reset_at
+        && reset <= now
+    {
+        if std::mem::take(&mut window.ran_out) {
+            window.spread_from = Some(reset);
+        }
+        window.remaining = window
+            .limit
+            .map_or(u64::MAX, |limit| limit.saturating_sub(window.in_flight));
+        window.reset_at = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(limit: u64, remaining: u64, reset: Duration) -> Advertised {
+        Advertised {
+            unit: Unit::Tokens,
+            limit: Some(limit),
+            remaining: Some(remaining),
+            reset: Some(reset),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_waits_for_the_reset_when_the_quota_is_spent() {
+        let quotas = Quotas::seeded(Duration::ZERO, 1);
+        let dep = Dependency::from("llm");
+        let now = Instant::now();
+        quotas.ended(
+            &dep,
+            Cost::default(),
+            now,
+            true,
+            &[tokens(40_000, 3_000, Duration::from_secs(20))],
+        );
+        assert_eq!(
+            quotas.admit(&dep, Cost::tokens(2_000), now, None, true),
+            Admission::Now
+        );
+        assert_eq!(quotas.remaining(&dep, Unit::Tokens), Some(1_000));
+        assert_eq!(
+            quotas.admit(&dep, Cost::tokens(2_000), now, None, true),
+            Admission::At(now + Duration::from_secs(20))
+        );
+        // Past the deadline: refused, with when it could go.
+        let refused = quotas.admit(
+            &dep,
+            Cost::tokens(2_000),
+            now,
+            Some(now + Duration::from_secs(5)),
+            true,
+        );
+        let Admission::Refused(r) = refused else {
+            panic!("{refused:?}")
+        };
+        assert_eq!(
+            (r.unit, r.after),
+            (Unit::Tokens, Some(Duration::from_secs(20)))
+        );
+        // More than the whole quota: never.
+        let Admission::Refused(r) = quotas.admit(&dep, Cost::tokens(50_000), now, None, true)
+        else {
+            panic!()
+        };
+        assert_eq!(r.after, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_servers_figure_counts_what_is_still_in_flight() {
+        let quotas = Quotas::seeded(Duration::ZERO, 1);
+        let dep = Dependency::from("llm");
+        let now = Instant::now();
+        quotas.ended(
+            &dep,
+            Cost::default(),
+            now,
+            true,
+            &[tokens(10_000, 10_000, Duration::from_secs(60))],
+        );
+        for _ in 0..3 {
+            assert_eq!(
+                quotas.admit(&dep, Cost::tokens(1_000), now, None, true),
+                Admission::Now
+            );
+        }
+        // One of the three answers: the server says 9,000 left; two are still in flight.
+        quotas.ended(
+            &dep,
+            Cost::tokens(1_000),
+            now,
+            true,
+            &[tokens(10_000, 9_000, Duration::from_secs(60))],
+        );
+        assert_eq!(quotas.remaining(&dep, Unit::Tokens), Some(7_000));
+        // One never left: its cost comes back.
+        quotas.ended(&dep, Cost::tokens(1_000), now, false, &[]);
+        assert_eq!(quotas.remaining(&dep, Unit::Tokens), Some(8_000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_of_one_reset_are_spread_within_the_deadline() {
+        let spread = Duration::from_secs(2);
+        let quotas = Quotas::seeded(spread, 7);
+        let dep = Dependency::from("llm");
+        let now = Instant::now();
+        let reset = now + Duration::from_secs(10);
+        quotas.ended(
+            &dep,
+            Cost::default(),
+            now,
+            true,
+            &[tokens(100, 0, Duration::from_secs(10))],
+        );
+        let wakes: Vec<Instant> = (0..50)
+            .map(
+                |_| match quotas.admit(&dep, Cost::tokens(1), now, None, true) {
+                    Admission::At(at) => at,
+                    other => panic!("{other:?}"),
+                },
+            )
+            .collect();
+        assert!(wakes.iter().all(|w| *w >= reset && *w < reset + spread));
+        let first = wakes.iter().min().unwrap();
+        let last = wakes.iter().max().unwrap();
+        assert!(
+            *last - *first > Duration::from_secs(1),
+            "spread out: {:?}",
+            *last - *first
+        );
+        // Within a deadline shorter than the spread.
+        let deadline = reset + Duration::from_millis(300);
+        for _ in 0..50 {
+            match quotas.admit(&dep, Cost::tokens(1), now, Some(deadline), true) {
+                Admission::At(at) => assert!(at >= reset && at < deadline),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
