@@ -269,3 +269,53 @@ async fn a_wait_past_the_deadline_ends_at_once_not_sent() {
         err.next_action()
     );
 }
+
+/// A run with a spend ceiling: its calls go until the next one would pass it; that one is not
+/// sent, in the run's words, and repeating it in this run will not help.
+#[tokio::test(start_paused = true)]
+async fn a_run_stops_at_its_spend_ceiling() {
+    let start = Instant::now();
+    let ledger: Arc<Mutex<Ledger>> = Arc::default();
+    let llm = Backstop::http("quota-run-ceiling")
+        .no_breaker()
+        .pace(Quotas::seeded(Duration::from_secs(1), 5))
+        .build()
+        .unwrap()
+        .layer(llm_api(start, ledger.clone()));
+    let run = backstop::Run::new("run-ceiling").spend_ceiling(10_000);
+    let call = |tokens: u64| {
+        let mut req = Request::post("http://llm.local/v1/messages")
+            .header("x-tokens", tokens)
+            .body(Body::default())
+            .unwrap();
+        req.extensions_mut().insert(Cost::tokens(tokens));
+        run.attach(&mut req);
+        llm.clone().oneshot(req)
+    };
+    for _ in 0..3 {
+        assert_eq!(call(3_000).await.unwrap().status(), 200);
+    }
+    let err = call(3_000).await.unwrap_err();
+    assert_eq!(
+        (err.kind(), err.outcome()),
+        (ErrorKind::OverQuota, Outcome::NotSent)
+    );
+    assert!(
+        err.to_string()
+            .contains("run run-ceiling has spent 9000 of the 10000 it may spend"),
+        "{err}"
+    );
+    assert!(
+        err.next_action().contains("this run has spent what it may"),
+        "{}",
+        err.next_action()
+    );
+    assert_eq!(run.spent(), 9_000);
+    assert_eq!(
+        ledger.lock().unwrap().arrivals.len(),
+        3,
+        "the fourth was not sent"
+    );
+    // A smaller call still fits.
+    assert_eq!(call(1_000).await.unwrap().status(), 200);
+}

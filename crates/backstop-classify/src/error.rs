@@ -1,7 +1,7 @@
 use crate::Verdict;
 use backstop_core::{
     AttemptTimedOut, BoxError, CircuitOpen, DeadlineExceeded, Outcome, OverQuota, ReportsOutcome,
-    Throttled,
+    RunSpent, Throttled,
 };
 use std::{error::Error, io};
 
@@ -50,7 +50,8 @@ as_error_for!(
     DeadlineExceeded,
     CircuitOpen,
     Throttled,
-    OverQuota
+    OverQuota,
+    RunSpent
 );
 
 #[cfg(feature = "hyper")]
@@ -76,6 +77,7 @@ impl AsError for std::convert::Infallible {
 /// | [`CircuitOpen`] | fatal (do not call it now) | not sent |
 /// | [`Throttled`] (client-side adaptive throttling) | fatal (do not call it now) | not sent |
 /// | [`OverQuota`] (the dependency's advertised quota, paced by `backstop-quota`) | fatal (the quota does not come back in time) | not sent |
+/// | [`RunSpent`] (the run's spend ceiling) | fatal | not sent |
 /// | hyper-util connect error (refused, DNS, connect timeout) | retryable | not sent |
 /// | reqwest: connect error / timeout (feature `reqwest`) | retryable | not sent / unknown |
 /// | hyper: request cancelled before it was written | retryable | not sent |
@@ -135,7 +137,7 @@ fn recognise(e: &(dyn Error + 'static)) -> Option<Verdict> {
     if is_attempt_timeout(e) {
         return retry(Outcome::Unknown);
     }
-    if e.is::<CircuitOpen>() || e.is::<Throttled>() || e.is::<OverQuota>() {
+    if e.is::<CircuitOpen>() || e.is::<Throttled>() || e.is::<OverQuota>() || e.is::<RunSpent>() {
         return Some(Verdict::Fatal {
             outcome: Outcome::NotSent,
         });

@@ -62,7 +62,7 @@ pub use error::{
 };
 pub use extensions::{HasExtensions, ReplaySafe, UnvouchedKey, WithExtensions};
 pub use outcome::{Outcome, ReportsOutcome};
-pub use run::{AttemptLimit, Run};
+pub use run::{AttemptLimit, Run, RunSpent};
 pub use verdict::{Classify, Verdict};
 
 /// Not part of the public API: what the Backstop crates use to reach each other. Anything here

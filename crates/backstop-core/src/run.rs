@@ -1,9 +1,10 @@
 use crate::{Deadline, Dependency, HasExtensions};
 use std::{
+    error::Error,
     fmt,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -49,6 +50,7 @@ pub struct Run {
     id: Arc<str>,
     deadline: Option<Deadline>,
     budget: Option<u32>,
+    ceiling: Option<u64>,
     spend: Arc<Spend>,
 }
 
@@ -56,6 +58,8 @@ pub struct Run {
 struct Spend {
     total: AtomicU32,
     by_dependency: Mutex<Vec<(Dependency, u32)>>,
+    /// What its calls have cost, in the unit of the ceiling.
+    cost: AtomicU64,
 }
 
 impl fmt::Debug for Run {
@@ -77,8 +81,60 @@ impl Run {
             id: id.into(),
             deadline: None,
             budget: None,
+            ceiling: None,
             spend: Arc::default(),
         }
+    }
+
+    /// The run's calls may cost at most `units` in all, in the unit their `Cost` counts
+    /// (tokens, for an LLM API; see `backstop_quota::Cost`), every attempt counted: an attempt
+    /// that would pass the ceiling is refused before it is sent ([`RunSpent`], outcome not
+    /// sent), in the run's words. The stack's pacing layer (`Backstop::pace`) charges each
+    /// attempt.
+    ///
+    /// ```
+    /// use backstop_core::Run;
+    ///
+    /// let run = Run::new("run-7f3a").spend_ceiling(10_000);
+    /// assert!(run.spend(6_000).is_ok());
+    /// let refused = run.spend(6_000).unwrap_err();
+    /// assert_eq!(run.spent(), 6_000, "a refused attempt costs nothing");
+    /// assert_eq!(
+    ///     refused.to_string(),
+    ///     "run run-7f3a has spent 6000 of the 10000 it may spend and this call needs 6000 more, \
+    ///      so it was not sent",
+    /// );
+    /// ```
+    #[must_use]
+    pub fn spend_ceiling(mut self, units: u64) -> Self {
+        self.ceiling = Some(units);
+        self
+    }
+
+    /// What the run's calls have cost so far, in the unit of its ceiling.
+    pub fn spent(&self) -> u64 {
+        self.spend.cost.load(Ordering::Acquire)
+    }
+
+    /// Charges `units` to the run, unless that would pass its ceiling (nothing is charged
+    /// then). A run without a ceiling always says yes, and still counts.
+    pub fn spend(&self, units: u64) -> Result<(), RunSpent> {
+        let Some(ceiling) = self.ceiling else {
+            self.spend.cost.fetch_add(units, Ordering::AcqRel);
+            return Ok(());
+        };
+        self.spend
+            .cost
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |spent| {
+                spent.checked_add(units).filter(|after| *after <= ceiling)
+            })
+            .map(|_| ())
+            .map_err(|spent| RunSpent {
+                run: self.id.clone(),
+                ceiling,
+                spent,
+                cost: units,
+            })
     }
 
     /// The run must end within `length` from now: no call of the run is given longer than
@@ -238,3 +294,34 @@ mod tests {
         assert_eq!(other.retries_spent(), 2);
     }
 }
+
+/// An attempt was not sent: it would take its run past the run's spend ceiling
+/// ([`Run::spend_ceiling`]). The side effect is [`Outcome::NotSent`](crate::Outcome::NotSent),
+/// and repeating the call in this run will not help.
+#[derive(Clone, Debug)]
+pub struct RunSpent {
+    run: Arc<str>,
+    ceiling: u64,
+    spent: u64,
+    cost: u64,
+}
+
+impl RunSpent {
+    /// The run's id.
+    pub fn run(&self) -> &str {
+        &self.run
+    }
+}
+
+impl fmt::Display for RunSpent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "run {} has spent {} of the {} it may spend and this call needs {} more, so it was \
+             not sent",
+            self.run, self.spent, self.ceiling, self.cost
+        )
+    }
+}
+
+impl Error for RunSpent {}

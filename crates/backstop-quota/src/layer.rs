@@ -6,7 +6,7 @@ use crate::{
     headers::{Advertised, Unit, advertised},
     quotas::{Admission, Refusal},
 };
-use backstop_core::{BoxError, CircuitOpen, Deadline, Dependency, HasExtensions, OverQuota};
+use backstop_core::{BoxError, CircuitOpen, Deadline, Dependency, HasExtensions, OverQuota, Run};
 use http::{Response, StatusCode};
 use pin_project::pin_project;
 use std::{
@@ -40,6 +40,10 @@ use tower_service::Service;
 ///   [`ReadQuotasLayer`] next to the client) replaces what was known: the server's remaining
 ///   figure, less what is still in flight since; a `429` or `503` that gives only `Retry-After`
 ///   (seconds) or `retry-after-ms` closes the dependency's requests until then.
+///
+/// An attempt of a call whose [`Run`] has a spend ceiling ([`Run::spend_ceiling`]) is charged
+/// its cost when it goes; one that would pass the ceiling ends at once, not sent, with the run's
+/// `RunSpent`.
 ///
 /// Before the first response, nothing is known and nothing waits. A dependency's quota is
 /// per process: processes sharing one quota each pace against what the server says is left.
@@ -154,6 +158,7 @@ where
             dependency: Dependency::of(&req).unwrap_or_else(|| self.layer.dependency.clone()),
             cost: req.extensions().get::<Cost>().copied().unwrap_or_default(),
             deadline: Deadline::of(&req).map(Deadline::instant),
+            run: Run::of(&req).cloned(),
         };
         let state = pacing.next(ready, req, true);
         PacedFuture { pacing, state }
@@ -167,6 +172,8 @@ struct Pacing {
     dependency: Dependency,
     cost: Cost,
     deadline: Option<Instant>,
+    /// The run the call belongs to: each attempt sent is charged to its spend ceiling.
+    run: Option<Run>,
 }
 
 impl Pacing {
@@ -177,15 +184,24 @@ impl Pacing {
             .quotas
             .admit(&self.dependency, self.cost, now, self.deadline, spread)
         {
-            Admission::Now => State::Calling {
-                fut: svc.call(req),
-                reservation: Some(Reservation(Some(self.clone()))),
-            },
+            Admission::Now => {
+                let reservation = Reservation(Some(self.clone()));
+                if let Some(run) = &self.run
+                    && let Err(spent) = run.spend(self.cost.tokens)
+                {
+                    reservation.end(false, &[]);
+                    return State::Refused(Some(spent.into()));
+                }
+                State::Calling {
+                    fut: svc.call(req),
+                    reservation: Some(reservation),
+                }
+            }
             Admission::At(at) => State::Waiting {
                 sleep: Box::pin(sleep_until(at)),
                 svc: Some((svc, req)),
             },
-            Admission::Refused(r) => State::Refused(Some(self.refusal(r))),
+            Admission::Refused(r) => State::Refused(Some(self.refusal(r).into())),
         }
     }
 
@@ -253,8 +269,9 @@ enum State<S: Service<Req>, Req> {
         fut: S::Future,
         reservation: Option<Reservation>,
     },
-    /// Not sent: the quota does not come back in time.
-    Refused(Option<OverQuota>),
+    /// Not sent: the quota does not come back in time ([`OverQuota`]), or the run has spent
+    /// what it may (`RunSpent`).
+    Refused(Option<BoxError>),
 }
 
 impl<S, Req> Future for PacedFuture<S, Req>
@@ -292,7 +309,7 @@ where
                 }
                 StateProj::Refused(refusal) => {
                     let refusal = refusal.take().expect("polled after completion");
-                    return Poll::Ready(Err(refusal.into()));
+                    return Poll::Ready(Err(refusal));
                 }
             }
         }

@@ -6,7 +6,7 @@ use backstop_core::ReportsOutcome;
 use backstop_core::plumbing::{CauseChain, DeadlineWords, HumanDuration};
 use backstop_core::{
     AttemptTimedOut, BoxError, CircuitOpen, CircuitState, DeadlineExceeded, Dependency,
-    InvalidConfig, Outcome, OverQuota, ReplyLost, Throttled,
+    InvalidConfig, Outcome, OverQuota, ReplyLost, RunSpent, Throttled,
 };
 use std::{error::Error as StdError, fmt, time::Duration};
 
@@ -203,6 +203,11 @@ impl Error {
                 "this run has used all of its retries ({dependency} kept failing): do not retry; \
                  finish without this tool, or tell the user"
             ),
+            (ErrorKind::OverQuota, _) if in_chain::<RunSpent>(&*self.cause) => {
+                "this run has spent what it may: do not retry; finish without this call, or tell \
+                 the user"
+                    .to_owned()
+            }
             (ErrorKind::OverQuota, _) => match self.retry_after {
                 Some(after) => format!(
                     "{dependency}'s quota is used up: try again in {}, or do less",
@@ -369,7 +374,7 @@ pub enum ErrorKind {
     /// sending it (client-side adaptive throttling).
     Throttled,
     /// The call would exceed a quota the dependency advertises, which does not come back before
-    /// the deadline: the client did not send it.
+    /// the deadline, or its run's spend ceiling: the client did not send it.
     OverQuota,
     /// The last attempt timed out.
     TimedOut,
@@ -430,6 +435,13 @@ impl Diagnosis {
                     circuit: Some(open.state()),
                     retry_in: open.retry_in(),
                     dependency: Some(open.dependency().clone()),
+                    ..Diagnosis::default()
+                };
+            }
+            if e.is::<RunSpent>() {
+                return Diagnosis {
+                    kind: Some(ErrorKind::OverQuota),
+                    outcome: Some(Outcome::NotSent),
                     ..Diagnosis::default()
                 };
             }
@@ -622,6 +634,18 @@ impl fmt::Display for Told<'_> {
             ),
         }
     }
+}
+
+/// Whether an error of type `E` is in `error`'s cause chain.
+fn in_chain<E: StdError + 'static>(error: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<E>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// The [`ReplyLost`] in `error`'s cause chain, if any.
