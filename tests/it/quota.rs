@@ -93,6 +93,16 @@ fn llm_api(
     })
 }
 
+/// A prompt of `tokens`: its weight in the body the fake API reads, and its `Cost` for pacing.
+fn prompt(tokens: u64) -> Request<Body> {
+    let mut req = Request::post("http://llm.local/v1/messages")
+        .header("x-tokens", tokens)
+        .body(Body::default())
+        .unwrap();
+    req.extensions_mut().insert(Cost::tokens(tokens));
+    req
+}
+
 /// What one run measured.
 #[derive(Debug)]
 struct Figures {
@@ -138,12 +148,7 @@ async fn agents(pace: bool) -> Figures {
             let began = Instant::now();
             let mut failed = 0;
             for tokens in weights {
-                let mut req = Request::post("http://llm.local/v1/messages")
-                    .header("x-tokens", tokens)
-                    .body(Body::default())
-                    .unwrap();
-                req.extensions_mut().insert(Cost::tokens(tokens));
-                match llm.clone().oneshot(req).await {
+                match llm.clone().oneshot(prompt(tokens)).await {
                     Ok(res) if res.status() == 200 => {}
                     _ => failed += 1,
                 }
@@ -234,14 +239,7 @@ async fn a_wait_past_the_deadline_ends_at_once_not_sent() {
         .build()
         .unwrap()
         .layer(llm_api(start, ledger.clone()));
-    let call = |tokens: u64| {
-        let mut req = Request::post("http://llm.local/v1/messages")
-            .header("x-tokens", tokens)
-            .body(Body::default())
-            .unwrap();
-        req.extensions_mut().insert(Cost::tokens(tokens));
-        llm.clone().oneshot(req)
-    };
+    let call = |tokens: u64| llm.clone().oneshot(prompt(tokens));
     assert_eq!(call(39_000).await.unwrap().status(), 200);
     let began = Instant::now();
     let err = call(2_000).await.unwrap_err();
@@ -284,11 +282,7 @@ async fn a_run_stops_at_its_spend_ceiling() {
         .layer(llm_api(start, ledger.clone()));
     let run = backstop::Run::new("run-ceiling").spend_ceiling(10_000);
     let call = |tokens: u64| {
-        let mut req = Request::post("http://llm.local/v1/messages")
-            .header("x-tokens", tokens)
-            .body(Body::default())
-            .unwrap();
-        req.extensions_mut().insert(Cost::tokens(tokens));
+        let mut req = prompt(tokens);
         run.attach(&mut req);
         llm.clone().oneshot(req)
     };
