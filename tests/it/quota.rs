@@ -37,7 +37,7 @@ struct Ledger {
 
 /// A fake LLM API: fixed one-minute windows from `start`; every answer carries the
 /// `x-ratelimit-*` headers; an attempt over either quota gets 429 and `Retry-After` (seconds to
-/// the window's end, rounded up). The request's body is its weight in tokens.
+/// the window's end, rounded up). The request's `x-tokens` header is its weight in tokens.
 fn llm_api(
     start: Instant,
     ledger: Arc<Mutex<Ledger>>,
@@ -93,7 +93,7 @@ fn llm_api(
     })
 }
 
-/// A prompt of `tokens`: its weight in the body the fake API reads, and its `Cost` for pacing.
+/// A prompt of `tokens`: its weight in the header the fake API reads, and its `Cost` for pacing.
 fn prompt(tokens: u64) -> Request<Body> {
     let mut req = Request::post("http://llm.local/v1/messages")
         .header("x-tokens", tokens)
