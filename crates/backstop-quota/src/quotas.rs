@@ -254,6 +254,61 @@ impl Quotas {
         Admission::Now
     }
 
+    /// Corrects `dependency`'s token quotas for a call charged `charged` that used `used`, as
+    /// the caller learned it from the response's body (an LLM API's `usage`, read as the
+    /// caller streams it: nothing is buffered for this). The difference goes back to, or comes
+    /// off, what is left in the current windows; the server's next remaining figure replaces it
+    /// anyway.
+    ///
+    /// ```
+    /// use backstop_core::Dependency;
+    /// use backstop_quota::{Cost, Quotas, Unit};
+    /// use std::time::Duration;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// # let quotas = Quotas::seeded(Duration::ZERO, 1);
+    /// # let llm = Dependency::from("llm-api");
+    /// # quotas.learn(&llm, &[backstop_quota::Advertised {
+    /// #     unit: Unit::Tokens, limit: Some(40_000), remaining: Some(30_000), reset: Some(Duration::from_secs(60)),
+    /// # }]);
+    /// // 4,000 tokens were charged for a call whose body reported 1,500.
+    /// quotas.settle(&llm, Cost::tokens(4_000), Cost::tokens(1_500));
+    /// assert_eq!(quotas.remaining(&llm, Unit::Tokens), Some(32_500));
+    /// # }
+    /// ```
+    pub fn settle(&self, dependency: &Dependency, charged: Cost, used: Cost) {
+        let now = Instant::now();
+        let mut all = self.lock();
+        let Some(account) = all.get_mut(dependency) else {
+            return;
+        };
+        for (&unit, window) in &mut account.windows {
+            if unit == Unit::Requests {
+                continue;
+            }
+            roll(window, now);
+            let limit = window.limit.unwrap_or(u64::MAX);
+            window.remaining = if used.tokens <= charged.tokens {
+                window
+                    .remaining
+                    .saturating_add(charged.tokens - used.tokens)
+                    .min(limit)
+            } else {
+                window
+                    .remaining
+                    .saturating_sub(used.tokens - charged.tokens)
+            };
+        }
+    }
+
+    /// Learns what a response (or anything else) said of `dependency`'s quotas, as
+    /// [`QuotaLayer`](crate::QuotaLayer) does from each response it sees: for quotas learned
+    /// another way, before the first call.
+    pub fn learn(&self, dependency: &Dependency, advertised: &[Advertised]) {
+        absorb(&mut self.lock(), dependency, Instant::now(), advertised);
+    }
+
     /// An attempt admitted with `cost` has ended: its reservation is released, and what the
     /// response said of the quotas (as of `now`) replaces what was known. `sent` is false for
     /// an attempt that never left (its cost is given back).
@@ -266,41 +321,56 @@ impl Quotas {
         advertised: &[Advertised],
     ) {
         let mut all = self.lock();
-        if !all.contains_key(dependency) {
-            if advertised.is_empty() || all.len() >= MAX_DEPENDENCIES {
-                return;
-            }
-            all.insert(dependency.clone(), Account::default());
-        }
-        let account = all.get_mut(dependency).expect("inserted");
-        for (&unit, window) in &mut account.windows {
-            let need = cost.of(unit);
-            window.in_flight = window.in_flight.saturating_sub(need);
-            if !sent {
-                window.remaining = window.remaining.saturating_add(need);
+        if let Some(account) = all.get_mut(dependency) {
+            for (&unit, window) in &mut account.windows {
+                let need = cost.of(unit);
+                window.in_flight = window.in_flight.saturating_sub(need);
+                if !sent {
+                    window.remaining = window.remaining.saturating_add(need);
+                }
             }
         }
-        for a in advertised {
-            let window = account.windows.entry(a.unit).or_insert(Window {
-                limit: None,
-                remaining: u64::MAX,
-                reset_at: None,
-                in_flight: 0,
-                ran_out: false,
-                spread_from: None,
-            });
-            window.limit = a.limit.or(window.limit);
-            if let Some(reset) = a.reset {
-                window.reset_at = Some(now + reset);
-            }
-            if let Some(remaining) = a.remaining {
-                // The server counted every attempt it answered; those still in flight it has
-                // not seen.
-                window.remaining = remaining.saturating_sub(window.in_flight);
-            }
-            if window.remaining == 0 {
-                window.ran_out = true;
-            }
+        absorb(&mut all, dependency, now, advertised);
+    }
+}
+
+/// What a response said of `dependency`'s quotas, as of `now`, replacing what was known.
+fn absorb(
+    all: &mut HashMap<Dependency, Account>,
+    dependency: &Dependency,
+    now: Instant,
+    advertised: &[Advertised],
+) {
+    if advertised.is_empty() {
+        return;
+    }
+    if !all.contains_key(dependency) {
+        if all.len() >= MAX_DEPENDENCIES {
+            return;
+        }
+        all.insert(dependency.clone(), Account::default());
+    }
+    let account = all.get_mut(dependency).expect("inserted");
+    for a in advertised {
+        let window = account.windows.entry(a.unit).or_insert(Window {
+            limit: None,
+            remaining: u64::MAX,
+            reset_at: None,
+            in_flight: 0,
+            ran_out: false,
+            spread_from: None,
+        });
+        window.limit = a.limit.or(window.limit);
+        if let Some(reset) = a.reset {
+            window.reset_at = Some(now + reset);
+        }
+        if let Some(remaining) = a.remaining {
+            // The server counted every attempt it answered; those still in flight it has not
+            // seen.
+            window.remaining = remaining.saturating_sub(window.in_flight);
+        }
+        if window.remaining == 0 {
+            window.ran_out = true;
         }
     }
 }
