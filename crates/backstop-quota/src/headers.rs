@@ -148,10 +148,12 @@ fn text<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
     }
 }
 
-/// A header holding a whole number.
+/// A header holding a whole number (its first item, where a server adds its policy after a
+/// comma: `30, 30;w=1`).
 fn count(headers: &HeaderMap, name: &str) -> Option<u64> {
     let v = text(headers, name)?;
-    match v.parse::<u64>() {
+    let first = v.split([',', ';']).next().unwrap_or(v).trim();
+    match first.parse::<u64>() {
         Ok(n) => Some(n),
         Err(_) => {
             ignored(name, v);
@@ -359,6 +361,16 @@ mod tests {
         // An earlier draft's dictionary.
         let h = headers(&[("ratelimit", "default;r=5;t=2")]);
         assert_eq!(advertised(&h, SystemTime::now())[0].remaining, Some(5));
+    }
+
+    #[test]
+    fn a_limit_followed_by_its_policy_is_read() {
+        let h = headers(&[
+            ("x-ratelimit-limit", "30, 30;w=1"),
+            ("x-ratelimit-remaining", "12"),
+            ("x-ratelimit-reset", "1"),
+        ]);
+        assert_eq!(advertised(&h, SystemTime::now())[0].limit, Some(30));
     }
 
     #[test]
