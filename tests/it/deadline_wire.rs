@@ -121,6 +121,7 @@ async fn the_tools_outbound_call_ends_by_the_agents_deadline() {
     let dependency = dependency().await;
     let tool = ToolServer::start(&dependency, Duration::from_secs(60)).await;
     let agent = Backstop::http("deadline-wire-agent")
+        .time_left_header(TIME_LEFT_HEADER)
         .honours_keys()
         .no_breaker()
         .deadline(Duration::from_secs(2))
@@ -195,8 +196,8 @@ async fn a_request_without_a_time_left_keeps_the_servers_own_deadlines() {
     assert_eq!(tool.outbound().await, (None, None));
 }
 
-/// What the agent's stack sends: the time its attempt has left, by default under
-/// `backstop-time-left-ms`, under another name when asked, or nothing.
+/// What the agent's stack sends: nothing by default; the time its attempt has left under
+/// `backstop-time-left-ms`, or under another name, when asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_attempt_sends_its_time_left() {
     let server = TestServer::start(|_| Action::status(200)).await;
@@ -212,6 +213,7 @@ async fn each_attempt_sends_its_time_left() {
     };
 
     let layer = Backstop::http("deadline-wire-sender")
+        .time_left_header(TIME_LEFT_HEADER)
         .deadline(Duration::from_secs(30))
         .attempt_timeout(Duration::from_secs(2));
     layer
@@ -221,7 +223,7 @@ async fn each_attempt_sends_its_time_left() {
         .oneshot(get())
         .await
         .unwrap();
-    let left = sent("backstop-time-left-ms").expect("sent by default");
+    let left = sent("backstop-time-left-ms").expect("sent when asked");
     assert!(
         left > 0 && left <= 2000,
         "the attempt's 2 s, not the deadline's 30 s: {left}"
@@ -246,7 +248,7 @@ async fn each_attempt_sends_its_time_left() {
     assert!(left > 0 && left <= 3000, "the caller's 3 s: {left}");
     assert_eq!(sent("backstop-time-left-ms"), None);
 
-    let layer = Backstop::http("deadline-wire-sender").no_time_left_header();
+    let layer = Backstop::http("deadline-wire-sender");
     layer
         .build()
         .unwrap()

@@ -163,21 +163,16 @@ impl<P> Backstop<HttpClassifier, P, HttpKeys> {
     }
 
     /// Sends each attempt's time left (until its attempt timeout cuts it, within the deadline;
-    /// whole milliseconds, rounded up) under `name` instead of
+    /// whole milliseconds, rounded up) under `name`, conventionally
     /// [`TIME_LEFT_HEADER`](backstop_core::TIME_LEFT_HEADER), where a server's
     /// [`CallerDeadlineLayer`](backstop_timeout::CallerDeadlineLayer) reads it: the server stops
     /// its own outbound calls when the caller's time is up, and starts nothing for a caller
-    /// whose time is spent. Sent by default; gRPC stacks send `grpc-timeout` instead.
+    /// whose time is spent. Off by default (a header on every attempt is a cost on every call);
+    /// gRPC stacks send `grpc-timeout` and MCP stacks `_meta["dev.backstop/time-left-ms"]`
+    /// always.
     #[must_use]
     pub fn time_left_header(mut self, name: http::HeaderName) -> Self {
         self.time_left_header = Some(name);
-        self
-    }
-
-    /// Sends no time left (for a dependency that refuses unknown headers).
-    #[must_use]
-    pub fn no_time_left_header(mut self) -> Self {
-        self.time_left_header = None;
         self
     }
 }
@@ -225,7 +220,7 @@ impl<C, P, I> Backstop<C, P, I> {
             idempotency: true,
             honours_keys: false,
             attempt_header: None,
-            time_left_header: Some(backstop_core::TIME_LEFT_HEADER),
+            time_left_header: None,
             sink: None,
             reconcile: None,
             otel: crate::telemetry::Otel::default(),
