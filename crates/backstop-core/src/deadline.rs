@@ -125,6 +125,12 @@ impl Deadline {
         Some(end.saturating_duration_since(Instant::now()))
     }
 
+    /// [`time_left`](Self::time_left) as it goes on the wire: whole milliseconds, rounded up.
+    pub fn time_left_ms<R: HasExtensions + ?Sized>(req: &R) -> Option<u64> {
+        let left = Deadline::time_left(req)?;
+        Some(u64::try_from(left.as_micros().div_ceil(1000)).unwrap_or(u64::MAX))
+    }
+
     /// The deadline the current task inherited from the request it serves
     /// ([`scope`](Self::scope)), if any. Backstop's deadline layer tightens every call made in
     /// that task to it, so a server's outbound calls end when its caller's time does.
@@ -154,11 +160,32 @@ impl Deadline {
     /// # }
     /// ```
     pub fn scope<F: Future>(self, fut: F) -> tokio::task::futures::TaskLocalFuture<Deadline, F> {
-        let effective = match Deadline::current() {
+        INHERITED.scope(self.within_current(), fut)
+    }
+
+    /// Runs `f` now with this deadline inherited, as [`scope`](Self::scope) does for a future:
+    /// for the work a service does in `call` itself, before it returns its future.
+    ///
+    /// ```
+    /// use backstop_core::Deadline;
+    /// use std::time::Duration;
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// let caller = Deadline::after(Duration::from_secs(2));
+    /// assert_eq!(caller.in_scope(Deadline::current), Some(caller));
+    /// # }
+    /// ```
+    pub fn in_scope<R>(self, f: impl FnOnce() -> R) -> R {
+        INHERITED.sync_scope(self.within_current(), f)
+    }
+
+    /// This deadline, or the one the task already inherits when that is earlier.
+    fn within_current(self) -> Deadline {
+        match Deadline::current() {
             Some(outer) if outer <= self => outer,
             _ => self,
-        };
-        INHERITED.scope(effective, fut)
+        }
     }
 
     /// Records this deadline on the request unless it already carries an earlier one, and

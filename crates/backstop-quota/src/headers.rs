@@ -94,33 +94,12 @@ pub fn advertised(headers: &HeaderMap, now: SystemTime) -> Vec<Advertised> {
         }
     };
     ietf(headers, &mut add);
-    for prefix in ["ratelimit", "x-ratelimit"] {
-        for (suffix, unit) in [
-            ("", Unit::Requests),
-            ("-requests", Unit::Requests),
-            ("-tokens", Unit::Tokens),
-        ] {
-            add(Advertised {
-                unit,
-                limit: count(headers, &format!("{prefix}-limit{suffix}")),
-                remaining: count(headers, &format!("{prefix}-remaining{suffix}")),
-                reset: text(headers, &format!("{prefix}-reset{suffix}"))
-                    .and_then(|v| reset_in(v, now)),
-            });
-        }
-    }
-    for (name, unit) in [
-        ("requests", Unit::Requests),
-        ("tokens", Unit::Tokens),
-        ("input-tokens", Unit::InputTokens),
-        ("output-tokens", Unit::OutputTokens),
-    ] {
-        let prefix = format!("anthropic-ratelimit-{name}");
+    for &(unit, [limit, remaining, reset]) in FAMILIES {
         add(Advertised {
             unit,
-            limit: count(headers, &format!("{prefix}-limit")),
-            remaining: count(headers, &format!("{prefix}-remaining")),
-            reset: text(headers, &format!("{prefix}-reset")).and_then(|v| reset_in(v, now)),
+            limit: count(headers, limit),
+            remaining: count(headers, remaining),
+            reset: text(headers, reset).and_then(|v| reset_in(v, now)),
         });
     }
     if found.is_empty()
@@ -135,6 +114,71 @@ pub fn advertised(headers: &HeaderMap, now: SystemTime) -> Vec<Advertised> {
     }
     found
 }
+
+/// The `limit`, `remaining` and `reset` headers of each family that names them apart, with the
+/// unit they count.
+const FAMILIES: &[(Unit, [&str; 3])] = &[
+    (
+        Unit::Requests,
+        ["ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"],
+    ),
+    (
+        Unit::Requests,
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset",
+        ],
+    ),
+    (
+        Unit::Requests,
+        [
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+        ],
+    ),
+    (
+        Unit::Tokens,
+        [
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+        ],
+    ),
+    (
+        Unit::Requests,
+        [
+            "anthropic-ratelimit-requests-limit",
+            "anthropic-ratelimit-requests-remaining",
+            "anthropic-ratelimit-requests-reset",
+        ],
+    ),
+    (
+        Unit::Tokens,
+        [
+            "anthropic-ratelimit-tokens-limit",
+            "anthropic-ratelimit-tokens-remaining",
+            "anthropic-ratelimit-tokens-reset",
+        ],
+    ),
+    (
+        Unit::InputTokens,
+        [
+            "anthropic-ratelimit-input-tokens-limit",
+            "anthropic-ratelimit-input-tokens-remaining",
+            "anthropic-ratelimit-input-tokens-reset",
+        ],
+    ),
+    (
+        Unit::OutputTokens,
+        [
+            "anthropic-ratelimit-output-tokens-limit",
+            "anthropic-ratelimit-output-tokens-remaining",
+            "anthropic-ratelimit-output-tokens-reset",
+        ],
+    ),
+];
 
 /// A header's value as text, if it is there once and is text.
 fn text<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {

@@ -6,7 +6,10 @@ use crate::{
     headers::{Advertised, Unit, advertised},
     quotas::{Admission, Refusal},
 };
-use backstop_core::{BoxError, CircuitOpen, Deadline, Dependency, HasExtensions, OverQuota, Run};
+use backstop_core::{
+    BoxError, CircuitOpen, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
+    OverQuota, ReportsOutcome, Run,
+};
 use http::{Response, StatusCode};
 use pin_project::pin_project;
 use std::{
@@ -420,14 +423,61 @@ where
     }
 }
 
-/// Whether a layer further in refused the attempt before sending it (an open circuit).
+/// Whether a layer further in refused the attempt before sending it: an open circuit, or a
+/// deadline that had passed before the attempt could start.
 fn refused(error: &(dyn StdError + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(e) = next {
         if e.is::<CircuitOpen>() {
             return true;
         }
+        if let Some(d) = e.downcast_ref::<DeadlineExceeded>() {
+            return d.outcome() == Outcome::NotSent;
+        }
         next = e.source();
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Advertised;
+    use std::time::Duration;
+    use tower::{ServiceExt, service_fn};
+
+    /// An attempt refused before it left gives its cost back; one that may have reached the
+    /// server keeps it spent.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_attempt_gives_its_cost_back() {
+        let quotas = Quotas::seeded(Duration::ZERO, 1);
+        let llm = Dependency::from("llm");
+        quotas.learn(
+            &llm,
+            &[Advertised {
+                unit: Unit::Tokens,
+                limit: Some(10_000),
+                remaining: Some(1_000),
+                reset: Some(Duration::from_secs(60)),
+            }],
+        );
+        let failing = |error: fn() -> BoxError| {
+            QuotaLayer::new(quotas.clone())
+                .dependency("llm")
+                .layer(service_fn(move |_req: http::Request<()>| async move {
+                    Err::<http::Response<()>, _>(error())
+                }))
+        };
+        let prompt = || {
+            let mut req = http::Request::new(());
+            req.extensions_mut().insert(Cost::tokens(600));
+            req
+        };
+        let not_sent = || DeadlineExceeded::new(None, Outcome::NotSent).into();
+        assert!(failing(not_sent).oneshot(prompt()).await.is_err());
+        assert_eq!(quotas.remaining(&llm, Unit::Tokens), Some(1_000));
+        let cut = || DeadlineExceeded::new(None, Outcome::Unknown).into();
+        assert!(failing(cut).oneshot(prompt()).await.is_err());
+        assert_eq!(quotas.remaining(&llm, Unit::Tokens), Some(400));
+    }
 }

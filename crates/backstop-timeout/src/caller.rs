@@ -153,8 +153,10 @@ where
             return CallerDeadlineFuture::new(State::Spent { res: Some(res) });
         }
         let deadline = Deadline::after(left).tighten(&mut req);
+        // A service may start its work in `call` itself: that work inherits the deadline too.
+        let inner = deadline.in_scope(|| self.inner.call(req));
         CallerDeadlineFuture::new(State::Within {
-            inner: deadline.scope(self.inner.call(req)),
+            inner: deadline.scope(inner),
         })
     }
 }
@@ -296,6 +298,34 @@ mod tests {
             .scope(seen(layer, with("5000")))
             .await;
         assert_eq!(res.into_body().unwrap().1, one);
+    }
+
+    /// A service that starts its outbound call in `call` itself, not in its future.
+    #[derive(Clone)]
+    struct Eager(std::sync::Arc<std::sync::Mutex<Option<Option<Duration>>>>);
+
+    impl Service<Request<()>> for Eager {
+        type Response = Response<()>;
+        type Error = BoxError;
+        type Future = std::future::Ready<Result<Response<()>, BoxError>>;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _req: Request<()>) -> Self::Future {
+            *self.0.lock().unwrap() = Some(Deadline::current().map(Deadline::remaining));
+            std::future::ready(Ok(Response::new(())))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_started_in_call_inherits_it_too() {
+        let seen = Eager(Default::default());
+        let svc = CallerDeadlineLayer::new(Duration::from_secs(30)).layer(seen.clone());
+        svc.oneshot(with("1500")).await.unwrap();
+        assert_eq!(
+            *seen.0.lock().unwrap(),
+            Some(Some(Duration::from_millis(1500)))
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -37,9 +37,8 @@ where
                 .insert(name.clone(), http::HeaderValue::from(n));
         }
         if let Some(name) = &self.time_left
-            && let Some(left) = Deadline::time_left(&req)
+            && let Some(ms) = Deadline::time_left_ms(&req)
         {
-            let ms = u64::try_from(left.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
             req.headers_mut()
                 .insert(name.clone(), http::HeaderValue::from(ms));
         }

@@ -100,8 +100,7 @@ impl Service<ToolCall> for RmcpClient {
         let mut meta = params.meta.take().map(|m| m.0.0).unwrap_or_default();
         crate::trace::inject_current(&mut meta);
         // This attempt's time left, for the tool server to stop when the caller does.
-        if let Some(left) = backstop_core::Deadline::time_left(&call) {
-            let ms = u64::try_from(left.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+        if let Some(ms) = backstop_core::Deadline::time_left_ms(&call) {
             meta.insert(crate::META_TIME_LEFT.to_owned(), ms.into());
         }
         if !meta.is_empty() {
