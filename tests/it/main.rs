@@ -21,6 +21,7 @@ mod mcp;
 mod observability;
 mod otel_metrics;
 mod quota;
+mod quota_fleet;
 mod readme_texts;
 mod soak;
 mod stack;

@@ -24,15 +24,15 @@ const REQUESTS_PER_MINUTE: u64 = 60;
 const TOKENS_PER_MINUTE: u64 = 40_000;
 const MINUTE: Duration = Duration::from_secs(60);
 
-/// The API's ledger: each attempt it saw (when, and whether it answered 429), and the tokens
-/// it served.
+/// The API's ledger: each attempt it saw (when, and whether it answered 429), the tokens it
+/// served, and the current window's counts.
 #[derive(Default)]
-struct Ledger {
-    arrivals: Vec<(Duration, bool)>,
-    served_tokens: u64,
-    window: u64,
-    requests: u64,
-    tokens: u64,
+pub(super) struct Ledger {
+    pub(super) arrivals: Vec<(Duration, bool)>,
+    pub(super) served_tokens: u64,
+    pub(super) window: u64,
+    pub(super) requests: u64,
+    pub(super) tokens: u64,
 }
 
 /// A fake LLM API: fixed one-minute windows from `start`; every answer carries the

@@ -26,6 +26,30 @@ impl Unit {
             Unit::OutputTokens => "output tokens",
         }
     }
+
+    /// Its name in a fleet's account (`fleet/account.lua`).
+    #[cfg(feature = "fleet")]
+    pub(crate) fn key(self) -> &'static str {
+        match self {
+            Unit::Requests => "requests",
+            Unit::Tokens => "tokens",
+            Unit::InputTokens => "input-tokens",
+            Unit::OutputTokens => "output-tokens",
+        }
+    }
+
+    /// The unit named `key` in a fleet's account.
+    #[cfg(feature = "fleet")]
+    pub(crate) fn from_key(key: &str) -> Option<Unit> {
+        [
+            Unit::Requests,
+            Unit::Tokens,
+            Unit::InputTokens,
+            Unit::OutputTokens,
+        ]
+        .into_iter()
+        .find(|u| u.key() == key)
+    }
 }
 
 /// One quota a response reported: how many of `unit` the window allows, how many are left,

@@ -4,7 +4,7 @@
 use crate::{
     Cost, Quotas,
     headers::{Advertised, Unit, advertised},
-    quotas::{Admission, Refusal},
+    quotas::{Admission, Answer, Asking, Refusal},
 };
 use backstop_core::{
     BoxError, CircuitOpen, Deadline, DeadlineExceeded, Dependency, HasExtensions, Outcome,
@@ -48,8 +48,9 @@ use tower_service::Service;
 /// its cost when it goes; one that would pass the ceiling ends at once, not sent, with the run's
 /// `RunSpent`.
 ///
-/// Before the first response, nothing is known and nothing waits. A dependency's quota is
-/// per process: processes sharing one quota each pace against what the server says is left.
+/// Before the first response, nothing is known and nothing waits. Alone, each process paces
+/// against what the server says is left; processes that share one quota share one account
+/// through Redis with `Quotas::join_fleet` (feature `fleet`).
 ///
 /// ```
 /// use backstop_core::{BoxError, Dependency};
@@ -180,31 +181,78 @@ struct Pacing {
 }
 
 impl Pacing {
-    /// Asks the quotas, and goes, waits or ends accordingly.
-    fn next<S: Service<Req>, Req>(&self, mut svc: S, req: Req, spread: bool) -> State<S, Req> {
+    /// Asks the fleet, or this process's quotas, and goes, waits or ends accordingly.
+    fn next<S: Service<Req>, Req>(&self, svc: S, req: Req, spread: bool) -> State<S, Req> {
+        match self.quotas.ask_fleet(&self.dependency, self.cost) {
+            Some(asking) => State::Asking {
+                asking,
+                svc: Some((svc, req)),
+                spread,
+            },
+            None => self.alone(svc, req, spread),
+        }
+    }
+
+    /// Paced by this process's own account.
+    fn alone<S: Service<Req>, Req>(&self, svc: S, req: Req, spread: bool) -> State<S, Req> {
         let now = Instant::now();
         match self
             .quotas
             .admit(&self.dependency, self.cost, now, self.deadline, spread)
         {
-            Admission::Now => {
-                let reservation = Reservation(Some(self.clone()));
-                if let Some(run) = &self.run
-                    && let Err(spent) = run.spend(self.cost.tokens)
-                {
-                    reservation.end(false, &[]);
-                    return State::Refused(Some(spent.into()));
-                }
-                State::Calling {
-                    fut: svc.call(req),
-                    reservation: Some(reservation),
-                }
-            }
-            Admission::At(at) => State::Waiting {
-                sleep: Box::pin(sleep_until(at)),
-                svc: Some((svc, req)),
-            },
+            Admission::Now => self.send(svc, req, None),
+            Admission::At(at) => self.wait(at, svc, req),
             Admission::Refused(r) => State::Refused(Some(self.refusal(r).into())),
+        }
+    }
+
+    /// Paced by the fleet's answer.
+    fn answered<S: Service<Req>, Req>(&self, answer: Answer, svc: S, req: Req) -> State<S, Req> {
+        match answer {
+            Answer::Go { generation } => {
+                self.quotas
+                    .reserve(&self.dependency, self.cost, Instant::now());
+                self.send(svc, req, Some(generation))
+            }
+            Answer::Wait(r) => {
+                let reset = Instant::now() + r.after.unwrap_or_default();
+                if self.deadline.is_some_and(|d| reset >= d) {
+                    return State::Refused(Some(self.refusal(r).into()));
+                }
+                self.wait(self.quotas.spread_after(reset, self.deadline), svc, req)
+            }
+            Answer::Never(r) => State::Refused(Some(self.refusal(r).into())),
+        }
+    }
+
+    fn wait<S: Service<Req>, Req>(&self, at: Instant, svc: S, req: Req) -> State<S, Req> {
+        State::Waiting {
+            sleep: Box::pin(sleep_until(at)),
+            svc: Some((svc, req)),
+        }
+    }
+
+    /// Sends the attempt, its cost reserved (in the fleet's `generation` when the fleet let it
+    /// go), unless the run has spent what it may.
+    fn send<S: Service<Req>, Req>(
+        &self,
+        mut svc: S,
+        req: Req,
+        generation: Option<i64>,
+    ) -> State<S, Req> {
+        let reservation = Reservation {
+            pacing: Some(self.clone()),
+            generation,
+        };
+        if let Some(run) = &self.run
+            && let Err(spent) = run.spend(self.cost.tokens)
+        {
+            reservation.end(false, &[]);
+            return State::Refused(Some(spent.into()));
+        }
+        State::Calling {
+            fut: svc.call(req),
+            reservation: Some(reservation),
         }
     }
 
@@ -223,20 +271,27 @@ impl Pacing {
 /// An attempt's cost, reserved until it is answered: released as spent (its outcome unknown)
 /// if the attempt is dropped first.
 #[derive(Debug)]
-struct Reservation(Option<Pacing>);
+struct Reservation {
+    pacing: Option<Pacing>,
+    /// The generation of the fleet's windows the cost was taken in, when the fleet let it go.
+    generation: Option<i64>,
+}
 
 impl Reservation {
     fn end(mut self, sent: bool, advertised: &[Advertised]) {
-        if let Some(p) = self.0.take() {
+        if let Some(p) = self.pacing.take() {
             p.quotas
                 .ended(&p.dependency, p.cost, Instant::now(), sent, advertised);
+            if let (false, Some(generation)) = (sent, self.generation) {
+                p.quotas.give_back(&p.dependency, p.cost, generation);
+            }
         }
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
+        if let Some(p) = self.pacing.take() {
             p.quotas
                 .ended(&p.dependency, p.cost, Instant::now(), true, &[]);
         }
@@ -261,6 +316,12 @@ impl<S: Service<Req>, Req> fmt::Debug for PacedFuture<S, Req> {
 
 #[pin_project(project = StateProj)]
 enum State<S: Service<Req>, Req> {
+    /// Waiting for the fleet's answer, with the handle polled ready and the request.
+    Asking {
+        asking: Asking,
+        svc: Option<(S, Req)>,
+        spread: bool,
+    },
     /// Waiting for the quota, with the handle polled ready and the request.
     Waiting {
         sleep: Pin<Box<Sleep>>,
@@ -288,6 +349,19 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
+                StateProj::Asking {
+                    asking,
+                    svc,
+                    spread,
+                } => {
+                    let answer = ready!(asking.as_mut().poll(cx));
+                    let (svc, req) = svc.take().expect("polled after completion");
+                    let next = match answer {
+                        Some(answer) => this.pacing.answered(answer, svc, req),
+                        None => this.pacing.alone(svc, req, *spread),
+                    };
+                    this.state.set(next);
+                }
                 StateProj::Waiting { sleep, svc } => {
                     ready!(sleep.as_mut().poll(cx));
                     let (svc, req) = svc.take().expect("polled after completion");

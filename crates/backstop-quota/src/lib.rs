@@ -12,16 +12,21 @@
 //! when to come back, when the reset comes too late.
 //!
 //! In a Backstop stack it sits inside the retry layer and outside the breaker; `Backstop`'s
-//! builder puts it there with `pace(quotas)`.
+//! builder puts it there with `pace(quotas)`. With the feature `fleet`, processes that share a
+//! quota take from one account in Redis (`Quotas::join_fleet`).
 #![forbid(unsafe_code)]
 // docs.rs (nightly, `--cfg docsrs`) badges every item behind a feature with it.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+#[cfg(feature = "fleet")]
+mod fleet;
 mod headers;
 mod layer;
 mod quotas;
 
+#[cfg(feature = "fleet")]
+pub use fleet::{Fleet, FleetConfig, FleetStats};
 pub use headers::{Advertised, Unit, advertised};
 pub use layer::{Paced, QuotaLayer, ReadQuotas, ReadQuotasLayer, Told};
 pub use quotas::{Cost, Quotas};

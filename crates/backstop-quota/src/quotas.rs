@@ -7,6 +7,8 @@ use rand::{RngExt, SeedableRng, rngs::SmallRng};
 use std::{
     collections::HashMap,
     fmt,
+    future::Future,
+    pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
@@ -28,7 +30,7 @@ impl Cost {
     }
 
     /// What it costs of `unit`.
-    fn of(self, unit: Unit) -> u64 {
+    pub(crate) fn of(self, unit: Unit) -> u64 {
         match unit {
             Unit::Requests => 1,
             Unit::Tokens | Unit::InputTokens | Unit::OutputTokens => self.tokens,
@@ -50,6 +52,9 @@ struct Inner {
     dependencies: Mutex<HashMap<Dependency, Account>>,
     spread: Duration,
     rng: Mutex<SmallRng>,
+    /// The fleet these quotas joined, while its handle lives.
+    #[cfg(feature = "fleet")]
+    fleet: Mutex<std::sync::Weak<crate::fleet::Link>>,
 }
 
 impl fmt::Debug for Quotas {
@@ -100,6 +105,24 @@ pub(crate) enum Admission {
     Refused(Refusal),
 }
 
+/// The fleet's answer to an attempt ([`Quotas::join_fleet`](crate::Fleet)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(
+    not(feature = "fleet"),
+    expect(dead_code, reason = "only a fleet answers")
+)]
+pub(crate) enum Answer {
+    /// Go now: its cost was taken from the fleet's account, in this generation of its windows.
+    Go { generation: i64 },
+    /// Not enough left: wait for the reset (`after`), or end not sent if it comes too late.
+    Wait(Refusal),
+    /// More than the whole quota: never.
+    Never(Refusal),
+}
+
+/// The fleet's answer on its way, or `None` when it gave none: the process paces alone.
+pub(crate) type Asking = Pin<Box<dyn Future<Output = Option<Answer>> + Send>>;
+
 /// Why an attempt was refused: the quota it would exceed, and when it could go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Refusal {
@@ -120,6 +143,8 @@ impl Quotas {
                 dependencies: Mutex::default(),
                 spread,
                 rng: Mutex::new(rng),
+                #[cfg(feature = "fleet")]
+                fleet: Mutex::default(),
             }),
         }
     }
@@ -160,6 +185,74 @@ impl Quotas {
         let mut rng = self.inner.rng.lock().unwrap_or_else(|p| p.into_inner());
         let nanos = u64::try_from(up_to.as_nanos()).unwrap_or(u64::MAX);
         Duration::from_nanos(rng.random_range(0..nanos))
+    }
+
+    /// An instant drawn over the quotas' spread after `from`, before `deadline`: when one of
+    /// the callers woken by one reset goes.
+    pub(crate) fn spread_after(&self, from: Instant, deadline: Option<Instant>) -> Instant {
+        let end = deadline.map_or(from + self.inner.spread, |d| {
+            d.min(from + self.inner.spread)
+        });
+        from + self.jitter(end.saturating_duration_since(from))
+    }
+
+    /// The fleet these quotas are in, while its handle lives.
+    #[cfg(feature = "fleet")]
+    pub(crate) fn fleet_slot(&self) -> MutexGuard<'_, std::sync::Weak<crate::fleet::Link>> {
+        self.inner.fleet.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks the fleet for an attempt of `cost` to `dependency`; `None` when the process paces
+    /// it alone: no fleet, or none that can answer now.
+    pub(crate) fn ask_fleet(&self, dependency: &Dependency, cost: Cost) -> Option<Asking> {
+        #[cfg(feature = "fleet")]
+        {
+            let link = self.fleet_slot().upgrade()?;
+            link.ask(dependency, cost)
+        }
+        #[cfg(not(feature = "fleet"))]
+        {
+            let _ = (dependency, cost);
+            None
+        }
+    }
+
+    /// Shares what a response said of `dependency`'s quotas with the fleet, if any.
+    fn share(&self, dependency: &Dependency, advertised: &[Advertised]) {
+        if advertised.is_empty() {
+            return;
+        }
+        #[cfg(feature = "fleet")]
+        if let Some(link) = self.fleet_slot().upgrade() {
+            link.learn(dependency, advertised);
+        }
+        #[cfg(not(feature = "fleet"))]
+        let _ = (dependency, advertised);
+    }
+
+    /// An attempt the fleet let go (in `generation`) never left: its cost goes back to the
+    /// fleet's account.
+    pub(crate) fn give_back(&self, dependency: &Dependency, cost: Cost, generation: i64) {
+        #[cfg(feature = "fleet")]
+        if let Some(link) = self.fleet_slot().upgrade() {
+            link.give_back(dependency, cost, generation);
+        }
+        #[cfg(not(feature = "fleet"))]
+        let _ = (dependency, cost, generation);
+    }
+
+    /// Reserves `cost` in this process's account for an attempt the fleet let go, so that the
+    /// process's own figures stay right should it pace alone.
+    pub(crate) fn reserve(&self, dependency: &Dependency, cost: Cost, now: Instant) {
+        let mut all = self.lock();
+        if let Some(account) = all.get_mut(dependency) {
+            for (&unit, window) in &mut account.windows {
+                roll(window, now);
+                let need = cost.of(unit);
+                window.remaining = window.remaining.saturating_sub(need);
+                window.in_flight = window.in_flight.saturating_add(need);
+            }
+        }
     }
 
     /// Asks to send an attempt of `cost` to `dependency` at `now`, before `deadline`. `spread`
@@ -223,25 +316,18 @@ impl Quotas {
                 });
             }
         }
-        let spread_end = |from: Instant| {
-            deadline.map_or(from + self.inner.spread, |d| {
-                d.min(from + self.inner.spread)
-            })
-        };
         if let Some(wake) = wake {
             if deadline.is_some_and(|d| wake >= d) {
                 return Admission::Refused(short.expect("a quota it waits for"));
             }
             // Spread the waiters of one reset over the spread after it, within the deadline.
-            let end = spread_end(wake);
-            return Admission::At(wake + self.jitter(end.saturating_duration_since(wake)));
+            return Admission::At(self.spread_after(wake, deadline));
         }
         if spread
             && let Some(from) = spread_from
             && now < from + self.inner.spread
         {
-            let end = spread_end(from);
-            let at = from + self.jitter(end.saturating_duration_since(from));
+            let at = self.spread_after(from, deadline);
             if at > now {
                 return Admission::At(at);
             }
@@ -307,6 +393,7 @@ impl Quotas {
     /// another way, before the first call.
     pub fn learn(&self, dependency: &Dependency, advertised: &[Advertised]) {
         absorb(&mut self.lock(), dependency, Instant::now(), advertised);
+        self.share(dependency, advertised);
     }
 
     /// An attempt admitted with `cost` has ended: its reservation is released, and what the
@@ -331,6 +418,8 @@ impl Quotas {
             }
         }
         absorb(&mut all, dependency, now, advertised);
+        drop(all);
+        self.share(dependency, advertised);
     }
 }
 

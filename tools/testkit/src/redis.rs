@@ -233,6 +233,26 @@ impl RedisServer {
         }
     }
 
+    /// Freezes it (`SIGSTOP`): its connections stay open and nothing on them is answered, as a
+    /// Redis that hangs; [`thaw`](Self::thaw) lets it go on.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a frozen server go on (`SIGCONT`).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("the server runs");
+        let sent = std::process::Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill {signal} {}", child.id());
+    }
+
     /// The same as [`stop`](Self::stop): a crash, not a shutdown.
     pub fn kill(&mut self) {
         self.stop();
