@@ -4,31 +4,34 @@ use crate::{
     error::{RpcError, ToolError, codes},
 };
 use backstop_core::{HasExtensions, InvalidConfig};
-use backstop_idempotency::KeyFormat;
-use backstop_replay::{Lease, Principal, Replay, ReplayLayer, ReplayRequestBody, ReplayStore};
-use bytes::Bytes;
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full};
+use backstop_replay::{Action, Once, Principal, ReplayLayer, ReplayStore, Settle, StoredResponse};
+use http::{HeaderName, HeaderValue};
 use serde_json::{Value, json};
 use std::{
     fmt,
     future::Future,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
 use tower_layer::Layer;
 use tower_service::Service;
 
-/// The header that marks a stored JSON-RPC error (the tool's own refusal), apart from the
-/// replay layer's own problems.
-const RPC_ERROR: &str = "x-backstop-mcp-error";
+/// The header that marks a stored JSON-RPC error (the tool's own refusal) in a stored result.
+const RPC_ERROR: HeaderName = HeaderName::from_static("x-backstop-mcp-error");
+
+/// How long a caller told "in flight" or "store unavailable" is asked to wait.
+const RETRY_AFTER_MS: u64 = 1_000;
+
+type BusinessFn = dyn Fn(&ToolCall) -> Option<String> + Send + Sync;
 
 /// Replay for MCP tool servers: a `tools/call` whose `_meta` carries a key runs once; every
 /// repeat with the same key gets the stored result, marked `_meta["dev.backstop/replayed"]`.
 ///
-/// It is `backstop_replay::ReplayLayer` itself (the same claim, run-once, store and replay
-/// contract, on the same stores: memory, Redis, PostgreSQL), speaking MCP:
+/// It stands on `backstop_replay::ReplayLayer::once`, the claim, run and settle that the HTTP
+/// replay layer stands on (the same contract, on the same stores: memory, Redis, PostgreSQL),
+/// speaking MCP:
 ///
 /// - the key is read from `_meta` ([`META_KEY`](crate::META_KEY), or
 ///   [`META_KEY_ALIAS`](crate::META_KEY_ALIAS)); the fingerprint is the canonical JSON of the
@@ -51,7 +54,9 @@ const RPC_ERROR: &str = "x-backstop-mcp-error";
 /// [`single_tenant`](ToolReplayLayer::single_tenant). A call without a key runs without
 /// deduplication unless the layer is built with [`require_key`](ToolReplayLayer::require_key).
 ///
-/// The tool service sees the claim's `backstop_replay::Lease` in the call's extensions.
+/// The tool service sees the claim's `backstop_replay::Lease` in the call's extensions. A stored
+/// result larger than the replay layer's `max_stored_body` is not kept: a repeat is told the
+/// call ran and its result cannot be replayed.
 ///
 /// ```
 /// use backstop_mcp::{META_KEY, ToolCall, ToolError, ToolReplayLayer, ToolResult};
@@ -82,12 +87,16 @@ const RPC_ERROR: &str = "x-backstop-mcp-error";
 #[derive(Clone)]
 pub struct ToolReplayLayer {
     replay: ReplayLayer,
+    require_key: bool,
+    business_key: Option<Arc<BusinessFn>>,
 }
 
 impl fmt::Debug for ToolReplayLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ToolReplayLayer")
             .field("replay", &self.replay)
+            .field("require_key", &self.require_key)
+            .field("business_key", &self.business_key.is_some())
             .finish()
     }
 }
@@ -99,67 +108,82 @@ impl ToolReplayLayer {
         ToolReplayLayer::from_replay(ReplayLayer::new(store))
     }
 
-    /// Replay configured as `layer` is (store, TTL, lease, principal, failure policy). The
-    /// method, the key's header and whether a key is required are the adapter's own and are
-    /// replaced (keys are optional; say [`require_key`](ToolReplayLayer::require_key) here).
+    /// Replay configured as `layer` is (store, TTL, lease, principal scope, the size of a
+    /// stored result, failing open). What is HTTP's alone in it (methods, the key's header,
+    /// which statuses are stored, a business key read from a request) does not apply to tool
+    /// calls; say [`require_key`](ToolReplayLayer::require_key) and
+    /// [`business_key`](ToolReplayLayer::business_key) here.
     pub fn from_replay(layer: ReplayLayer) -> Self {
-        let layer = layer
-            .methods([Method::POST])
-            .expect("a list with POST in it is not empty, and the rest was checked when set");
         ToolReplayLayer {
-            replay: layer
-                .header(http::HeaderName::from_static("idempotency-key"))
-                .require_key(false)
-                // Stored with the result, so a replayed tool error is told as one.
-                .allow_header(http::HeaderName::from_static(RPC_ERROR)),
-        }
-    }
-
-    fn edit(self, f: impl FnOnce(ReplayLayer) -> ReplayLayer) -> Self {
-        ToolReplayLayer {
-            replay: f(self.replay),
+            replay: layer,
+            require_key: false,
+            business_key: None,
         }
     }
 
     /// The server has one tenant: calls without a principal share one scope.
     #[must_use]
-    pub fn single_tenant(self) -> Self {
-        self.edit(ReplayLayer::single_tenant)
+    pub fn single_tenant(mut self) -> Self {
+        self.replay = self.replay.single_tenant();
+        self
     }
 
     /// Whether a call without a key is refused (`INVALID_PARAMS`) instead of run without
     /// deduplication (the default).
     #[must_use]
-    pub fn require_key(self, required: bool) -> Self {
-        self.edit(|r| r.require_key(required))
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.require_key = required;
+        self
     }
 
     /// How long results are kept (24 h); refused when shorter than the lease.
-    pub fn ttl(self, ttl: Duration) -> Result<Self, InvalidConfig> {
-        Ok(ToolReplayLayer {
-            replay: self.replay.ttl(ttl)?,
-        })
+    pub fn ttl(mut self, ttl: Duration) -> Result<Self, InvalidConfig> {
+        self.replay = self.replay.ttl(ttl)?;
+        Ok(self)
     }
 
     /// The claim's lease (30 s), renewed every third of it while the tool runs; refused under
     /// 30 ms or longer than the ttl.
-    pub fn lease(self, lease: Duration) -> Result<Self, InvalidConfig> {
-        Ok(ToolReplayLayer {
-            replay: self.replay.lease(lease)?,
-        })
+    pub fn lease(mut self, lease: Duration) -> Result<Self, InvalidConfig> {
+        self.replay = self.replay.lease(lease)?;
+        Ok(self)
     }
 
     /// A business identity of a call ("refund of order 4812"): calls with the same one are the
-    /// same action even when their keys or arguments differ (see
-    /// `backstop_replay::ReplayLayer::business_key`).
+    /// same action even when their keys or arguments differ.
     #[must_use]
     pub fn business_key(
-        self,
+        mut self,
         f: impl Fn(&ToolCall) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.edit(|r| {
-            r.business_key(move |parts, _body| parts.extensions.get::<ToolCall>().and_then(&f))
-        })
+        self.business_key = Some(Arc::new(f));
+        self
+    }
+
+    /// The action a call is, if it is guarded: `None` when it carries no key (nor a business
+    /// identity) and none is required; an error when one is required.
+    fn action(&self, call: &ToolCall) -> Option<Result<Action, ToolError>> {
+        let business = self.business_key.as_ref().and_then(|f| f(call));
+        let action = match (business, call.key()) {
+            (Some(id), _) => Action::business(id, &call.canonical()),
+            (None, Some(key)) => Action::keyed(key.clone(), &call.canonical()),
+            (None, None) if self.require_key => {
+                return Some(Err(ToolError::Rpc(RpcError::new(
+                    codes::INVALID_PARAMS,
+                    format!(
+                        "this tool server requires an idempotency key in the call's _meta \
+                         (\"{}\") so that a repeated call is not run twice; send one key per \
+                         intended action and reuse it on every retry",
+                        crate::META_KEY
+                    ),
+                ))));
+            }
+            (None, None) => return None,
+        };
+        Some(Ok(match call.extensions().get::<Principal>() {
+            Some(p) => action.for_principal(p.0.clone()),
+            None => action,
+        }))
     }
 }
 
@@ -168,7 +192,8 @@ impl<S> Layer<S> for ToolReplayLayer {
 
     fn layer(&self, inner: S) -> ToolReplay<S> {
         ToolReplay {
-            inner: self.replay.layer(RunTool { inner }),
+            inner,
+            layer: self.clone(),
         }
     }
 }
@@ -176,87 +201,20 @@ impl<S> Layer<S> for ToolReplayLayer {
 /// A tool service behind [`ToolReplayLayer`].
 #[derive(Clone)]
 pub struct ToolReplay<S> {
-    inner: Replay<RunTool<S>>,
+    inner: S,
+    layer: ToolReplayLayer,
 }
 
 impl<S: fmt::Debug> fmt::Debug for ToolReplay<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ToolReplay")
             .field("inner", &self.inner)
+            .field("layer", &self.layer)
             .finish()
     }
 }
 
-/// The tool under the HTTP replay layer: it takes the call back out of the request, runs it,
-/// and answers with its result (200) or its JSON-RPC error (a status the layer stores or, for
-/// an overload, frees the key on).
-#[derive(Clone, Debug)]
-struct RunTool<S> {
-    inner: S,
-}
-
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-impl<S> Service<Request<ReplayRequestBody>> for RunTool<S>
-where
-    S: Service<ToolCall, Response = ToolResult, Error = ToolError>,
-    S::Future: Send + 'static,
-{
-    type Response = Response<Full<Bytes>>;
-    type Error = ToolError;
-    type Future = BoxFuture<Result<Response<Full<Bytes>>, ToolError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ToolError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<ReplayRequestBody>) -> Self::Future {
-        let (mut parts, _body) = req.into_parts();
-        let Some(mut call) = parts.extensions.remove::<ToolCall>() else {
-            return Box::pin(async {
-                Err(ToolError::Lost(
-                    "the replay layer lost the tool call (a layer between dropped its extensions)"
-                        .into(),
-                ))
-            });
-        };
-        if let Some(lease) = parts.extensions.remove::<Lease>() {
-            call.extensions_mut().insert(lease);
-        }
-        let fut = self.inner.call(call);
-        Box::pin(async move {
-            match fut.await {
-                Ok(result) => Ok(json_response(StatusCode::OK, &result.to_json(), false)),
-                Err(ToolError::Rpc(e)) => Ok(json_response(status_for(e.code), &e.to_json(), true)),
-                Err(other) => Err(other),
-            }
-        })
-    }
-}
-
-/// The status a tool's JSON-RPC error is stored under: an overload is 503 (not stored: the key
-/// is free for a later try); a server failure 500 and anything else 400 (stored and replayed).
-fn status_for(code: i64) -> StatusCode {
-    match code {
-        codes::OVERLOADED => StatusCode::SERVICE_UNAVAILABLE,
-        codes::INTERNAL_ERROR | -32099..=-32000 => StatusCode::INTERNAL_SERVER_ERROR,
-        _ => StatusCode::BAD_REQUEST,
-    }
-}
-
-fn json_response(status: StatusCode, body: &Value, rpc_error: bool) -> Response<Full<Bytes>> {
-    let mut res = Response::new(Full::new(Bytes::from(body.to_string())));
-    *res.status_mut() = status;
-    res.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    if rpc_error {
-        res.headers_mut()
-            .insert(RPC_ERROR, HeaderValue::from_static("1"));
-    }
-    res
-}
 
 impl<S> Service<ToolCall> for ToolReplay<S>
 where
@@ -268,94 +226,140 @@ where
     type Future = BoxFuture<Result<ToolResult, ToolError>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ToolError>> {
-        Service::<Request<Full<Bytes>>>::poll_ready(&mut self.inner, cx)
+        self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, call: ToolCall) -> Self::Future {
-        let mut req = Request::new(Full::new(Bytes::from(call.canonical())));
-        *req.method_mut() = Method::POST;
-        *req.uri_mut() = http::Uri::from_static("/tools/call");
-        if let Some(key) = call.key() {
-            req.headers_mut().insert(
-                "idempotency-key",
-                key.header_value(KeyFormat::StructuredField),
-            );
-        }
-        if let Some(principal) = call.extensions().get::<Principal>() {
-            req.extensions_mut().insert(principal.clone());
-        }
-        req.extensions_mut().insert(call);
-        let fut = self.inner.call(req);
+    fn call(&mut self, mut call: ToolCall) -> Self::Future {
+        // The handle polled ready goes with the call; a clone stays behind.
+        let clone = self.inner.clone();
+        let mut tool = std::mem::replace(&mut self.inner, clone);
+        let action = match self.layer.action(&call) {
+            None => return Box::pin(tool.call(call)),
+            Some(Err(refused)) => return Box::pin(async { Err(refused) }),
+            Some(Ok(action)) => action,
+        };
+        let replay = self.layer.replay.clone();
         Box::pin(async move {
-            let res = fut.await?;
-            answer(res).await
+            let once = replay
+                .once(action, move |lease| async move {
+                    if let Some(lease) = lease {
+                        call.extensions_mut().insert(lease);
+                    }
+                    let result = tool.call(call).await;
+                    (settle(&result), result)
+                })
+                .await;
+            answer(once)
         })
     }
 }
 
-/// The replay layer's response, in MCP's terms.
-async fn answer(
-    res: Response<backstop_replay::ReplayResponseBody>,
-) -> Result<ToolResult, ToolError> {
-    let (parts, body) = res.into_parts();
-    let bytes = body
-        .collect()
-        .await
-        .map_err(|e| ToolError::Lost(Box::new(e)))?
-        .to_bytes();
-    let json: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    let replayed = parts
-        .headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v == "true");
-    if parts.headers.contains_key(RPC_ERROR) {
+/// How a tool's result settles its key: a result or a JSON-RPC error is stored and replayed;
+/// an overload frees the key for a later try; any other end (the tool's service failed, the
+/// call was lost) leaves its outcome unknown.
+fn settle(result: &Result<ToolResult, ToolError>) -> Settle {
+    let (body, rpc_error) = match result {
+        Ok(result) => (result.to_json(), false),
+        Err(ToolError::Rpc(e)) if e.code == codes::OVERLOADED => return Settle::Release,
+        Err(ToolError::Rpc(e)) => (e.to_json(), true),
+        Err(_) => return Settle::Unknown,
+    };
+    let mut headers = vec![(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    )];
+    if rpc_error {
+        headers.push((RPC_ERROR, HeaderValue::from_static("1")));
+    }
+    Settle::Store(StoredResponse {
+        status: if rpc_error { 400 } else { 200 },
+        headers,
+        body: body.to_string().into(),
+        body_omitted: None,
+    })
+}
+
+/// What the replay found, in MCP's terms.
+fn answer(once: Once<Result<ToolResult, ToolError>>) -> Result<ToolResult, ToolError> {
+    match once {
+        Once::Ran(result) => result,
+        Once::Replayed(stored) => replayed(&stored),
+        Once::Unknown => Err(refusal(
+            codes::OUTCOME_UNKNOWN,
+            "outcome-unknown",
+            "a call with this idempotency key started and ended without a result (the tool \
+             failed or the server stopped), so it may or may not have taken effect; it was not \
+             run again. Check the result before repeating the action with a new key.",
+            None,
+        )),
+        Once::InFlight => Err(refusal(
+            codes::KEY_IN_FLIGHT,
+            "request-in-flight",
+            "a call with this idempotency key is still running; retry after it completes to get \
+             its result",
+            Some(RETRY_AFTER_MS),
+        )),
+        Once::KeyReused => Err(refusal(
+            codes::KEY_REUSED,
+            "idempotency-key-reused",
+            "this idempotency key was already used for a different call (another tool or other \
+             arguments); use a new key for a different action",
+            None,
+        )),
+        Once::Unavailable(_) => Err(refusal(
+            codes::REPLAY_UNAVAILABLE,
+            "replay-store-unavailable",
+            "the tool server's idempotency store is unavailable, so the call was not run (it \
+             could not be protected against duplicates); retry later with the same key",
+            Some(RETRY_AFTER_MS),
+        )),
+        Once::PrincipalMissing => Err(refusal(
+            codes::REPLAY_MISCONFIGURED,
+            "principal-missing",
+            "the tool server keeps results per principal and this call carries none, so it was \
+             not run (its stored result could reach another tenant)",
+            None,
+        )),
+        _ => Err(refusal(
+            codes::INTERNAL_ERROR,
+            "replay-failed",
+            "the tool server's replay layer could not tell what became of the call",
+            None,
+        )),
+    }
+}
+
+/// A stored result, replayed: the tool's result marked `_meta["dev.backstop/replayed"]`, or
+/// its JSON-RPC error as it was.
+fn replayed(stored: &StoredResponse) -> Result<ToolResult, ToolError> {
+    if let Some(read) = stored.body_omitted {
+        return Err(refusal(
+            codes::INTERNAL_ERROR,
+            "response-not-stored",
+            &format!(
+                "a call with this idempotency key was already run, but its result ({read} bytes \
+                 or more) was too large to store, so it cannot be replayed; look the result up \
+                 instead of repeating the call"
+            ),
+            None,
+        ));
+    }
+    let json: Value = serde_json::from_slice(&stored.body).unwrap_or(Value::Null);
+    if stored.headers.iter().any(|(name, _)| name == RPC_ERROR) {
         return Err(ToolError::Rpc(RpcError::from_json(&json).unwrap_or_else(
             || RpcError::new(codes::INTERNAL_ERROR, "a stored tool error is unreadable"),
         )));
     }
-    if parts.status == StatusCode::OK {
-        let mut result = ToolResult::from_json(json)?;
-        if replayed {
-            result
-                .meta
-                .insert(META_REPLAYED.to_owned(), Value::Bool(true));
-        }
-        return Ok(result);
-    }
-    // The layer's own refusals, and the stored record of a call whose outcome is unknown.
-    Err(problem(&parts, &json))
+    let mut result = ToolResult::from_json(json)?;
+    result
+        .meta
+        .insert(META_REPLAYED.to_owned(), Value::Bool(true));
+    Ok(result)
 }
 
-/// The replay layer's `application/problem+json` answers as JSON-RPC errors.
-fn problem(parts: &http::response::Parts, json: &Value) -> ToolError {
-    let kind = json
-        .get("type")
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .trim_start_matches("urn:backstop:problem:")
-        .to_owned();
-    let detail = json
-        .get("detail")
-        .and_then(Value::as_str)
-        .unwrap_or("the tool server's replay layer refused the call")
-        .to_owned();
-    let retry_after_ms = parts
-        .headers
-        .get(header::RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(|s| s * 1000);
-    let code = match (parts.status, kind.as_str()) {
-        (_, "request-in-flight") => codes::KEY_IN_FLIGHT,
-        (_, "outcome-unknown") => codes::OUTCOME_UNKNOWN,
-        (_, "principal-missing") => codes::REPLAY_MISCONFIGURED,
-        (StatusCode::UNPROCESSABLE_ENTITY, _) => codes::KEY_REUSED,
-        (StatusCode::SERVICE_UNAVAILABLE, _) => codes::REPLAY_UNAVAILABLE,
-        (StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE, _) => codes::INVALID_PARAMS,
-        _ => codes::INTERNAL_ERROR,
-    };
-    let mut data =
-        json!({ "type": format!("urn:backstop:problem:{kind}"), "status": parts.status.as_u16() });
+/// One of the replay's own refusals, as a JSON-RPC error.
+fn refusal(code: i64, kind: &str, detail: &str, retry_after_ms: Option<u64>) -> ToolError {
+    let mut data = json!({ "type": format!("urn:backstop:problem:{kind}") });
     if let Some(ms) = retry_after_ms {
         data["retryAfterMs"] = Value::from(ms);
     }

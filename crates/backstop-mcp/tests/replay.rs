@@ -148,6 +148,33 @@ async fn a_tool_that_ends_without_a_result_is_never_run_twice() {
     assert_eq!(booked.load(Ordering::SeqCst), 1);
 }
 
+/// A tool that panics after its effect: its caller and every repeat are told the outcome is
+/// unknown, and it is not run again.
+#[tokio::test]
+async fn a_tool_that_panics_is_told_unknown_and_never_run_twice() {
+    let booked = Arc::new(AtomicU32::new(0));
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(refund_tool(booked.clone(), Duration::ZERO, |_| {
+            panic!("the tool's bug, after the transfer")
+        }));
+    let first = server
+        .clone()
+        .oneshot(call(Some("k"), 40))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&first), codes::OUTCOME_UNKNOWN, "{first}");
+    assert!(
+        first
+            .to_string()
+            .contains("may or may not have taken effect"),
+        "{first}"
+    );
+    let again = server.oneshot(call(Some("k"), 40)).await.unwrap_err();
+    assert_eq!(code(&again), codes::OUTCOME_UNKNOWN, "{again}");
+    assert_eq!(booked.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test]
 async fn tool_errors_are_replayed_except_an_overload() {
     let booked = Arc::new(AtomicU32::new(0));

@@ -1,6 +1,6 @@
-//! A claimed request run to its end: the handler beside its lease's renewals, and the guard
-//! that settles the claim (the result stored, the key released, or the outcome recorded as
-//! unknown when the handler ends without a response).
+//! A claimed action run to its end: its work beside its lease's renewals; for an HTTP request,
+//! the handler and the guard that settles the claim (the result stored, the key released, or
+//! the outcome recorded as unknown when the handler ends without a response).
 
 #[cfg(feature = "postgres")]
 use crate::transaction::run_in_transaction;
@@ -19,25 +19,16 @@ use std::{future::Future, sync::Arc, task::Poll};
 use tokio::sync::watch;
 use tower_service::Service;
 
-/// Runs a claimed request to the end, whatever its client does: the handler, its response
-/// body up to the storage limit, and the store's record.
-pub(crate) async fn run_claimed<S, ResB>(
+/// Runs the work of a claimed action to its end, with the claim's lease renewed beside it in
+/// the same task until the work settles the claim.
+pub(crate) async fn renewing<T>(
     cfg: Arc<Config>,
-    svc: S,
-    req: Request<ReplayRequestBody>,
     key: String,
     token: u64,
-    held: watch::Sender<bool>,
-) -> Result<Response<ReplayResponseBody>, S::Error>
-where
-    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
-{
-    // The lease is renewed beside the work, in the same task, until the claim is settled.
-    let held = Arc::new(held);
-    let renewals = renew_while_running(cfg.clone(), key.clone(), token, held.clone());
-    let work = settle(cfg, svc, req, key, token, held);
+    held: Arc<watch::Sender<bool>>,
+    work: impl Future<Output = T>,
+) -> T {
+    let renewals = renew_while_running(cfg, key, token, held);
     let (mut work, mut renewals) = (std::pin::pin!(work), std::pin::pin!(renewals));
     std::future::poll_fn(|cx| {
         if let Poll::Ready(done) = work.as_mut().poll(cx) {
@@ -84,14 +75,12 @@ async fn renew_while_running(
     }
 }
 
-/// The handler, its response and its record: what settles a claim.
-async fn settle<S, ResB>(
+/// A claimed request's handler, its response and its record: what settles the claim.
+pub(crate) async fn settle<S, ResB>(
     cfg: Arc<Config>,
     svc: S,
     req: Request<ReplayRequestBody>,
-    key: String,
-    token: u64,
-    held: Arc<watch::Sender<bool>>,
+    guard: ClaimGuard,
 ) -> Result<Response<ReplayResponseBody>, S::Error>
 where
     S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
@@ -100,9 +89,8 @@ where
 {
     #[cfg(feature = "postgres")]
     if let Some(pg) = cfg.transactional.clone() {
-        return run_in_transaction(cfg, &pg, svc, req, key, token, held).await;
+        return run_in_transaction(cfg, &pg, svc, req, guard).await;
     }
-    let guard = ClaimGuard::new(cfg.clone(), key, token, held);
     let res = match call_inner(svc, req).await {
         Ok(res) => res,
         Err(e) => {

@@ -46,6 +46,18 @@ impl ClaimGuard {
         }
     }
 
+    /// The key the claim holds.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The claim's fencing token.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn token(&self) -> u64 {
+        self.token
+    }
+
     /// The claim was settled elsewhere (in the handler's transaction).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn done(mut self) {

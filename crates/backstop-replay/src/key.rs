@@ -13,6 +13,7 @@ fn field(h: &mut Sha256, bytes: &[u8]) {
 }
 
 /// Where the key of a stored result comes from.
+#[derive(Clone, Debug)]
 pub(crate) enum Identity {
     Key(IdempotencyKey),
     Business(String),
@@ -64,6 +65,14 @@ pub(crate) fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
             .as_bytes(),
     );
     field(&mut h, body);
+    h.finalize().into()
+}
+
+/// The fingerprint of an action that is not an HTTP request: its payload's canonical bytes.
+pub(crate) fn payload_fingerprint(payload: &[u8]) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"backstop-replay-action/v1\0");
+    field(&mut h, payload);
     h.finalize().into()
 }
 

@@ -77,6 +77,11 @@ fn default_principal(parts: &Parts) -> Option<String> {
 }
 
 impl ReplayLayer {
+    /// What its services share.
+    pub(crate) fn cfg(&self) -> &Arc<Config> {
+        &self.cfg
+    }
+
     /// A replay layer over `store` with the defaults: keys required on POST and PATCH in the
     /// `Idempotency-Key` header, results kept 24 h, claims leased for 30 s (renewed while the
     /// handler runs), request and stored response bodies up to 1 MiB.

@@ -39,6 +39,10 @@
 //! If the store is unreachable the layer **fails closed**: `503` with `Retry-After`, and the
 //! handler does not run unprotected (unless [`ReplayLayer::fail_open`]).
 //!
+//! The same claim, run and settling serve actions that are not HTTP requests (a tool call, a
+//! message): [`ReplayLayer::once`] runs the work of an [`Action`] at most once, and says what it
+//! found ([`Once`]); the MCP tool servers' replay stands on it.
+//!
 //! ## What middleware cannot do
 //!
 //! The claim and the stored result live apart from the handler's own database. If the process
@@ -97,6 +101,7 @@ mod key;
 mod layer;
 mod lease;
 mod memory;
+mod once;
 #[cfg(feature = "postgres")]
 mod pg_store;
 mod problem;
@@ -112,6 +117,7 @@ pub use config::Principal;
 pub use layer::ReplayLayer;
 pub use lease::Lease;
 pub use memory::MemoryStore;
+pub use once::{Action, Once, Settle};
 #[cfg(feature = "postgres")]
 pub use pg_store::{PgStore, PgTransaction};
 pub use problem::{BodyError, ReplayRequestBody, ReplayResponseBody};

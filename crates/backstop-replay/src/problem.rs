@@ -117,6 +117,11 @@ pub(crate) fn unknown_record() -> StoredResponse {
     }
 }
 
+/// Whether `stored` is the record of an unknown outcome.
+pub(crate) fn is_unknown_record(stored: &StoredResponse) -> bool {
+    stored.status == StatusCode::CONFLICT.as_u16() && stored.body == unknown_record().body
+}
+
 const UNKNOWN_DETAIL: &str = "a request with this idempotency key started processing and ended \
     without a response (the handler failed or the server stopped), so it may or may not have \
     taken effect; it was not run again. Check the result before repeating the action with a new \

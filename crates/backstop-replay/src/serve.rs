@@ -1,17 +1,17 @@
-//! Serving one request: the key and body read, the identity and principal found, the claim
-//! asked for, and the claimed request handed to its own task.
+//! Serving one HTTP request: the key and body read, the identity and principal found, the
+//! claim asked for (`once.rs`), and the claimed request handed to its own task.
 
 use crate::{
-    claim::run_claimed,
+    claim::settle,
     config::{Config, SINGLE_TENANT},
     inner::call_inner,
     key::{Identity, fingerprint, read_key, store_key},
-    lease::Lease,
+    once::{Found, Panicked, claim, run_detached},
     problem::{
-        BodyError, ReplayRequestBody, ReplayResponseBody, count, mismatch, principal_missing,
-        problem, replayed, retry_later, store_unavailable, unknown_outcome,
+        BodyError, ReplayRequestBody, ReplayResponseBody, mismatch, principal_missing, problem,
+        replayed, retry_later, store_unavailable, unknown_outcome,
     },
-    store::{Claim, Fingerprint},
+    store::Fingerprint,
 };
 use backstop_core::{BoxError, Deadline};
 use bytes::Bytes;
@@ -20,7 +20,6 @@ use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use std::sync::Arc;
 use tower_service::Service;
-use tracing::Instrument;
 
 /// A request the layer guards: read whole, with the store key and fingerprint it is filed under.
 struct Keyed {
@@ -66,27 +65,10 @@ where
         Read::Unkeyed(req) => return call_inner(svc, req).await,
         Read::Refused(res) => return Ok(res),
     };
-    let token = match cfg
-        .store
-        .claim(&keyed.store_key, keyed.fingerprint, cfg.lease)
-        .await
-    {
-        Ok(Claim::Claimed { token }) => token,
-        Ok(Claim::Done {
-            fingerprint,
-            response,
-        }) => {
-            if fingerprint != keyed.fingerprint && !keyed.is_business {
-                return Ok(mismatch());
-            }
-            count("replayed");
-            return Ok(replayed(&response));
-        }
-        Ok(Claim::InFlight { fingerprint }) => {
-            if fingerprint != keyed.fingerprint && !keyed.is_business {
-                return Ok(mismatch());
-            }
-            count("in_flight");
+    let token = match claim(&cfg, &keyed.store_key, keyed.fingerprint, keyed.is_business).await {
+        Ok(token) => token,
+        Err(Found::Done(stored)) => return Ok(replayed(&stored)),
+        Err(Found::InFlight) => {
             return Ok(retry_later(problem(
                 StatusCode::CONFLICT,
                 "request-in-flight",
@@ -94,62 +76,42 @@ where
                 "a request with this idempotency key is still being processed; retry after it completes to get its result",
             )));
         }
-        Err(e) if cfg.fail_open => {
-            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "store unavailable; running the request without deduplication (fail_open)");
+        Err(Found::KeyReused) => return Ok(mismatch()),
+        Err(Found::Unavailable(_)) => return Ok(store_unavailable()),
+        Err(Found::Unprotected) => {
             return call_inner(svc, rebuilt(keyed.parts, keyed.bytes)).await;
         }
-        Err(e) => {
-            tracing::warn!(target: "backstop::replay", error = %backstop_core::plumbing::CauseChain(&e), "store unavailable; refusing the request");
-            return Ok(store_unavailable());
-        }
     };
-    run_detached(cfg, svc, keyed, token).await
-}
-
-/// Runs a claimed request in a task of its own, decoupled from this request's future: a client
-/// that gives up (and drops it) cannot stop a handler that has started, nor release its claim.
-/// The task runs the handler, reads its response, stores it, and hands it back.
-async fn run_detached<S, ResB>(
-    cfg: Arc<Config>,
-    svc: S,
-    keyed: Keyed,
-    token: u64,
-) -> Result<Response<ReplayResponseBody>, S::Error>
-where
-    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>> + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
-    ResB: Body<Data = Bytes> + Send + 'static,
-    ResB::Error: Into<BoxError>,
-{
-    let (lease, held) = Lease::new(token);
     let mut req = rebuilt(keyed.parts, keyed.bytes);
-    req.extensions_mut().insert(lease);
-    // The handler's own task continues the request's span (and so its trace).
     // The handler's task inherits the caller's deadline, as the request's own task did.
-    let inherited = match (Deadline::of(&req), Deadline::current()) {
+    let deadline = match (Deadline::of(&req), Deadline::current()) {
         (Some(on_request), Some(task)) => Some(on_request.min(task)),
         (on_request, task) => on_request.or(task),
     };
-    let claimed = run_claimed(cfg.clone(), svc, req, keyed.store_key, token, held);
-    let claimed = async move {
-        match inherited {
-            Some(deadline) => deadline.scope(claimed).await,
-            None => claimed.await,
-        }
-    };
-    match tokio::spawn(claimed.in_current_span()).await {
+    let transactional = cfg.is_transactional();
+    let ran = run_detached(
+        cfg.clone(),
+        keyed.store_key,
+        token,
+        deadline,
+        |lease, guard| {
+            req.extensions_mut().insert(lease);
+            settle(cfg, svc, req, guard)
+        },
+    )
+    .await;
+    match ran {
         Ok(result) => result,
         // The handler panicked: the task's guard recorded the outcome as unknown, or, in a
         // transaction, rolled everything back and freed the key.
-        Err(_) if cfg.is_transactional() => Ok(problem(
+        Err(Panicked) if transactional => Ok(problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             "handler-failed",
             "Handler failed",
             "the handler failed before answering; its transaction was rolled back, so nothing \
              was committed; retry with the same idempotency key",
         )),
-        Err(_) => Ok(unknown_outcome()),
+        Err(Panicked) => Ok(unknown_outcome()),
     }
 }
 

@@ -15,7 +15,6 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body::Body;
 use std::sync::Arc;
-use tokio::sync::watch;
 use tower_service::Service;
 
 /// Runs a claimed request in one database transaction with its record: the handler writes
@@ -29,16 +28,13 @@ pub(crate) async fn run_in_transaction<S, ResB>(
     pg: &crate::PgStore,
     svc: S,
     mut req: Request<ReplayRequestBody>,
-    key: String,
-    token: u64,
-    held: Arc<watch::Sender<bool>>,
+    mut guard: ClaimGuard,
 ) -> Result<Response<ReplayResponseBody>, S::Error>
 where
     S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
-    let mut guard = ClaimGuard::new(cfg.clone(), key.clone(), token, held);
     // Dropped before the commit (a panic, a stopped task), the transaction rolls back: nothing
     // happened, so the key is released rather than marked unknown.
     guard.on_drop = OnDrop::Release;
@@ -70,7 +66,10 @@ where
         guard.release().await;
         return Ok(store_unavailable());
     };
-    match pg.complete_in(&mut tx, &key, token, &stored, cfg.ttl).await {
+    match pg
+        .complete_in(&mut tx, guard.key(), guard.token(), &stored, cfg.ttl)
+        .await
+    {
         Ok(true) => match tx.commit().await {
             Ok(()) => {
                 guard.done();
