@@ -96,7 +96,9 @@ async fn the_stack_survives_faults_and_a_redis_crash_without_a_duplicate() {
     let budget = Budget::default();
     let breaker =
         Breaker::new(BreakerConfig::default().cooldown(Duration::from_millis(200))).unwrap();
+    // The server runs each keyed write once (its replay layer): a lost reply may be repeated.
     let stack = Backstop::http("refunds-api")
+        .honours_keys()
         .budget(budget.clone())
         .breaker(breaker.clone())
         .backoff(
