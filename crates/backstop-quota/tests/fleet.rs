@@ -358,3 +358,12 @@ async fn a_fleet_without_redis_paces_alone() {
             .is_err()
     );
 }
+
+/// Outside a tokio runtime there is nothing to run the link on: refused, with words.
+#[test]
+fn joining_outside_a_runtime_is_refused() {
+    let err = Quotas::default()
+        .join_fleet("redis://127.0.0.1:1/", FleetConfig::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("tokio runtime"), "{err}");
+}

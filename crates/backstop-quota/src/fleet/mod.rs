@@ -158,6 +158,11 @@ impl Quotas {
         }
         let client = Client::open(url)
             .map_err(|e| InvalidConfig::new(format!("the quota fleet's Redis URL: {e}")))?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            InvalidConfig::new(
+                "join_fleet runs the fleet's link on the current tokio runtime: call it inside one",
+            )
+        })?;
         let mut joined = self.fleet_slot();
         if joined
             .upgrade()
@@ -178,8 +183,8 @@ impl Quotas {
         });
         *joined = Arc::downgrade(&link);
         let tasks = [
-            tokio::spawn(keep_connected(link.clone(), client)),
-            tokio::spawn(write(link.clone(), rx)),
+            runtime.spawn(keep_connected(link.clone(), client)),
+            runtime.spawn(write(link.clone(), rx)),
         ];
         Ok(Fleet { link, tasks })
     }
