@@ -77,6 +77,17 @@ struct Account {
     windows: HashMap<Unit, Window>,
 }
 
+impl Account {
+    /// Reserves `cost` in every window until its attempt is answered.
+    fn reserve(&mut self, cost: Cost) {
+        for (&unit, window) in &mut self.windows {
+            let need = cost.of(unit);
+            window.remaining = window.remaining.saturating_sub(need);
+            window.in_flight = window.in_flight.saturating_add(need);
+        }
+    }
+}
+
 /// One quota: what is left of it (the server's figure less what is in flight since), and when
 /// it resets.
 #[derive(Debug, Clone, Copy)]
@@ -246,12 +257,10 @@ impl Quotas {
     pub(crate) fn reserve(&self, dependency: &Dependency, cost: Cost, now: Instant) {
         let mut all = self.lock();
         if let Some(account) = all.get_mut(dependency) {
-            for (&unit, window) in &mut account.windows {
+            for window in account.windows.values_mut() {
                 roll(window, now);
-                let need = cost.of(unit);
-                window.remaining = window.remaining.saturating_sub(need);
-                window.in_flight = window.in_flight.saturating_add(need);
             }
+            account.reserve(cost);
         }
     }
 
@@ -332,11 +341,7 @@ impl Quotas {
                 return Admission::At(at);
             }
         }
-        for (&unit, window) in &mut account.windows {
-            let need = cost.of(unit);
-            window.remaining = window.remaining.saturating_sub(need);
-            window.in_flight = window.in_flight.saturating_add(need);
-        }
+        account.reserve(cost);
         Admission::Now
     }
 
