@@ -156,14 +156,17 @@ pub(crate) async fn run_detached<T, W, Fut>(
     work: W,
 ) -> Result<T, Panicked>
 where
-    W: FnOnce(Lease, ClaimGuard) -> Fut,
-    Fut: Future<Output = T> + Send + 'static,
+    W: FnOnce(Lease, ClaimGuard) -> Fut + Send + 'static,
+    Fut: Future<Output = T> + Send,
     T: Send + 'static,
 {
     let (lease, held) = Lease::new(token);
-    let held = Arc::new(held);
-    let guard = ClaimGuard::new(cfg.clone(), key.clone(), token, held.clone());
-    let claimed = renewing(cfg, key, token, held, work(lease, guard));
+    let claimed = async move {
+        // The guard is made in the task: a task that never started settles nothing.
+        let held = Arc::new(held);
+        let guard = ClaimGuard::new(cfg.clone(), key.clone(), token, held.clone());
+        renewing(cfg, key, token, held, work(lease, guard)).await
+    };
     let claimed = async move {
         match deadline {
             Some(deadline) => deadline.scope(claimed).await,
