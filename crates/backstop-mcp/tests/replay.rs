@@ -286,3 +286,28 @@ async fn on_redis_too_and_an_unreachable_store_runs_nothing() {
     assert!(e.rpc().unwrap().retry_after().is_some());
     assert_eq!(booked.load(Ordering::SeqCst), 1, "not run unprotected");
 }
+
+/// The tool runs in a task of its own, and within its caller's deadline: the outbound calls it
+/// makes through Backstop stacks end by it.
+#[tokio::test]
+async fn the_tool_runs_within_its_callers_deadline() {
+    let seen: Arc<std::sync::Mutex<Vec<Option<backstop_core::Deadline>>>> = Arc::default();
+    let saw = seen.clone();
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(service_fn(move |_call: ToolCall| {
+            saw.lock().unwrap().push(backstop_core::Deadline::current());
+            async { Ok::<_, ToolError>(ToolResult::text("ok")) }
+        }));
+    let deadline = backstop_core::Deadline::after(Duration::from_secs(2));
+    deadline
+        .scope(server.clone().oneshot(call(Some("k"), 40)))
+        .await
+        .unwrap();
+    // Without a key the tool runs in the caller's own task, within the deadline as well.
+    deadline
+        .scope(server.oneshot(call(None, 40)))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), [Some(deadline), Some(deadline)]);
+}
