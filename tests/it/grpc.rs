@@ -2,7 +2,9 @@
 //! durations): UNAVAILABLE with pushback, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, a deadline
 //! shorter than the pushback, a negative pushback, and a streaming request body over the limit.
 
-use backstop::{Backstop, Error as BackstopError, ErrorKind, Outcome};
+use backstop::{
+    Backstop, Deadline, Error as BackstopError, ErrorKind, Outcome, timeout::CallerDeadlineLayer,
+};
 use http::HeaderMap;
 use std::{
     convert::Infallible,
@@ -147,6 +149,14 @@ impl Drop for Server {
 async fn serve(
     plan: impl Fn(usize) -> Result<RefundReply, Status> + Send + Sync + 'static,
 ) -> Server {
+    serve_with(None, plan).await
+}
+
+/// A refunds server, behind `CallerDeadlineLayer::grpc` when `caller_deadline` is set.
+async fn serve_with(
+    caller_deadline: Option<CallerDeadlineLayer>,
+    plan: impl Fn(usize) -> Result<RefundReply, Status> + Send + Sync + 'static,
+) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let svc = Refunds {
@@ -158,6 +168,7 @@ async fn serve(
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
     let task = tokio::spawn(async move {
         tonic::transport::Server::builder()
+            .layer(tower::util::option_layer(caller_deadline))
             .serve_with_incoming(svc, incoming)
             .await
             .unwrap();
@@ -711,4 +722,61 @@ fn grpc_timeout_long(value: &http::HeaderValue) -> Duration {
         "H" => Duration::from_secs(n * 3600),
         _ => grpc_timeout(&http::HeaderValue::from_str(value).unwrap()),
     }
+}
+
+/// A tonic server behind `CallerDeadlineLayer::grpc`: a call from a Backstop gRPC stack with a
+/// 2 s deadline runs within it (what a Backstop stack called by the handler inherits), and a
+/// call whose `grpc-timeout` is spent runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_callers_deadline_is_the_handlers() {
+    let seen: Arc<Mutex<Vec<Option<Duration>>>> = Arc::default();
+    let saw = seen.clone();
+    let server = serve_with(
+        Some(CallerDeadlineLayer::grpc(Duration::from_secs(30))),
+        move |_| {
+            saw.lock()
+                .unwrap()
+                .push(Deadline::current().map(Deadline::remaining));
+            reply("R1")
+        },
+    )
+    .await;
+    let mut client = stack(&server, |b| b.deadline(Duration::from_secs(2))).await;
+    issue(&mut client).await.unwrap();
+    let inherited = seen.lock().unwrap()[0].expect("the handler runs within a deadline");
+    assert!(
+        inherited > Duration::ZERO && inherited <= Duration::from_secs(2),
+        "{inherited:?}"
+    );
+
+    // A plain tonic client whose time is spent.
+    let channel = tonic::transport::Endpoint::from_shared(server.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut plain = tonic::client::Grpc::new(channel);
+    plain.ready().await.unwrap();
+    let mut req = tonic::Request::new(RefundRequest {
+        order: "ORD-4812".into(),
+        blob: Vec::new(),
+    });
+    req.metadata_mut()
+        .insert("grpc-timeout", "0n".parse().unwrap());
+    let codec = tonic_prost::ProstCodec::<RefundRequest, RefundReply>::default();
+    let status = plain
+        .unary(req, "/test.Refunds/Issue".parse().unwrap(), codec)
+        .await
+        .unwrap_err();
+    // tonic's server ends a call at its `grpc-timeout` too, and may answer first (CANCELLED);
+    // either way nothing ran.
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+    assert_eq!(
+        server.calls.load(Ordering::SeqCst),
+        1,
+        "the spent call ran nothing"
+    );
 }

@@ -2,7 +2,7 @@
 //! from each request and inherited by every Backstop stack the handler calls.
 
 use backstop_core::{BoxError, Deadline, TIME_LEFT_HEADER};
-use http::{HeaderName, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use pin_project::pin_project;
 use std::{
     future::Future,
@@ -18,14 +18,17 @@ use tower_service::Service;
 ///
 /// A Backstop client sends each attempt's time left, in milliseconds, under
 /// [`TIME_LEFT_HEADER`] (Envoy's `x-envoy-expected-rq-timeout-ms` is the same idea: pass
-/// [`header`](Self::header) to read it). For each request the layer:
+/// [`header`](Self::header) to read it); a gRPC client sends `grpc-timeout`, which
+/// [`grpc`](Self::grpc) reads. For each request the layer:
 ///
-/// - reads the value (whole milliseconds, ASCII digits); a malformed one is ignored, with a
-///   `tracing` event (target `backstop::deadline`), as if there were none;
+/// - reads the value (whole milliseconds, ASCII digits; for gRPC, 1 to 8 digits and a unit of
+///   `H`, `M`, `S`, `m`, `u` or `n`); a malformed one is ignored, with a `tracing` event (target
+///   `backstop::deadline`), as if there were none;
 /// - caps it at the layer's `max`, so a caller cannot hand the server an absurd deadline;
 /// - answers at once, without calling the service, when it is zero: the caller's time is spent,
-///   the work is *not started* (`408 Request Timeout`, an empty body). Put the layer outside a
-///   replay layer, so that such a request claims no idempotency key;
+///   the work is *not started* (`408 Request Timeout` and an empty body; for gRPC, status
+///   `DEADLINE_EXCEEDED` in a trailers-only answer). Put the layer outside a replay layer, so
+///   that such a request claims no idempotency key;
 /// - otherwise puts the deadline on the request (a tighter one already there, the server's own,
 ///   is kept) and runs the service within it ([`Deadline::scope`]): every Backstop stack the
 ///   handler calls in its task ends by then, whatever its own deadline. It never extends a
@@ -60,23 +63,43 @@ use tower_service::Service;
 /// ```
 #[derive(Clone, Debug)]
 pub struct CallerDeadlineLayer {
-    header: HeaderName,
+    wire: Wire,
     max: Duration,
+}
+
+/// How the time left comes.
+#[derive(Clone, Debug)]
+enum Wire {
+    /// Whole milliseconds under this header.
+    Millis(HeaderName),
+    /// gRPC's `grpc-timeout`.
+    Grpc,
 }
 
 impl CallerDeadlineLayer {
     /// Reads [`TIME_LEFT_HEADER`], and gives no caller more than `max`.
     pub fn new(max: Duration) -> Self {
         CallerDeadlineLayer {
-            header: TIME_LEFT_HEADER,
+            wire: Wire::Millis(TIME_LEFT_HEADER),
             max,
         }
     }
 
-    /// Reads the time left from `name` instead.
+    /// Reads gRPC's `grpc-timeout` (as a Backstop gRPC stack, and every gRPC client with a
+    /// deadline, sends it), and gives no caller more than `max`: for a tonic server
+    /// (`Server::builder().layer(..)`), so that the Backstop stacks its handlers call end by
+    /// their caller's deadline. A call whose time is spent is answered `DEADLINE_EXCEEDED`.
+    pub fn grpc(max: Duration) -> Self {
+        CallerDeadlineLayer {
+            wire: Wire::Grpc,
+            max,
+        }
+    }
+
+    /// Reads the time left, in whole milliseconds, from `name` instead.
     #[must_use]
     pub fn header(mut self, name: HeaderName) -> Self {
-        self.header = name;
+        self.wire = Wire::Millis(name);
         self
     }
 }
@@ -106,25 +129,80 @@ impl<S> CallerDeadline<S> {
 }
 
 /// What a caller said of its time: nothing usable, or this much.
-fn time_left<B>(req: &Request<B>, header: &HeaderName, max: Duration) -> Option<Duration> {
+fn time_left<B>(req: &Request<B>, wire: &Wire, max: Duration) -> Option<Duration> {
+    let header = match wire {
+        Wire::Millis(name) => name,
+        Wire::Grpc => &GRPC_TIMEOUT,
+    };
     let value = req.headers().get(header)?;
-    let ms = value
-        .to_str()
-        .ok()
-        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-        .and_then(|v| v.parse::<u64>().ok().or(Some(u64::MAX)));
-    match ms {
-        Some(ms) => Some(Duration::from_millis(ms).min(max)),
+    let left = value.to_str().ok().and_then(|v| match wire {
+        Wire::Millis(_) => millis(v),
+        Wire::Grpc => grpc_timeout(v),
+    });
+    match left {
+        Some(left) => Some(left.min(max)),
         None => {
             tracing::debug!(
                 target: "backstop::deadline",
                 header = %header,
                 value = ?value,
-                "ignored a malformed time left (whole milliseconds expected)"
+                "ignored a malformed time left"
             );
             None
         }
     }
+}
+
+const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+
+/// Whole milliseconds; a number too large for a `u64` is as long as can be.
+fn millis(v: &str) -> Option<Duration> {
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(Duration::from_millis(v.parse().unwrap_or(u64::MAX)))
+}
+
+/// gRPC's `grpc-timeout`: 1 to 8 ASCII digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`).
+fn grpc_timeout(v: &str) -> Option<Duration> {
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// The answer to a call whose time was spent when it arrived.
+fn spent<ResB: Default>(wire: &Wire) -> Response<ResB> {
+    let mut res = Response::new(ResB::default());
+    match wire {
+        Wire::Millis(_) => *res.status_mut() = StatusCode::REQUEST_TIMEOUT,
+        Wire::Grpc => {
+            // gRPC's trailers-only answer: the status in the headers, no message.
+            let headers = res.headers_mut();
+            headers.insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            );
+            headers.insert("grpc-status", HeaderValue::from_static("4"));
+            headers.insert(
+                "grpc-message",
+                HeaderValue::from_static(
+                    "the caller's deadline had passed when the call arrived; it was not started",
+                ),
+            );
+        }
+    }
+    res
 }
 
 impl<S, B, ResB> Service<Request<B>> for CallerDeadline<S>
@@ -142,15 +220,15 @@ where
     }
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
-        let Some(left) = time_left(&req, &self.layer.header, self.layer.max) else {
+        let Some(left) = time_left(&req, &self.layer.wire, self.layer.max) else {
             return CallerDeadlineFuture::new(State::Served {
                 inner: self.inner.call(req),
             });
         };
         if left.is_zero() {
-            let mut res = Response::new(ResB::default());
-            *res.status_mut() = StatusCode::REQUEST_TIMEOUT;
-            return CallerDeadlineFuture::new(State::Spent { res: Some(res) });
+            return CallerDeadlineFuture::new(State::Spent {
+                res: Some(spent(&self.layer.wire)),
+            });
         }
         let deadline = Deadline::after(left).tighten(&mut req);
         // A service may start its work in `call` itself: that work inherits the deadline too.
@@ -335,5 +413,68 @@ mod tests {
         let req = Request::builder().header(name, "250").body(()).unwrap();
         let left = Some(Duration::from_millis(250));
         assert_eq!(seen(layer, req).await.into_body(), Some((left, left)));
+    }
+
+    fn grpc(value: &str) -> Request<()> {
+        Request::builder()
+            .header("grpc-timeout", value)
+            .body(())
+            .unwrap()
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read_in_their_units_and_malformed_ones_ignored() {
+        let cases = [
+            ("1500m", Some(Duration::from_millis(1500))),
+            ("3S", Some(Duration::from_secs(3))),
+            ("2M", Some(Duration::from_secs(120))),
+            ("1H", Some(Duration::from_secs(3600))),
+            ("250u", Some(Duration::from_micros(250))),
+            ("7n", Some(Duration::from_nanos(7))),
+            ("99999999S", Some(Duration::from_secs(99_999_999))),
+            ("0m", Some(Duration::ZERO)),
+            ("123456789S", None),
+            ("m", None),
+            ("15", None),
+            ("1.5S", None),
+            ("-1S", None),
+            ("10s", None),
+            ("", None),
+        ];
+        for (value, expected) in cases {
+            assert_eq!(grpc_timeout(value), expected, "{value:?}");
+        }
+    }
+
+    /// A gRPC caller's `grpc-timeout` is the call's deadline, capped by the server's maximum.
+    #[tokio::test(start_paused = true)]
+    async fn a_grpc_timeout_is_the_calls_deadline() {
+        let layer = CallerDeadlineLayer::grpc(Duration::from_secs(30));
+        let left = Some(Duration::from_millis(1500));
+        let res = seen(layer.clone(), grpc("1500m")).await;
+        assert_eq!(res.into_body(), Some((left, left)));
+        let thirty = Some(Duration::from_secs(30));
+        let res = seen(layer.clone(), grpc("2H")).await;
+        assert_eq!(res.into_body(), Some((thirty, thirty)));
+        // The milliseconds header means nothing to a gRPC layer.
+        assert_eq!(
+            seen(layer, with("1500")).await.into_body(),
+            Some((None, None))
+        );
+    }
+
+    /// A gRPC call whose time is spent is answered DEADLINE_EXCEEDED, trailers-only, and its
+    /// handler is not called.
+    #[tokio::test(start_paused = true)]
+    async fn a_spent_grpc_call_is_not_started() {
+        let res = seen(
+            CallerDeadlineLayer::grpc(Duration::from_secs(30)),
+            grpc("0n"),
+        )
+        .await;
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()["grpc-status"], "4");
+        assert_eq!(res.headers()["content-type"], "application/grpc");
+        assert_eq!(res.into_body(), None, "the handler was not called");
     }
 }
