@@ -164,7 +164,7 @@ async fn over_tower_mcp_the_tool_s_span_continues_the_attempt_s_trace() {
         .layer(KeyFromHeaderLayer::new());
     let server = backstop_testkit::TestServer::serve(app).await;
     let transport = StreamableHttpClientTransport::with_client(
-        backstop::mcp::rmcp::KeyHeader::new(reqwest::Client::new()),
+        backstop::mcp::rmcp::MetaHeaders::new(reqwest::Client::new()),
         StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")),
     );
     let client = ().serve(transport).await.unwrap();

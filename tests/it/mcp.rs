@@ -125,7 +125,7 @@ async fn a_lost_refund_reply_and_the_model_repeating_itself_books_one_refund() {
 async fn over_http_the_key_can_travel_as_an_idempotency_key_header_too() {
     let server = RefundServer::start(None).await;
     let transport = StreamableHttpClientTransport::with_client(
-        backstop::mcp::rmcp::KeyHeader::new(reqwest::Client::new()),
+        backstop::mcp::rmcp::MetaHeaders::new(reqwest::Client::new()),
         StreamableHttpClientTransportConfig::with_uri(server.url()),
     );
     let client = ().serve(transport).await.unwrap();
@@ -711,7 +711,7 @@ mod tower_mcp_router {
         let booked = Arc::new(AtomicU32::new(0));
         let server = serve_over_http(booked.clone()).await;
         let transport = StreamableHttpClientTransport::with_client(
-            backstop::mcp::rmcp::KeyHeader::new(reqwest::Client::new()),
+            backstop::mcp::rmcp::MetaHeaders::new(reqwest::Client::new()),
             StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")),
         );
         let client = tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
@@ -745,6 +745,54 @@ mod tower_mcp_router {
             .unwrap();
         assert_eq!(res.status(), 400);
         assert_eq!(booked.load(Ordering::SeqCst), 0);
+    }
+
+    /// Over tower-mcp's HTTP transport (which drops `_meta` keys it does not know), a call's
+    /// time left travels as the `backstop-time-left-ms` header rmcp's client sends beside it
+    /// (`MetaHeaders`), and `CallerDeadlineLayer` in front of the transport makes it the tool's
+    /// deadline: what the Backstop stacks the tool calls inherit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn over_http_the_tool_runs_within_its_callers_deadline() {
+        let clock = ToolBuilder::new("time_left")
+            .description("The time the call has left")
+            .read_only()
+            .handler(|_args: serde_json::Value| async {
+                let left = backstop::Deadline::current().map(|d| d.remaining().as_millis());
+                Ok(CallToolResult::text(format!("{left:?}")))
+            })
+            .build();
+        let router = McpRouter::new().server_info("clock", "1.0").tool(clock);
+        let app = tower_mcp::HttpTransport::new(router)
+            .into_router_at("/mcp")
+            .layer(backstop::timeout::CallerDeadlineLayer::new(
+                Duration::from_secs(30),
+            ));
+        let server = backstop_testkit::TestServer::serve(app).await;
+        let transport = StreamableHttpClientTransport::with_client(
+            backstop::mcp::rmcp::MetaHeaders::new(reqwest::Client::new()),
+            StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")),
+        );
+        let client = tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
+            .await
+            .expect("the client connects within 10 s")
+            .expect("the client connects");
+        let tools = payments()
+            .attempt_timeout(Duration::from_secs(2))
+            .deadline(Duration::from_secs(2))
+            .build()
+            .unwrap()
+            .layer(backstop::mcp::rmcp::RmcpClient::new(client.peer().clone()));
+        let call = ToolCall::new("time_left", json!({}))
+            .unwrap()
+            .with_policy(ToolPolicy::ReadOnly);
+        let answer = tools.oneshot(call).await.unwrap().joined_text();
+        let left: u128 = answer
+            .strip_prefix("Some(")
+            .and_then(|v| v.strip_suffix(')'))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("the tool ran without a deadline: {answer}"));
+        assert!(left > 0 && left <= 2_000, "{left} ms");
+        client.cancel().await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]

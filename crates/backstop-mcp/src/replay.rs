@@ -357,9 +357,17 @@ fn replayed(stored: &StoredResponse) -> Result<ToolResult, ToolError> {
     Ok(result)
 }
 
-/// One of the replay's own refusals, as a JSON-RPC error.
+/// One of the replay's own refusals, as a JSON-RPC error: `data.type` names it, `data.status`
+/// is the HTTP status the replay layer gives the same refusal.
 fn refusal(code: i64, kind: &str, detail: &str, retry_after_ms: Option<u64>) -> ToolError {
-    let mut data = json!({ "type": format!("urn:backstop:problem:{kind}") });
+    let status = match code {
+        codes::KEY_IN_FLIGHT | codes::OUTCOME_UNKNOWN => 409,
+        codes::KEY_REUSED => 422,
+        codes::REPLAY_UNAVAILABLE => 503,
+        _ if kind == "response-not-stored" => 409,
+        _ => 500,
+    };
+    let mut data = json!({ "type": format!("urn:backstop:problem:{kind}"), "status": status });
     if let Some(ms) = retry_after_ms {
         data["retryAfterMs"] = Value::from(ms);
     }

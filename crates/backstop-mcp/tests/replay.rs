@@ -124,6 +124,15 @@ async fn a_caller_that_gives_up_stops_neither_the_tool_nor_its_record() {
         meanwhile.rpc().unwrap().retry_after(),
         Some(Duration::from_secs(1))
     );
+    let data = meanwhile.rpc().unwrap().data.clone().unwrap();
+    assert_eq!(
+        (&data["type"], &data["status"]),
+        (
+            &json!("urn:backstop:problem:request-in-flight"),
+            &json!(409)
+        ),
+        "{data}"
+    );
     tokio::time::sleep(Duration::from_millis(400)).await;
     // The tool ran to the end once; the repeat gets its result.
     let again = server.oneshot(call(Some("k"), 40)).await.unwrap();

@@ -285,37 +285,39 @@ impl ToolCatalog {
 }
 
 /// rmcp's streamable HTTP client (`reqwest::Client`, or any other `StreamableHttpClient`) that
-/// also sends a keyed `tools/call`'s key as an `Idempotency-Key` header, for servers and
-/// gateways that read the header rather than `_meta`.
+/// also sends what a `tools/call`'s `_meta` says as HTTP headers, for servers and gateways that
+/// read headers rather than `_meta` (tower-mcp's HTTP transport drops what `_meta` keys it does
+/// not know): its key as `Idempotency-Key`, its time left as `backstop-time-left-ms`
+/// ([`TIME_LEFT_HEADER`](backstop_core::TIME_LEFT_HEADER), which `CallerDeadlineLayer` reads).
 ///
 /// ```no_run
-/// use backstop_mcp::rmcp::KeyHeader;
+/// use backstop_mcp::rmcp::MetaHeaders;
 /// use rmcp::transport::{StreamableHttpClientTransport, streamable_http_client::{StreamableHttpClient, StreamableHttpClientTransportConfig}};
 ///
 /// // `http_client`: rmcp's reqwest client (`reqwest::Client`, rmcp's feature
 /// // `transport-streamable-http-client-reqwest`), or one of your own.
-/// fn transport<C: StreamableHttpClient>(http_client: C) -> StreamableHttpClientTransport<KeyHeader<C>> {
+/// fn transport<C: StreamableHttpClient>(http_client: C) -> StreamableHttpClientTransport<MetaHeaders<C>> {
 ///     StreamableHttpClientTransport::with_client(
-///         KeyHeader::new(http_client),
+///         MetaHeaders::new(http_client),
 ///         StreamableHttpClientTransportConfig::with_uri("http://127.0.0.1:8080/mcp"),
 ///     )
 /// }
 /// ```
 #[derive(Clone, Debug, Default)]
-pub struct KeyHeader<C> {
+pub struct MetaHeaders<C> {
     inner: C,
 }
 
-impl<C> KeyHeader<C> {
+impl<C> MetaHeaders<C> {
     /// Sends through `inner`.
     pub fn new(inner: C) -> Self {
-        KeyHeader { inner }
+        MetaHeaders { inner }
     }
 }
 
 /// Adds the `Idempotency-Key` header when `message` is a `tools/call` whose `_meta` carries a
-/// key.
-fn key_header(message: &ClientJsonRpcMessage, headers: &mut HashMap<HeaderName, HeaderValue>) {
+/// key, and the time-left header when it carries its time left.
+fn meta_headers(message: &ClientJsonRpcMessage, headers: &mut HashMap<HeaderName, HeaderValue>) {
     let ClientJsonRpcMessage::Request(_) = message else {
         return;
     };
@@ -335,9 +337,12 @@ fn key_header(message: &ClientJsonRpcMessage, headers: &mut HashMap<HeaderName, 
             key.header_value(KeyFormat::Plain),
         );
     }
+    if let Some(ms) = meta[crate::META_TIME_LEFT].as_u64() {
+        headers.insert(backstop_core::TIME_LEFT_HEADER, HeaderValue::from(ms));
+    }
 }
 
-impl<C: StreamableHttpClient> StreamableHttpClient for KeyHeader<C> {
+impl<C: StreamableHttpClient> StreamableHttpClient for MetaHeaders<C> {
     type Error = C::Error;
 
     fn post_message(
@@ -350,7 +355,7 @@ impl<C: StreamableHttpClient> StreamableHttpClient for KeyHeader<C> {
     ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>>
     + Send
     + '_ {
-        key_header(&message, &mut custom_headers);
+        meta_headers(&message, &mut custom_headers);
         self.inner
             .post_message(uri, message, session_id, auth_header, custom_headers)
     }
@@ -366,7 +371,7 @@ impl<C: StreamableHttpClient> StreamableHttpClient for KeyHeader<C> {
     ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>>
     + Send
     + '_ {
-        key_header(&message, &mut custom_headers);
+        meta_headers(&message, &mut custom_headers);
         self.inner.post_message_with_max_sse_event_size(
             uri,
             message,
@@ -388,7 +393,7 @@ impl<C: StreamableHttpClient> StreamableHttpClient for KeyHeader<C> {
     ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>>
     + Send
     + '_ {
-        key_header(&message, &mut custom_headers);
+        meta_headers(&message, &mut custom_headers);
         self.inner.post_message_with_response_limits(
             uri,
             message,

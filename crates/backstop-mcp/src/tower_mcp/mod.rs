@@ -18,7 +18,7 @@
 //! (`backstop_idempotency::IdempotencyKey` in the `RequestContext`'s extensions), never from
 //! the arguments. In process, [`RouterClient`] puts it there. Over tower-mcp's HTTP transport,
 //! [`KeyFromHeaderLayer`] in front of the transport reads the `Idempotency-Key` header (what
-//! rmcp's client sends with [`KeyHeader`](crate::rmcp::KeyHeader)) into the HTTP request's
+//! rmcp's client sends with [`MetaHeaders`](crate::rmcp::MetaHeaders)) into the HTTP request's
 //! extensions, and the transport's `bridge_extension::<IdempotencyKey>()` hands it to the
 //! tool:
 //!
