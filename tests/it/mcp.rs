@@ -706,18 +706,26 @@ mod tower_mcp_router {
         backstop_testkit::TestServer::serve(app).await
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn over_http_a_lost_reply_and_the_model_s_repeat_book_one_refund() {
-        let booked = Arc::new(AtomicU32::new(0));
-        let server = serve_over_http(booked.clone()).await;
+    /// rmcp's client over streamable HTTP to `server`'s `/mcp`, sending `_meta`'s key and time
+    /// left as headers too.
+    async fn connect_over_http(
+        server: &backstop_testkit::TestServer,
+    ) -> rmcp::service::RunningService<rmcp::RoleClient, ()> {
         let transport = StreamableHttpClientTransport::with_client(
             backstop::mcp::rmcp::MetaHeaders::new(reqwest::Client::new()),
             StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")),
         );
-        let client = tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
+        tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
             .await
             .expect("the client connects within 10 s")
-            .expect("the client connects");
+            .expect("the client connects")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn over_http_a_lost_reply_and_the_model_s_repeat_book_one_refund() {
+        let booked = Arc::new(AtomicU32::new(0));
+        let server = serve_over_http(booked.clone()).await;
+        let client = connect_over_http(&server).await;
         let catalog = ToolCatalog::discover(client.peer()).await.unwrap();
         let lost = Arc::new(AtomicU32::new(0));
         let tools = payments().build().unwrap().layer(LoseFirst {
@@ -768,14 +776,7 @@ mod tower_mcp_router {
                 Duration::from_secs(30),
             ));
         let server = backstop_testkit::TestServer::serve(app).await;
-        let transport = StreamableHttpClientTransport::with_client(
-            backstop::mcp::rmcp::MetaHeaders::new(reqwest::Client::new()),
-            StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")),
-        );
-        let client = tokio::time::timeout(Duration::from_secs(10), ().serve(transport))
-            .await
-            .expect("the client connects within 10 s")
-            .expect("the client connects");
+        let client = connect_over_http(&server).await;
         let tools = payments()
             .attempt_timeout(Duration::from_secs(2))
             .deadline(Duration::from_secs(2))
