@@ -294,8 +294,12 @@ async fn a_redis_that_hangs_leaves_each_process_pacing_alone() {
         .await
         .expect("never blocked by a Redis that hangs");
     assert_eq!(sent.load(Ordering::Relaxed), 5);
-    let alone = fa.stats().alone;
-    assert!(alone >= 6, "{:?}", fa.stats());
+    let stats = fa.stats();
+    assert!(stats.alone >= 6, "{stats:?}");
+    // The first ask waited for the timeout; the next calls did not ask (each would have waited
+    // 200 ms for nothing): only a stall of over a second between every two calls could make
+    // them all ask.
+    assert!(stats.unanswered < 6, "{stats:?}");
     redis.thaw();
     let asked = fa.stats().asked;
     until("the process asks the fleet again", || async {
@@ -366,4 +370,50 @@ fn joining_outside_a_runtime_is_refused() {
         .join_fleet("redis://127.0.0.1:1/", FleetConfig::default())
         .unwrap_err();
     assert!(err.to_string().contains("tokio runtime"), "{err}");
+}
+
+/// An attempt the fleet let go that never left gives its cost back only to the window it was
+/// taken from: once another process's attempt has rolled the account to the next window, the
+/// give-back would grant the new window more than the server allows, and is dropped.
+#[tokio::test]
+async fn a_cost_is_given_back_only_to_the_window_it_was_taken_from() {
+    let redis = RedisServer::start().await;
+    let (a, _fa) = process(&redis.url(), Duration::from_secs(2)).await;
+    let (b, _fb) = process(&redis.url(), Duration::from_secs(2)).await;
+    learn(
+        &redis.url(),
+        &a,
+        tokens(10_000, 3_000, Duration::from_secs(1)),
+        3_000,
+    )
+    .await;
+    // A's attempt is let go (2,000 taken), and is refused further in, not sent, 3 s later.
+    let refused_late = QuotaLayer::new(a.clone()).dependency(DEP).layer(service_fn(
+        |_req: http::Request<()>| async {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            Err::<http::Response<()>, BoxError>(
+                DeadlineExceeded::new(None, Outcome::NotSent).into(),
+            )
+        },
+    ));
+    let a_call = tokio::spawn(refused_late.oneshot(prompt(2_000, Duration::from_secs(30))));
+    until("A's cost is taken", || async {
+        account(&redis.url(), "tokens:r").await == Some(1_000)
+    })
+    .await;
+    // Past the reset, B's attempt rolls the account to a full window and takes 1,000 of it.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let sent = Arc::new(AtomicU64::new(0));
+    stack(&b, sent)
+        .oneshot(prompt(1_000, Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert_eq!(account(&redis.url(), "tokens:r").await, Some(9_000));
+    let _ = a_call.await.unwrap().unwrap_err();
+    written(&redis.url(), &a, 900).await;
+    assert_eq!(
+        account(&redis.url(), "tokens:r").await,
+        Some(9_000),
+        "A's 2,000 were taken in the ended window"
+    );
 }

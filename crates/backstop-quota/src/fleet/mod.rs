@@ -18,7 +18,6 @@ use std::{
 use tokio::{
     sync::{Notify, mpsc},
     task::JoinHandle,
-    time::Instant,
 };
 
 /// How a process's quotas join a fleet ([`Quotas::join_fleet`]).
@@ -67,6 +66,10 @@ pub struct FleetStats {
     pub asked: u64,
     /// Attempts this process paced alone: no connection, no answer in time, or Redis failed.
     pub alone: u64,
+    /// Of those, the ones that asked and got no answer (no reply within the ask timeout, or an
+    /// error). After each, the process paces alone for a second without asking, so a Redis that
+    /// hangs costs one ask timeout a second, not one a call.
+    pub unanswered: u64,
     /// What responses said of the quotas, and costs given back, not written to the fleet's
     /// account (no connection, or the queue to the writer was full).
     pub dropped: u64,
@@ -129,6 +132,7 @@ impl Fleet {
             connected: self.link.connection().is_some(),
             asked: c.asked.load(Ordering::Relaxed),
             alone: c.alone.load(Ordering::Relaxed),
+            unanswered: c.unanswered.load(Ordering::Relaxed),
             dropped: c.dropped.load(Ordering::Relaxed),
         }
     }
@@ -176,7 +180,6 @@ impl Quotas {
             script: Script::new(include_str!("account.lua")),
             conn: Mutex::new(None),
             lost: Notify::new(),
-            quiet_until: Mutex::new(None),
             tx,
             stopped: AtomicBool::new(false),
             counts: Counts::default(),
@@ -200,6 +203,7 @@ enum Report {
 struct Counts {
     asked: AtomicU64,
     alone: AtomicU64,
+    unanswered: AtomicU64,
     dropped: AtomicU64,
 }
 
@@ -210,8 +214,6 @@ pub(crate) struct Link {
     conn: Mutex<Option<MultiplexedConnection>>,
     /// Wakes the connection task when the connection failed.
     lost: Notify,
-    /// After a failure, the process paces alone until then without asking.
-    quiet_until: Mutex<Option<Instant>>,
     tx: mpsc::Sender<Report>,
     stopped: AtomicBool,
     counts: Counts,
@@ -230,22 +232,22 @@ impl Link {
         format!("{}:{}", self.config.prefix, dependency.as_str())
     }
 
-    /// The connection failed: pace alone for a second, and connect again.
+    /// The connection failed: without one the process paces alone, until the connection task
+    /// connects again a second later.
     fn failed(&self, error: &dyn fmt::Display) {
         tracing::debug!(target: "backstop::quota", error = %error, "fleet: Redis failed; pacing alone");
         *lock(&self.conn) = None;
-        *lock(&self.quiet_until) = Some(Instant::now() + QUIET);
         self.lost.notify_one();
     }
 
     /// Asks the fleet's account for an attempt of `cost` to `dependency`; `None` when the
-    /// process paces it alone without asking (stopped, not connected, or quiet after a failure).
+    /// process paces it alone without asking (stopped, or not connected: after a failure, for a
+    /// second at least).
     pub(crate) fn ask(self: &Arc<Self>, dependency: &Dependency, cost: Cost) -> Option<Asking> {
         if self.stopped.load(Ordering::Acquire) {
             return None;
         }
-        let quiet = lock(&self.quiet_until).is_some_and(|until| Instant::now() < until);
-        let Some(mut conn) = self.connection().filter(|_| !quiet) else {
+        let Some(mut conn) = self.connection() else {
             self.counts.alone.fetch_add(1, Ordering::Relaxed);
             return None;
         };
@@ -270,12 +272,12 @@ impl Link {
                     None
                 }
             };
-            let count = if answer.is_some() {
-                &link.counts.asked
+            if answer.is_some() {
+                link.counts.asked.fetch_add(1, Ordering::Relaxed);
             } else {
-                &link.counts.alone
-            };
-            count.fetch_add(1, Ordering::Relaxed);
+                link.counts.alone.fetch_add(1, Ordering::Relaxed);
+                link.counts.unanswered.fetch_add(1, Ordering::Relaxed);
+            }
             answer
         }))
     }
@@ -300,7 +302,8 @@ impl Link {
     }
 }
 
-/// How long a process paces alone, without asking, after Redis failed it.
+/// How long a process paces alone, without asking, after Redis failed it: the wait before it
+/// connects again.
 const QUIET: Duration = Duration::from_secs(1);
 
 /// The account's reply to `take`, as an answer.
