@@ -6,61 +6,14 @@
 
 use crate::{
     JournalError, Operator, Runs,
-    journal::{Journal, STEP_COLUMNS, with_pool},
     model::Step,
-    run::{ForkPoint, RunRecord, insert_event},
+    run::{ForkPoint, RunRecord},
+    store::Fork,
 };
-
-/// Copies step `$s` into run `$new_run` inside the transaction `$tx`, with one history row
-/// saying where it came from.
-macro_rules! copy_step {
-    ($tx:expr, $s:expr, $new_run:expr, $now:expr, $who:expr, $why:expr) => {{
-        let s: &Step = $s;
-        sqlx::query(&format!(
-            "INSERT INTO backstop_journal_steps ({STEP_COLUMNS})
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, NULL, NULL, $13, $14, $15)"
-        ))
-        .bind($new_run)
-        .bind(&*s.id.step)
-        .bind(&*s.id.call)
-        .bind(&s.tool)
-        .bind(&s.key)
-        .bind(&s.args_digest)
-        .bind(s.kind.as_str())
-        .bind(s.state.as_str())
-        .bind(i64::from(s.attempts))
-        .bind(&s.last_error)
-        .bind(&s.result)
-        .bind(&s.provider_ref)
-        .bind(s.created_ms)
-        .bind($now)
-        .bind(s.sent_ms)
-        .execute(&mut *$tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO backstop_journal_transitions
-                (run_id, step_id, call_id, from_state, to_state, at_ms, attempts, error, actor,
-                 reason)
-             VALUES ($1, $2, $3, NULL, $4, $5, $6, NULL, $7, $8)",
-        )
-        .bind($new_run)
-        .bind(&*s.id.step)
-        .bind(&*s.id.call)
-        .bind(s.state.as_str())
-        .bind($now)
-        .bind(i64::from(s.attempts))
-        .bind($who)
-        .bind($why)
-        .execute(&mut *$tx)
-        .await?;
-    }};
-}
-
-impl Journal {}
 
 /// The steps of `run` recorded before the first call of `from_step`, each over; or why the fork
 /// is refused: a step the run does not have is not found, as every missing run or step is.
-fn copied_steps<'a>(
+pub(crate) fn copied_steps<'a>(
     steps: &'a [Step],
     run: &str,
     from_step: &str,
@@ -94,18 +47,7 @@ fn copied_steps<'a>(
 impl Runs<'_> {
     /// The runs forked from run `run`, oldest first.
     pub async fn forks(self, run: &str) -> Result<Vec<RunRecord>, JournalError> {
-        let journal = self.0;
-        with_pool!(journal, |pool| {
-            let rows = sqlx::query(&format!(
-                "SELECT {} FROM backstop_journal_runs WHERE forked_from = $1
-                 ORDER BY created_ms, run_id",
-                crate::run::RUN_COLUMNS
-            ))
-            .bind(run)
-            .fetch_all(pool)
-            .await?;
-            rows.iter().map(crate::rows::run).collect()
-        })
+        self.0.store.forks(run).await
     }
 }
 
@@ -158,85 +100,15 @@ impl Operator<'_> {
             };
         }
         let now = journal.now_ms();
-        let forked = with_pool!(journal, |pool| {
-            let mut tx = pool.begin().await?;
-            // Locks the original's record (a row lock on PostgreSQL, the write lock on
-            // SQLite) while it is over, so no operator reopens it while it is copied.
-            let ended = sqlx::query(
-                "UPDATE backstop_journal_runs SET updated_ms = $2
-                 WHERE run_id = $1 AND state IN ('succeeded', 'failed', 'cancelled')",
-            )
-            .bind(run)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if !ended {
-                None
-            } else {
-                let rows = sqlx::query(&format!(
-                    "SELECT {STEP_COLUMNS} FROM backstop_journal_steps s WHERE run_id = $1
-                     ORDER BY (SELECT MIN(t.id) FROM backstop_journal_transitions t
-                               WHERE t.run_id = s.run_id AND t.step_id = s.step_id
-                                 AND t.call_id = s.call_id), created_ms, step_id, call_id"
-                ))
-                .bind(run)
-                .fetch_all(&mut *tx)
-                .await?;
-                let mut steps: Vec<Step> = Vec::with_capacity(rows.len());
-                for row in rows {
-                    steps.push(crate::rows::step(&row)?);
-                }
-                let before = copied_steps(&steps, run, from_step)?;
-                let (workflow, input): (Option<String>, Option<String>) = sqlx::query_as(
-                    "SELECT workflow, input FROM backstop_journal_runs WHERE run_id = $1",
-                )
-                .bind(run)
-                .fetch_one(&mut *tx)
-                .await?;
-                if workflow.is_none() {
-                    return Err(refused(
-                        "it was not started as a workflow: no worker could run a fork of it".into(),
-                    ));
-                }
-                let made = sqlx::query(
-                    "INSERT INTO backstop_journal_runs
-                        (run_id, created_ms, updated_ms, workflow, input, state, forked_from,
-                         forked_at_step)
-                     VALUES ($1, $2, $2, $3, $4, 'pending', $5, $6)
-                     ON CONFLICT (run_id) DO NOTHING",
-                )
-                .bind(new_run)
-                .bind(now)
-                .bind(&workflow)
-                .bind(&input)
-                .bind(run)
-                .bind(from_step)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected()
-                    == 1;
-                if !made {
-                    return Err(JournalError::RunRefused {
-                        run: new_run.to_owned(),
-                        why: "a run of that id was made meanwhile: a fork needs an id of its own"
-                            .into(),
-                    });
-                }
-                let copied = format!("copied from run {run} (fork at {from_step}): {why}");
-                for s in before {
-                    copy_step!(tx, s, new_run, now, who, &copied);
-                }
-                let into = format!("into run {new_run} at step {from_step}: {why}");
-                insert_event!(tx, run, now, who, "forked", Some(into.as_str()));
-                let from = format!("from run {run} at step {from_step}: {why}");
-                insert_event!(tx, new_run, now, who, "forked", Some(from.as_str()));
-                tx.commit().await?;
-                Some(())
-            }
-        });
-        if forked.is_none() {
+        let fork = Fork {
+            run,
+            from_step,
+            new_run,
+            who,
+            why,
+        };
+        let forked = journal.store.fork(&fork, now).await?;
+        if !forked {
             return Err(match journal.runs().get(run).await? {
                 None => JournalError::NotFound(format!("run {run}")),
                 Some(r) => refused(format!(

@@ -14,8 +14,7 @@
 //!
 //! Stores: one SQLite file, the default ([`Journal::sqlite`]; in memory for unit tests), or
 //! PostgreSQL for several workers ([`Journal::postgres`], feature `postgres`); the same schema,
-//! applied on open by sqlx's migrations (`migrations/`, one directory per store); the same
-//! statements on both, with `$N` parameters.
+//! applied on open by sqlx's migrations (`migrations/`, one directory per store).
 //!
 //! ```
 //! use backstop_journal::{CallResult, Journal, NewStep, StepState};
@@ -63,9 +62,8 @@ mod run;
 mod run_claim;
 mod runner;
 mod send;
-#[cfg(feature = "postgres")]
-mod step_conns;
 mod steps;
+mod store;
 mod typed;
 mod worker;
 mod workflow;

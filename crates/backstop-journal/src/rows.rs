@@ -2,7 +2,7 @@
 //! they become. One definition serves both stores: the derive is generic over the row type.
 
 use crate::{
-    ForkPoint, JournalError, RunRecord, RunSummary,
+    ForkPoint, JournalError, RunEvent, RunRecord, RunSummary,
     model::{Step, StepId, StepKind, StepState, StepTransition},
 };
 use sqlx::FromRow;
@@ -17,7 +17,7 @@ fn state<S: std::str::FromStr<Err = crate::UnknownState>>(name: &str) -> Result<
     name.parse().map_err(JournalError::store)
 }
 
-/// A row of `backstop_journal_steps` (`STEP_COLUMNS`).
+/// A row of `backstop_journal_steps`.
 #[derive(FromRow)]
 pub(crate) struct StepRow {
     run_id: String,
@@ -63,7 +63,7 @@ impl TryFrom<StepRow> for Step {
     }
 }
 
-/// A row of `backstop_journal_runs` (`RUN_COLUMNS`).
+/// A row of `backstop_journal_runs`.
 #[derive(FromRow)]
 pub(crate) struct RunRow {
     run_id: String,
@@ -173,18 +173,22 @@ impl TransitionRow {
     }
 }
 
-/// The step a row of `backstop_journal_steps` holds.
-pub(crate) fn step<'r, R: sqlx::Row>(row: &'r R) -> Result<Step, JournalError>
-where
-    StepRow: FromRow<'r, R>,
-{
-    StepRow::from_row(row)?.try_into()
+/// A row of `backstop_journal_run_events`.
+#[derive(FromRow)]
+pub(crate) struct EventRow {
+    at_ms: i64,
+    actor: String,
+    action: String,
+    reason: Option<String>,
 }
 
-/// The run a row of `backstop_journal_runs` holds.
-pub(crate) fn run<'r, R: sqlx::Row>(row: &'r R) -> Result<RunRecord, JournalError>
-where
-    RunRow: FromRow<'r, R>,
-{
-    RunRow::from_row(row)?.try_into()
+impl From<EventRow> for RunEvent {
+    fn from(r: EventRow) -> RunEvent {
+        RunEvent {
+            at_ms: r.at_ms,
+            actor: r.actor,
+            action: r.action,
+            reason: r.reason,
+        }
+    }
 }

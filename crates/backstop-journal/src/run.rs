@@ -6,9 +6,8 @@
 
 use crate::{
     JournalError, Runs,
-    journal::{Journal, with_pool},
+    journal::Journal,
     model::{RunSummary, StepState},
-    rows::SummaryRow,
 };
 use serde::{Serialize, Serializer};
 use std::{fmt, str::FromStr};
@@ -156,31 +155,6 @@ pub struct RunEvent {
     pub reason: Option<String>,
 }
 
-pub(crate) const RUN_COLUMNS: &str = "run_id, workflow, input, state, output, error, claimed_by, \
-     claim_until, wake_ms, created_ms, updated_ms, forked_from, forked_at_step";
-
-/// The step states that are over, as SQL.
-pub(crate) const FINAL_STEPS: &str = "('succeeded', 'failed_after_execution', 'reconciled_succeeded', \
-     'reconciled_failed', 'compensated')";
-
-/// Writes one run event inside the transaction `$tx`.
-macro_rules! insert_event {
-    ($tx:expr, $run:expr, $at:expr, $actor:expr, $action:expr, $reason:expr) => {{
-        sqlx::query(
-            "INSERT INTO backstop_journal_run_events (run_id, at_ms, actor, action, reason)
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind($run)
-        .bind($at)
-        .bind($actor)
-        .bind($action)
-        .bind($reason)
-        .execute(&mut *$tx)
-        .await?;
-    }};
-}
-pub(crate) use insert_event;
-
 impl Journal {
     /// Starts run `run` of `workflow` with `input`, pending and unclaimed: a [`Worker`] that
     /// knows the workflow claims it and runs it. Starting it again with the same workflow and
@@ -196,28 +170,7 @@ impl Journal {
         input: Option<&str>,
     ) -> Result<RunRecord, JournalError> {
         let now = self.now_ms();
-        with_pool!(self, |pool| {
-            let mut tx = pool.begin().await?;
-            let started = sqlx::query(
-                "INSERT INTO backstop_journal_runs
-                    (run_id, created_ms, updated_ms, workflow, input, state)
-                 VALUES ($1, $2, $2, $3, $4, 'pending')
-                 ON CONFLICT (run_id) DO UPDATE SET workflow = $3, input = $4, updated_ms = $2
-                 WHERE backstop_journal_runs.workflow IS NULL",
-            )
-            .bind(run)
-            .bind(now)
-            .bind(workflow)
-            .bind(input)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if started {
-                insert_event!(tx, run, now, "journal", "started", Some(workflow));
-            }
-            tx.commit().await?;
-        });
+        self.store.start_run(run, workflow, input, now).await?;
         let found = self.existing_run(run).await?;
         if found.workflow.as_deref() != Some(workflow) || found.input.as_deref() != input {
             return Err(JournalError::RunRefused {
@@ -304,85 +257,16 @@ impl Runs<'_> {
     /// # }
     /// ```
     pub async fn list(self, filter: &RunFilter) -> Result<Vec<RunSummary>, JournalError> {
-        let journal = self.0;
-        // `$1` is the limit; each condition asked for takes the next parameter.
-        let mut conditions = Vec::new();
-        if filter.state.is_some() {
-            conditions.push(format!("r.state = ${}", conditions.len() + 2));
-        }
-        if filter.workflow.is_some() {
-            conditions.push(format!("r.workflow = ${}", conditions.len() + 2));
-        }
-        let filter_sql = if conditions.is_empty() {
-            String::new()
-        } else {
-            format!("WHERE {}", conditions.join(" AND "))
-        };
-        let query = format!(
-            "SELECT r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error,
-                COUNT(s.step_id) AS steps,
-                COALESCE(SUM(CASE WHEN s.state IN {FINAL_STEPS} THEN 1 ELSE 0 END), 0) AS done,
-                COALESCE(SUM(CASE WHEN s.attention IS NOT NULL THEN 1 ELSE 0 END), 0)
-                    AS needs_human,
-                COALESCE(SUM(CASE WHEN s.state = 'parked' THEN 1 ELSE 0 END), 0) AS parked,
-                COALESCE(SUM(CASE WHEN s.state IN ('sent', 'unknown', 'requires_reconciliation')
-                    THEN 1 ELSE 0 END), 0) AS unknown
-             FROM backstop_journal_runs r
-             LEFT JOIN backstop_journal_steps s ON s.run_id = r.run_id
-             {filter_sql}
-             GROUP BY r.run_id, r.workflow, r.state, r.updated_ms, r.claimed_by, r.wake_ms, r.error
-             ORDER BY r.updated_ms DESC, r.run_id LIMIT $1"
-        );
-        let rows: Vec<SummaryRow> = with_pool!(journal, |pool| {
-            let mut q = sqlx::query_as(&query).bind(i64::from(filter.limit));
-            if let Some(state) = filter.state {
-                q = q.bind(state.as_str());
-            }
-            if let Some(workflow) = &filter.workflow {
-                q = q.bind(workflow.as_str());
-            }
-            q.fetch_all(pool).await?
-        });
-        rows.into_iter().map(RunSummary::try_from).collect()
+        self.0.store.runs(filter).await
     }
 
     /// The record of run `run`.
     pub async fn get(self, run: &str) -> Result<Option<RunRecord>, JournalError> {
-        let journal = self.0;
-        with_pool!(journal, |pool| {
-            let row = sqlx::query(&format!(
-                "SELECT {RUN_COLUMNS} FROM backstop_journal_runs WHERE run_id = $1"
-            ))
-            .bind(run)
-            .fetch_optional(pool)
-            .await?;
-            match row {
-                Some(row) => Ok(Some(crate::rows::run(&row)?)),
-                None => Ok(None),
-            }
-        })
+        self.0.store.run(run).await
     }
 
     /// What happened to run `run`, oldest first.
     pub async fn events(self, run: &str) -> Result<Vec<RunEvent>, JournalError> {
-        let journal = self.0;
-        let rows: Vec<(i64, String, String, Option<String>)> = with_pool!(journal, |pool| {
-            sqlx::query_as(
-                "SELECT at_ms, actor, action, reason FROM backstop_journal_run_events
-                 WHERE run_id = $1 ORDER BY id",
-            )
-            .bind(run)
-            .fetch_all(pool)
-            .await?
-        });
-        Ok(rows
-            .into_iter()
-            .map(|(at_ms, actor, action, reason)| RunEvent {
-                at_ms,
-                actor,
-                action,
-                reason,
-            })
-            .collect())
+        self.0.store.events(run).await
     }
 }

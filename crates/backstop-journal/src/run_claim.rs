@@ -1,11 +1,12 @@
 //! A run under a worker's claim: claimed once its lease runs out, its lease renewed, and given
 //! back finished, deferred, to a person or cancelled, each move one guarded statement with its
-//! event.
+//! event ([`RunMove`]).
 
 use crate::{
     JournalError, Operator,
-    journal::{Journal, with_pool},
-    run::{FINAL_STEPS, RunOutcome, RunRecord, RunState, insert_event},
+    journal::Journal,
+    run::{RunOutcome, RunRecord, RunState},
+    store::{NextClaim, RunMove},
 };
 use std::time::Duration;
 
@@ -50,71 +51,13 @@ impl Journal {
         workflows: Option<&[&str]>,
     ) -> Result<Option<String>, JournalError> {
         let now = self.now_ms();
-        let until = lease_end(now, lease);
-        // $1 now; the workflows from $2.
-        let runnable = match workflows {
-            Some(names) => {
-                let params: Vec<String> = (0..names.len()).map(|i| format!("${}", i + 2)).collect();
-                format!("r.workflow IN ({})", params.join(", "))
-            }
-            None => format!(
-                "(r.workflow IS NOT NULL OR EXISTS (SELECT 1 FROM backstop_journal_steps s
-                   WHERE s.run_id = r.run_id AND s.state NOT IN {FINAL_STEPS}
-                   AND s.attention IS NULL))"
-            ),
+        let claim = NextClaim {
+            worker,
+            until: lease_end(now, lease),
+            now,
+            workflows,
         };
-        let pick = format!(
-            "SELECT r.run_id FROM backstop_journal_runs r
-             WHERE r.state = 'pending' AND (r.claim_until IS NULL OR r.claim_until < $1)
-               AND (r.wake_ms IS NULL OR r.wake_ms <= $1) AND {runnable}
-             ORDER BY COALESCE(r.wake_ms, r.updated_ms), r.run_id LIMIT 1"
-        );
-        let names = workflows.unwrap_or_default();
-        match &self.backend {
-            #[cfg(feature = "postgres")]
-            crate::journal::Backend::Postgres(pool) => {
-                let mut tx = pool.begin().await?;
-                let statement = format!("{pick} FOR UPDATE SKIP LOCKED");
-                let mut q = sqlx::query_scalar(&statement).bind(now);
-                for name in names {
-                    q = q.bind(*name);
-                }
-                let run: Option<String> = q.fetch_optional(&mut *tx).await?;
-                if let Some(run) = &run {
-                    sqlx::query(
-                        "UPDATE backstop_journal_runs SET claimed_by = $1, claim_until = $2,
-                            wake_ms = NULL
-                         WHERE run_id = $3",
-                    )
-                    .bind(worker)
-                    .bind(until)
-                    .bind(run)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                tx.commit().await?;
-                Ok(run)
-            }
-            #[cfg(feature = "sqlite")]
-            crate::journal::Backend::Sqlite(pool) => {
-                // SQLite has one writer at a time: the statement is the claim.
-                let n = names.len();
-                let statement = format!(
-                    "UPDATE backstop_journal_runs SET claimed_by = ${w}, claim_until = ${u},
-                        wake_ms = NULL
-                     WHERE run_id = ({pick})
-                     RETURNING run_id",
-                    w = n + 2,
-                    u = n + 3
-                );
-                let mut q = sqlx::query_scalar(&statement).bind(now);
-                for name in names {
-                    q = q.bind(*name);
-                }
-                let run: Option<String> = q.bind(worker).bind(until).fetch_optional(pool).await?;
-                Ok(run)
-            }
-        }
+        self.store.claim_next(&claim).await
     }
 
     /// Extends `worker`'s lease on `run`: `false` when the worker no longer holds it (another
@@ -128,19 +71,7 @@ impl Journal {
         lease: Duration,
     ) -> Result<bool, JournalError> {
         let until = lease_end(self.now_ms(), lease);
-        with_pool!(self, |pool| {
-            let renewed = sqlx::query(
-                "UPDATE backstop_journal_runs SET claim_until = $1
-                 WHERE run_id = $2 AND claimed_by = $3 AND state = 'pending'",
-            )
-            .bind(until)
-            .bind(run)
-            .bind(worker)
-            .execute(pool)
-            .await?
-            .rows_affected();
-            Ok(renewed == 1)
-        })
+        self.store.renew(run, worker, until).await
     }
 
     /// Finishes `run` as `outcome` says: only a pending run, and only by the worker holding it
@@ -288,67 +219,8 @@ impl Journal {
     /// One change of a run's state: one guarded statement, and its event, in a transaction.
     /// `false` when the guard did not hold (nothing written).
     async fn move_run(&self, run: &str, m: RunMove<'_>) -> Result<bool, JournalError> {
-        let now = self.now_ms();
-        // The states are the journal's own names, not input.
-        let from: Vec<String> = m.from.iter().map(|s| format!("'{}'", s.as_str())).collect();
-        let (release, holder) = if m.holder.is_some() {
-            (
-                ", claimed_by = NULL, claim_until = NULL",
-                "AND (claimed_by = $7 OR claimed_by IS NULL)",
-            )
-        } else {
-            ("", "")
-        };
-        let attention = if m.unless_attention {
-            "AND NOT EXISTS (SELECT 1 FROM backstop_journal_steps s
-                WHERE s.run_id = $6 AND s.attention IS NOT NULL)"
-        } else {
-            ""
-        };
-        let query = format!(
-            "UPDATE backstop_journal_runs SET state = $1, output = COALESCE($2, output),
-                error = $3, wake_ms = $4, updated_ms = $5 {release}
-             WHERE run_id = $6 AND state IN ({}) {holder} {attention}",
-            from.join(", ")
-        );
-        with_pool!(self, |pool| {
-            let mut tx = pool.begin().await?;
-            let mut q = sqlx::query(&query)
-                .bind(m.to.as_str())
-                .bind(&m.output)
-                .bind(&m.error)
-                .bind(m.wake_ms)
-                .bind(now)
-                .bind(run);
-            if let Some(worker) = m.holder {
-                q = q.bind(worker);
-            }
-            let moved = q.execute(&mut *tx).await?.rows_affected() == 1;
-            if moved && let Some(action) = m.action {
-                insert_event!(tx, run, now, m.actor, action, m.reason.as_deref());
-            }
-            tx.commit().await?;
-            Ok(moved)
-        })
+        self.store.move_run(run, &m, self.now_ms()).await
     }
-}
-
-/// One change of a run's state ([`Journal::move_run`]).
-struct RunMove<'a> {
-    to: RunState,
-    /// The states it may move from.
-    from: &'a [RunState],
-    /// Only this worker (or anyone, when nobody holds the run), and the claim goes with it.
-    holder: Option<&'a str>,
-    output: Option<String>,
-    error: Option<String>,
-    wake_ms: Option<i64>,
-    /// Not while one of its steps waits for a person.
-    unless_attention: bool,
-    actor: &'a str,
-    /// The event written; `None`: none (a deferral).
-    action: Option<&'a str>,
-    reason: Option<String>,
 }
 
 impl<'a> RunMove<'a> {

@@ -3,9 +3,9 @@
 
 use crate::{
     JournalError, Operator, Runs,
-    journal::{CallIdentity, Journal, STEP_COLUMNS, with_pool},
+    journal::{CallIdentity, Journal},
     model::{NewStep, Resolution, Step, StepId, StepState, StepTransition},
-    rows::TransitionRow,
+    store::StepMove,
 };
 use std::time::Duration;
 
@@ -40,32 +40,6 @@ impl Change {
     }
 }
 
-/// Writes one history row inside the transaction `$tx`.
-macro_rules! insert_transition {
-    ($tx:expr, $id:expr, $from:expr, $to:expr, $at:expr, $attempts:expr, $change:expr) => {{
-        let change: &Change = $change;
-        let from: Option<StepState> = $from;
-        let to: StepState = $to;
-        sqlx::query(
-            "INSERT INTO backstop_journal_transitions
-                (run_id, step_id, call_id, from_state, to_state, at_ms, attempts, error, actor, reason)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        )
-        .bind(&*$id.run)
-        .bind(&*$id.step)
-        .bind(&*$id.call)
-        .bind(from.map(StepState::as_str))
-        .bind(to.as_str())
-        .bind($at)
-        .bind(i64::from($attempts))
-        .bind(change.error.clone())
-        .bind(change.actor.as_deref().unwrap_or("journal"))
-        .bind(change.reason.clone())
-        .execute(&mut *$tx)
-        .await?;
-    }};
-}
-
 impl Journal {
     /// Records `new` as `pending`, or returns the step already recorded under its ids (a
     /// resumed run). A step recorded with other arguments is refused.
@@ -73,49 +47,7 @@ impl Journal {
     pub async fn begin(&self, new: &NewStep) -> Result<Step, JournalError> {
         let now = self.now_ms();
         let id = &new.id;
-        let inserted = with_pool!(self, |pool| {
-            let mut tx = pool.begin().await?;
-            let inserted = sqlx::query(&format!(
-                "INSERT INTO backstop_journal_steps ({STEP_COLUMNS})
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, 'pending', 0, NULL, NULL, NULL, NULL, NULL,
-                         $8, $8, NULL)
-                 ON CONFLICT (run_id, step_id, call_id) DO NOTHING"
-            ))
-            .bind(&*id.run)
-            .bind(&*id.step)
-            .bind(&*id.call)
-            .bind(&new.tool)
-            .bind(&new.key)
-            .bind(&new.args_digest)
-            .bind(new.kind.as_str())
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if inserted {
-                insert_transition!(
-                    tx,
-                    id,
-                    None,
-                    StepState::Pending,
-                    now,
-                    0u32,
-                    &Change::default()
-                );
-                sqlx::query(
-                    "INSERT INTO backstop_journal_runs (run_id, created_ms, updated_ms)
-                     VALUES ($1, $2, $2)
-                     ON CONFLICT (run_id) DO UPDATE SET updated_ms = $2",
-                )
-                .bind(&*id.run)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            }
-            tx.commit().await?;
-            inserted
-        });
+        let inserted = self.store.insert_step(new, now).await?;
         let step = self
             .runs()
             .step(id)
@@ -173,45 +105,15 @@ impl Journal {
         if !from.contains(&current.state) || (!repair && !current.state.can_move_to(to)) {
             return Err(conflict(Some(current.state)));
         }
-        let moved = with_pool!(self, |pool| {
-            let mut tx = pool.begin().await?;
-            let attempts = i64::from(current.attempts) + i64::from(change.attempt);
-            let done = sqlx::query(
-                "UPDATE backstop_journal_steps SET state = $1, attempts = $2,
-                    last_error = COALESCE($3, last_error), result = COALESCE($4, result),
-                    provider_ref = COALESCE($5, provider_ref), park_until = $6, attention = $7,
-                    updated_ms = $8, sent_ms = CASE WHEN $1 = 'sent' THEN $8 ELSE sent_ms END
-                 WHERE run_id = $9 AND step_id = $10 AND call_id = $11 AND state = $12",
-            )
-            .bind(to.as_str())
-            .bind(attempts)
-            .bind(&change.error)
-            .bind(&change.result)
-            .bind(&change.provider_ref)
-            .bind(change.park_until)
-            .bind(&change.attention)
-            .bind(now)
-            .bind(&*id.run)
-            .bind(&*id.step)
-            .bind(&*id.call)
-            .bind(current.state.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-                == 1;
-            if done {
-                let from = Some(current.state);
-                let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
-                insert_transition!(tx, id, from, to, now, attempts, &change);
-                sqlx::query("UPDATE backstop_journal_runs SET updated_ms = $1 WHERE run_id = $2")
-                    .bind(now)
-                    .bind(&*id.run)
-                    .execute(&mut *tx)
-                    .await?;
-                tx.commit().await?;
-            }
-            done
-        });
+        let attempts = current.attempts.saturating_add(u32::from(change.attempt));
+        let step_move = StepMove {
+            id,
+            from: current.state,
+            to,
+            attempts,
+            change: &change,
+        };
+        let moved = self.store.update_step(&step_move, now).await?;
         let step = self.runs().step(id).await?.ok_or_else(|| conflict(None))?;
         if !moved {
             // Another worker moved it between the read and the write.
@@ -219,30 +121,6 @@ impl Journal {
         }
         crate::obs::transition(&step, current.state, now - current.updated_ms);
         Ok(step)
-    }
-
-    async fn transitions(
-        &self,
-        run: &str,
-        step: Option<&StepId>,
-    ) -> Result<Vec<StepTransition>, JournalError> {
-        let one = if step.is_some() {
-            "AND step_id = $2 AND call_id = $3"
-        } else {
-            ""
-        };
-        let query = format!(
-            "SELECT step_id, call_id, from_state, to_state, at_ms, attempts, error, actor, reason
-             FROM backstop_journal_transitions WHERE run_id = $1 {one} ORDER BY id"
-        );
-        let rows: Vec<TransitionRow> = with_pool!(self, |pool| {
-            let mut q = sqlx::query_as(&query).bind(run);
-            if let Some(id) = step {
-                q = q.bind(&*id.step).bind(&*id.call);
-            }
-            q.fetch_all(pool).await?
-        });
-        rows.into_iter().map(|row| row.of_run(run)).collect()
     }
 
     /// Claims `run` for `worker` for `lease`: `true` when no other worker holds it (a claim
@@ -256,36 +134,13 @@ impl Journal {
     ) -> Result<bool, JournalError> {
         let now = self.now_ms();
         let until = now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX));
-        with_pool!(self, |pool| {
-            let claimed = sqlx::query(
-                "UPDATE backstop_journal_runs SET claimed_by = $1, claim_until = $2
-                 WHERE run_id = $3 AND (claimed_by IS NULL OR claimed_by = $1 OR claim_until < $4)",
-            )
-            .bind(worker)
-            .bind(until)
-            .bind(run)
-            .bind(now)
-            .execute(pool)
-            .await?
-            .rows_affected();
-            Ok(claimed == 1)
-        })
+        self.store.claim(run, worker, until, now).await
     }
 
     /// Gives `run` back (only `worker`'s own claim).
     #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
     pub async fn release(&self, run: &str, worker: &str) -> Result<(), JournalError> {
-        with_pool!(self, |pool| {
-            sqlx::query(
-                "UPDATE backstop_journal_runs SET claimed_by = NULL, claim_until = NULL
-                 WHERE run_id = $1 AND claimed_by = $2",
-            )
-            .bind(run)
-            .bind(worker)
-            .execute(pool)
-            .await?;
-            Ok(())
-        })
+        self.store.release(run, worker).await
     }
 }
 
@@ -293,63 +148,31 @@ impl Runs<'_> {
     /// Every step of `run`, in the order they were recorded.
     pub async fn steps(self, run: &str) -> Result<Vec<Step>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool| {
-            let rows = sqlx::query(&format!(
-                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps WHERE run_id = $1
-                 ORDER BY created_ms, step_id, call_id"
-            ))
-            .bind(run)
-            .fetch_all(pool)
-            .await?;
-            rows.iter().map(crate::rows::step).collect()
-        })
+        journal.store.steps(run).await
     }
 
     /// Every recorded transition of every step of `run`, oldest first, in one query.
     pub async fn history(self, run: &str) -> Result<Vec<StepTransition>, JournalError> {
         let journal = self.0;
-        journal.transitions(run, None).await
+        journal.store.transitions(run, None).await
     }
 
     /// The step recorded under `id`.
     pub async fn step(self, id: &StepId) -> Result<Option<Step>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool| {
-            let row = sqlx::query(&format!(
-                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
-                 WHERE run_id = $1 AND step_id = $2 AND call_id = $3"
-            ))
-            .bind(&*id.run)
-            .bind(&*id.step)
-            .bind(&*id.call)
-            .fetch_optional(pool)
-            .await?;
-            match row {
-                Some(row) => Ok(Some(crate::rows::step(&row)?)),
-                None => Ok(None),
-            }
-        })
+        journal.store.step(id).await
     }
 
     /// Every recorded transition of step `id`, oldest first.
     pub async fn step_history(self, id: &StepId) -> Result<Vec<StepTransition>, JournalError> {
         let journal = self.0;
-        journal.transitions(&id.run, Some(id)).await
+        journal.store.transitions(&id.run, Some(id)).await
     }
 
     /// Steps waiting for a person, and parked steps (with when they wake).
     pub async fn stuck(self) -> Result<Vec<Step>, JournalError> {
         let journal = self.0;
-        with_pool!(journal, |pool| {
-            let rows = sqlx::query(&format!(
-                "SELECT {STEP_COLUMNS} FROM backstop_journal_steps
-                 WHERE attention IS NOT NULL OR state = 'parked'
-                 ORDER BY updated_ms, run_id, step_id"
-            ))
-            .fetch_all(pool)
-            .await?;
-            rows.iter().map(crate::rows::step).collect()
-        })
+        journal.store.stuck().await
     }
 }
 

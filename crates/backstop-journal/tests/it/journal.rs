@@ -561,6 +561,56 @@ async fn all(j: Journal, clock: ManualClock) {
     moves_are_compare_and_set_and_arguments_are_checked(&j).await;
     two_workers_never_hold_one_run(&j, &clock).await;
     the_layer_journals_tool_calls_through_the_stack(&j).await;
+    a_repair_made_while_the_call_is_out_is_kept(&j).await;
+}
+
+/// An operator settles a step while its call is out (the worker seemed stuck): the call's own
+/// outcome, when it comes back, is refused and writes nothing, so the operator's word stands.
+async fn a_repair_made_while_the_call_is_out_is_kept(j: &Journal) {
+    let step = NewStep::tool_call("r-repaired-in-flight", "s", "c", "t", b"");
+    let by_hand = Resolution::Succeeded {
+        result: Some("settled by hand".into()),
+    };
+    let outcome = j
+        .execute(&step, |sent| async move {
+            j.operator()
+                .resolve(&sent.id, by_hand, "ops", "the worker looked stuck")
+                .await
+                .unwrap();
+            ok("the call's own")
+        })
+        .await;
+    assert!(
+        matches!(
+            outcome,
+            Err(JournalError::Conflict {
+                found: Some(StepState::ReconciledSucceeded),
+                ..
+            })
+        ),
+        "{outcome:?}"
+    );
+    let s = j.runs().step(&step.id).await.unwrap().unwrap();
+    assert_eq!(
+        (s.state, s.result.as_deref()),
+        (StepState::ReconciledSucceeded, Some("settled by hand"))
+    );
+    let moves: Vec<StepState> = j
+        .runs()
+        .step_history(&step.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.to)
+        .collect();
+    assert_eq!(
+        moves,
+        [
+            StepState::Pending,
+            StepState::Sent,
+            StepState::ReconciledSucceeded
+        ]
+    );
 }
 
 #[tokio::test]
