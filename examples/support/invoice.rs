@@ -17,8 +17,8 @@
 
 use backstop::{Backstop, BackstopService, BoxError, Outcome};
 use backstop_journal::{
-    CallResult, Journal, JournalError, NewStep, Next, Reconciled, Reconcilers, Resolution,
-    RunContext, RunEnd, Step, Worker, WorkflowResult,
+    CallResult, Journal, JournalError, NewStep, Reconciled, Reconcilers, Resolution, RunContext,
+    RunEnd, Step, StepState, Worker, WorkflowResult,
 };
 use backstop_testkit::{Action, Seen, TestServer};
 use bytes::Bytes;
@@ -41,8 +41,8 @@ pub const STEPS: [(&str, &str); 3] = [
 ];
 
 /// Where a worker is killed: `run:start` (the run claimed, before its first step), or
-/// `<step>:<point>`, the point one of `begun` (after `pending` is written), `sent` (after
-/// `sent` is written, before the call), `effect` (in the service, after it acted, before it
+/// `<step>:<point>`, the point one of `sent` (after the step is written as `sent`, before the
+/// call), `effect` (in the service, after it acted, before it
 /// answers) or `recorded` (after the outcome is written: between two steps, or after the last
 /// one before the run is finished). Two more are for a worker that recovers a run:
 /// `reconcile:<tool>` (in the reconcile hook, while it asks the service) and `run:deferred`
@@ -53,7 +53,7 @@ pub type KillAt = String;
 pub fn kill_points() -> Vec<KillAt> {
     let mut points = vec!["run:start".to_owned()];
     for (step, _) in STEPS {
-        for point in ["begun", "sent", "effect", "recorded"] {
+        for point in ["sent", "effect", "recorded"] {
             points.push(format!("{step}:{point}"));
         }
     }
@@ -501,11 +501,6 @@ async fn invoice_workflow(
     for (step, tool) in STEPS {
         let args = step_args(&order, step, &invoice);
         let new = NewStep::tool_call(&run, step, "", tool, args.as_bytes());
-        if kill_at == Some(&format!("{step}:begun")) {
-            // Killed right after `pending` is written, before `sent` is.
-            ctx.journal().begin(&new).await?;
-            checkpoint(kill_at, step, "begun");
-        }
         let (path, field) = match step {
             "create-invoice" => ("/invoices", "invoice"),
             "reserve-inventory" => ("/reservations", "reservation"),
@@ -529,13 +524,12 @@ async fn invoice_workflow(
 /// What a runtime without reconciliation does with a resumed run: every step whose outcome is
 /// unknown is sent again, without asking.
 async fn resend_without_asking(journal: &Journal, run: &str) -> Result<(), JournalError> {
-    let plan = match journal.plan(run).await {
-        Ok(plan) => plan,
-        Err(JournalError::NotFound(_)) => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    for (step, next) in plan {
-        if matches!(next, Next::Reconcile | Next::Human { .. }) {
+    for step in journal.runs().steps(run).await? {
+        let unknown = matches!(
+            step.state,
+            StepState::Sent | StepState::Unknown | StepState::RequiresReconciliation
+        );
+        if unknown || step.attention.is_some() {
             journal
                 .operator()
                 .resolve(

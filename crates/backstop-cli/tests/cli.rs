@@ -2,7 +2,9 @@
 //! journal and a PostgreSQL one that a workflow wrote.
 
 use backstop_core::Outcome;
-use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, RunOutcome, Step};
+use backstop_journal::{
+    CallResult, Journal, NewStep, Reconciled, Reconcilers, RunContext, RunError, Step, Worker,
+};
 use std::{process::Command, time::Duration};
 
 #[path = "cli/console.rs"]
@@ -76,30 +78,25 @@ async fn write_a_run(j: &Journal) {
     .unwrap();
 }
 
-/// A run of workflow `charge` whose charge failed for good: the run failed.
+/// A run of workflow `charge` whose charge failed for good: its worker failed the run.
 async fn write_a_failed_run(j: &Journal) {
     j.start_run("run-2", "charge", Some("{\"eur\":40}"))
         .await
         .unwrap();
-    let charge = NewStep::tool_call("run-2", "charge", "", "payments", b"{}");
-    j.execute(&charge, |_| async {
-        CallResult::Failed {
-            outcome: Outcome::Completed,
-            error: "payments answered 422: card declined".into(),
-            retry_after: None,
-        }
-    })
-    .await
-    .unwrap();
-    j.finish_run(
-        "run-2",
-        "worker-1",
-        RunOutcome::Failed {
-            error: "step run-2/charge failed: card declined".into(),
-        },
-    )
-    .await
-    .unwrap();
+    let worker =
+        Worker::new(j.clone(), "worker-1").workflow("charge", |ctx: RunContext| async move {
+            ctx.step("charge", "payments", b"{}", |_| async {
+                CallResult::Failed {
+                    outcome: Outcome::Completed,
+                    error: "payments answered 422: card declined".into(),
+                    retry_after: None,
+                }
+            })
+            .await
+            .map_err(|_| RunError::failed("step run-2/charge failed: card declined"))?;
+            Ok(None)
+        });
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 1);
 }
 
 /// The operator steers runs: by state, retry, stub, cancel; each refusal with its exit code.

@@ -64,6 +64,8 @@ mod runner;
 mod send;
 mod steps;
 mod store;
+#[cfg(test)]
+mod tests;
 mod typed;
 mod worker;
 mod workflow;
@@ -79,10 +81,9 @@ pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
     UnknownState, digest,
 };
-pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
-pub use run::{ForkPoint, RunEvent, RunFilter, RunOutcome, RunRecord, RunState};
+pub use reconcile::{Reconcile, Reconciled, Reconcilers, ResumeReport};
+pub use run::{ForkPoint, RunEvent, RunFilter, RunRecord, RunState};
 pub use runner::CallResult;
-pub use steps::Change;
 pub use typed::Workflow;
 pub use worker::Worker;
 pub use workflow::{RunContext, RunEnd, RunError, RunReport, WorkflowResult};

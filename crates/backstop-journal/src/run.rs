@@ -127,7 +127,7 @@ pub struct ForkPoint {
 
 /// How a workflow finished a run.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RunOutcome {
+pub(crate) enum RunOutcome {
     /// It succeeded, with this output.
     Succeeded {
         /// What the workflow returned (JSON, say).

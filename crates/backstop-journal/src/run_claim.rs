@@ -15,24 +15,11 @@ fn lease_end(now: i64, lease: Duration) -> i64 {
 }
 
 impl Journal {
-    /// Claims the pending run that has waited longest among those free to run: no live claim
-    /// (a lease that ran out is free), no wake-up time still to come, and either a workflow to
-    /// run it or steps not over (a run journaled without a workflow). On PostgreSQL the row is
-    /// picked `FOR UPDATE SKIP LOCKED`, so workers claiming at the same moment take different
-    /// runs.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn claim_next(
-        &self,
-        worker: &str,
-        lease: Duration,
-    ) -> Result<Option<String>, JournalError> {
-        self.claim_next_of(worker, lease, None).await
-    }
-
-    /// [`claim_next`](Self::claim_next) among the runs of `workflows` only (what a worker
-    /// can run).
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn claim_next_for(
+    /// Claims, among the runs of `workflows` (what a worker can run), the pending run that has
+    /// waited longest of those free to run: no live claim (a lease that ran out is free) and no
+    /// wake-up time still to come. On PostgreSQL the row is picked `FOR UPDATE SKIP LOCKED`, so
+    /// workers claiming at the same moment take different runs.
+    pub(crate) async fn claim_next(
         &self,
         worker: &str,
         lease: Duration,
@@ -41,15 +28,6 @@ impl Journal {
         if workflows.is_empty() {
             return Ok(None);
         }
-        self.claim_next_of(worker, lease, Some(workflows)).await
-    }
-
-    async fn claim_next_of(
-        &self,
-        worker: &str,
-        lease: Duration,
-        workflows: Option<&[&str]>,
-    ) -> Result<Option<String>, JournalError> {
         let now = self.now_ms();
         let claim = NextClaim {
             worker,
@@ -63,8 +41,7 @@ impl Journal {
     /// Extends `worker`'s lease on `run`: `false` when the worker no longer holds it (another
     /// worker claimed it after the lease ran out) or the run is no longer pending (an operator
     /// cancelled it): the worker stops running it.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn renew(
+    pub(crate) async fn renew(
         &self,
         run: &str,
         worker: &str,
@@ -76,8 +53,7 @@ impl Journal {
 
     /// Finishes `run` as `outcome` says: only a pending run, and only by the worker holding it
     /// (or by anyone when nobody does). Its claim goes with it.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn finish_run(
+    pub(crate) async fn finish_run(
         &self,
         run: &str,
         worker: &str,
@@ -104,8 +80,7 @@ impl Journal {
 
     /// Hands `run` to a person: no worker runs it until an operator resolves, retries or stubs
     /// the step that stopped it.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn run_needs_human(
+    pub(crate) async fn run_needs_human(
         &self,
         run: &str,
         worker: &str,
@@ -126,8 +101,7 @@ impl Journal {
 
     /// Gives `run` back, pending, not to be claimed before `wake_ms`: a parked step's timer,
     /// or a step that was not sent and is tried again later.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn defer_run(
+    pub(crate) async fn defer_run(
         &self,
         run: &str,
         worker: &str,

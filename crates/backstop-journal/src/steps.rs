@@ -7,32 +7,31 @@ use crate::{
     model::{NewStep, Resolution, Step, StepId, StepState, StepTransition},
     store::StepMove,
 };
-use std::time::Duration;
 
 /// What a transition writes besides the state.
 #[derive(Clone, Debug, Default)]
-pub struct Change {
+pub(crate) struct Change {
     /// Count one more attempt.
-    pub attempt: bool,
+    pub(crate) attempt: bool,
     /// The error that caused it.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
     /// The result to store.
-    pub result: Option<String>,
+    pub(crate) result: Option<String>,
     /// The provider's reference.
-    pub provider_ref: Option<String>,
+    pub(crate) provider_ref: Option<String>,
     /// When a parked step wakes.
-    pub park_until: Option<i64>,
+    pub(crate) park_until: Option<i64>,
     /// Why it needs a person (cleared when `None`).
-    pub attention: Option<String>,
+    pub(crate) attention: Option<String>,
     /// Who: `journal` unless an operator.
-    pub actor: Option<String>,
+    pub(crate) actor: Option<String>,
     /// Why, in words.
-    pub reason: Option<String>,
+    pub(crate) reason: Option<String>,
 }
 
 impl Change {
     /// One more attempt, nothing else: what a move to `sent` writes.
-    pub fn attempt() -> Self {
+    pub(crate) fn attempt() -> Self {
         Change {
             attempt: true,
             ..Change::default()
@@ -43,8 +42,7 @@ impl Change {
 impl Journal {
     /// Records `new` as `pending`, or returns the step already recorded under its ids (a
     /// resumed run). A step recorded with other arguments is refused.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn begin(&self, new: &NewStep) -> Result<Step, JournalError> {
+    pub(crate) async fn begin(&self, new: &NewStep) -> Result<Step, JournalError> {
         let now = self.now_ms();
         let id = &new.id;
         let inserted = self.store.insert_step(new, now).await?;
@@ -73,8 +71,7 @@ impl Journal {
     /// transaction. Refused (nothing written) when the step is elsewhere, or when the journal
     /// does not allow the move ([`StepState::can_move_to`]); only an operator's repair
     /// ([`resolve`](Self::resolve)) goes further.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn transition(
+    pub(crate) async fn transition(
         &self,
         id: &StepId,
         from: &[StepState],
@@ -123,23 +120,8 @@ impl Journal {
         Ok(step)
     }
 
-    /// Claims `run` for `worker` for `lease`: `true` when no other worker holds it (a claim
-    /// whose lease ran out is free). Two workers never both hold a run.
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn claim(
-        &self,
-        run: &str,
-        worker: &str,
-        lease: Duration,
-    ) -> Result<bool, JournalError> {
-        let now = self.now_ms();
-        let until = now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX));
-        self.store.claim(run, worker, until, now).await
-    }
-
     /// Gives `run` back (only `worker`'s own claim).
-    #[doc(hidden)] // The worker's claim protocol: the `Worker` runs it; not for users.
-    pub async fn release(&self, run: &str, worker: &str) -> Result<(), JournalError> {
+    pub(crate) async fn release(&self, run: &str, worker: &str) -> Result<(), JournalError> {
         self.store.release(run, worker).await
     }
 }

@@ -194,7 +194,7 @@ impl Worker {
         let names = self.names();
         let Some(run) = self
             .journal
-            .claim_next_for(&self.id, self.lease, &names)
+            .claim_next(&self.id, self.lease, &names)
             .await?
         else {
             return Ok(None);

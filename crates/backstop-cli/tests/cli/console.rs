@@ -6,7 +6,9 @@
 //! `target/console/`.
 
 use backstop_core::Outcome;
-use backstop_journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, RunOutcome, Step};
+use backstop_journal::{
+    CallResult, Journal, NewStep, Reconciled, Reconcilers, RunContext, RunError, Step, Worker,
+};
 use fantoccini::{ClientBuilder, Locator};
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -27,50 +29,29 @@ async fn write_runs(db: &Path) {
             provider_ref: None,
         }
     };
-    // succeeded
-    j.start_run("run-done", "invoice", Some("{}"))
-        .await
-        .unwrap();
-    j.execute(
-        &NewStep::tool_call("run-done", "create-invoice", "", "billing", b"{}"),
-        |_| ok(),
-    )
-    .await
-    .unwrap();
-    j.finish_run(
-        "run-done",
-        "worker-1",
-        RunOutcome::Succeeded {
-            output: Some("{\"invoice\":\"inv_1\"}".into()),
-        },
-    )
-    .await
-    .unwrap();
-    // failed, its step named in HTML
-    j.start_run("run-failed", "invoice", Some("{}"))
-        .await
-        .unwrap();
-    j.execute(
-        &NewStep::tool_call("run-failed", HTML_STEP, "", "mailer", b"{}"),
-        |_| async {
-            CallResult::Failed {
-                outcome: Outcome::Completed,
-                error: "mailer answered 422: <script>bounced</script>".into(),
-                retry_after: None,
+    // succeeded, and failed with its step named in HTML: what their worker made of them
+    for run in ["run-done", "run-failed"] {
+        j.start_run(run, "invoice", Some("{}")).await.unwrap();
+    }
+    let worker =
+        Worker::new(j.clone(), "worker-1").workflow("invoice", move |ctx: RunContext| async move {
+            if ctx.run_id() == "run-done" {
+                ctx.step("create-invoice", "billing", b"{}", |_| ok())
+                    .await?;
+                return Ok(Some("{\"invoice\":\"inv_1\"}".to_owned()));
             }
-        },
-    )
-    .await
-    .unwrap();
-    j.finish_run(
-        "run-failed",
-        "worker-1",
-        RunOutcome::Failed {
-            error: "the email bounced".into(),
-        },
-    )
-    .await
-    .unwrap();
+            ctx.step(HTML_STEP, "mailer", b"{}", |_| async {
+                CallResult::Failed {
+                    outcome: Outcome::Completed,
+                    error: "mailer answered 422: <script>bounced</script>".into(),
+                    retry_after: None,
+                }
+            })
+            .await
+            .map_err(|_| RunError::failed("the email bounced"))?;
+            Ok(None)
+        });
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 2);
     // cancelled
     j.start_run("run-cancelled", "invoice", Some("{}"))
         .await

@@ -104,16 +104,7 @@ pub(crate) trait Store: Send + Sync {
     /// read: `false` when the original is not over (nothing written).
     async fn fork(&self, fork: &Fork<'_>, now: i64) -> Result<bool, JournalError>;
 
-    /// Claims `run` for `worker` until `until`: `false` when another worker's claim lasts.
-    async fn claim(
-        &self,
-        run: &str,
-        worker: &str,
-        until: i64,
-        now: i64,
-    ) -> Result<bool, JournalError>;
-
-    /// Claims the pending run free to run that has waited longest.
+    /// Claims the pending run of the claim's workflows, free to run, that has waited longest.
     async fn claim_next(&self, claim: &NextClaim<'_>) -> Result<Option<String>, JournalError>;
 
     /// Extends `worker`'s claim on pending run `run` to `until`: `false` when it holds none.
@@ -141,9 +132,8 @@ pub(crate) struct NextClaim<'a> {
     pub(crate) worker: &'a str,
     pub(crate) until: i64,
     pub(crate) now: i64,
-    /// Only runs of these workflows; `None`: any run with a workflow, or with steps not over
-    /// (a run journaled without a workflow).
-    pub(crate) workflows: Option<&'a [&'a str]>,
+    /// Only runs of these workflows (at least one).
+    pub(crate) workflows: &'a [&'a str],
 }
 
 /// A fork ([`Store::fork`]).
@@ -713,26 +703,6 @@ where
         Ok(true)
     }
 
-    async fn claim(
-        &self,
-        run: &str,
-        worker: &str,
-        until: i64,
-        now: i64,
-    ) -> Result<bool, JournalError> {
-        let claimed = sqlx::query(
-            "UPDATE backstop_journal_runs SET claimed_by = $1, claim_until = $2
-             WHERE run_id = $3 AND (claimed_by IS NULL OR claimed_by = $1 OR claim_until < $4)",
-        )
-        .bind(worker)
-        .bind(until)
-        .bind(run)
-        .bind(now)
-        .execute(self.pool())
-        .await?;
-        Ok(B::rows_affected(&claimed) == 1)
-    }
-
     async fn claim_next(&self, claim: &NextClaim<'_>) -> Result<Option<String>, JournalError> {
         Backend::claim_next(self, claim).await
     }
@@ -813,8 +783,8 @@ where
 }
 
 /// Writes the query that picks the next run a claim takes: pending, no live claim (a lease that
-/// ran out is free), no wake-up time still to come, and runnable (of the claim's workflows, or
-/// with a workflow or with steps not over); the one that has waited longest.
+/// ran out is free), no wake-up time still to come, of one of the claim's workflows; the one
+/// that has waited longest.
 fn push_next_run<'a, DB: Database>(q: &mut QueryBuilder<'a, DB>, claim: &NextClaim<'a>)
 where
     &'a str: Encode<'a, DB> + Type<DB>,
@@ -828,24 +798,12 @@ where
     .push(") AND (r.wake_ms IS NULL OR r.wake_ms <= ")
     .push_bind(claim.now)
     .push(")");
-    match claim.workflows {
-        Some(names) => {
-            q.push(" AND r.workflow IN (");
-            let mut list = q.separated(", ");
-            for name in names {
-                list.push_bind(*name);
-            }
-            q.push(")");
-        }
-        None => {
-            q.push(
-                " AND (r.workflow IS NOT NULL OR EXISTS (SELECT 1 FROM backstop_journal_steps s
-                   WHERE s.run_id = r.run_id AND s.attention IS NULL
-                   AND s.state NOT IN ('succeeded', 'failed_after_execution',
-                       'reconciled_succeeded', 'reconciled_failed', 'compensated')))",
-            );
-        }
+    q.push(" AND r.workflow IN (");
+    let mut workflows = q.separated(", ");
+    for name in claim.workflows {
+        workflows.push_bind(*name);
     }
+    q.push(")");
     q.push(" ORDER BY COALESCE(r.wake_ms, r.updated_ms), r.run_id LIMIT 1");
 }
 

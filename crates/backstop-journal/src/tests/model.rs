@@ -11,7 +11,7 @@
 //! through the real journal (SQLite, a clock of the test's) and through the model, and compares
 //! each answer.
 
-use backstop_journal::{Journal, RunOutcome, RunState};
+use crate::{Journal, RunState, run::RunOutcome};
 use stateright::{Checker, Model, Property};
 use std::sync::{
     Arc,
@@ -370,7 +370,7 @@ async fn the_model_claim_agrees_with_the_sqlite_journal() {
                 }
                 Op::Claim(w) => {
                     let claimed = journal
-                        .claim_next_for(&worker(w), lease, &["invoice"])
+                        .claim_next(&worker(w), lease, &["invoice"])
                         .await
                         .unwrap();
                     // Earlier sequences' runs are over or cancelled, or claimed at another

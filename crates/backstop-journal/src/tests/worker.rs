@@ -3,11 +3,11 @@
 //! no person, parked steps wake by themselves, an operator cancels, retries and stubs, and
 //! several workers on one PostgreSQL never run one run twice at once.
 
-use backstop_core::Outcome;
-use backstop_journal::{
+use crate::{
     CallResult, Journal, JournalError, NewStep, Reconciled, Reconcilers, Resolution, RunContext,
     RunEnd, RunFilter, RunState, Step, StepId, StepState, Worker,
 };
+use backstop_core::Outcome;
 use backstop_testkit::{ManualClock, TempDir, scratch_dir};
 use std::{
     collections::HashMap,
@@ -90,7 +90,7 @@ fn ship(calls: &Calls) -> impl Fn(RunContext) -> futures_like::Boxed + Send + Sy
 }
 
 mod futures_like {
-    use backstop_journal::WorkflowResult;
+    use crate::WorkflowResult;
     use std::{future::Future, pin::Pin};
     pub(crate) type Boxed = Pin<Box<dyn Future<Output = WorkflowResult> + Send>>;
 }
@@ -107,7 +107,7 @@ fn worker(j: &Journal, id: &str, calls: &Calls) -> Worker {
 /// the run's end: what SIGKILL leaves), on the journal directly.
 async fn died_after(j: &Journal, run: &str, steps: &[&str]) {
     assert_eq!(
-        j.claim_next_for("dead", LEASE, &["ship"])
+        j.claim_next("dead", LEASE, &["ship"])
             .await
             .unwrap()
             .as_deref(),
@@ -198,14 +198,14 @@ async fn a_run_killed_anywhere_is_pending_and_recovered(j: &Journal, clock: &Man
 async fn died_while_sent(j: &Journal, run: &str) -> Step {
     j.start_run(run, "ship", None).await.unwrap();
     assert!(
-        j.claim_next_for("dead", LEASE, &["ship"])
+        j.claim_next("dead", LEASE, &["ship"])
             .await
             .unwrap()
             .is_some()
     );
     let new = NewStep::tool_call(run, "label", "", "carrier", b"{\"parcel\":1}");
     let label = j.begin(&new).await.unwrap();
-    let sent = backstop_journal::Change::attempt();
+    let sent = crate::steps::Change::attempt();
     j.transition(&label.id, &[StepState::Pending], StepState::Sent, sent)
         .await
         .unwrap()

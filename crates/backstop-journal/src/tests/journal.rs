@@ -2,11 +2,12 @@
 //! PostgreSQL cluster of the test's own (initdb + pg_ctl on a free loopback port). Each
 //! scenario runs on both.
 
-use backstop_core::Outcome;
-use backstop_journal::{
-    CallResult, Change, Journal, JournalError, JournalLayer, NewStep, Next, Reconciled,
-    Reconcilers, Resolution, RunFilter, RunState, Step, StepId, StepState,
+use crate::{
+    CallResult, Journal, JournalError, JournalLayer, NewStep, Reconciled, Reconcilers, Resolution,
+    RunFilter, RunState, Step, StepId, StepState,
 };
+use crate::{reconcile::Next, steps::Change};
+use backstop_core::Outcome;
 #[cfg(feature = "postgres")]
 use backstop_testkit::PostgresServer;
 use backstop_testkit::{ManualClock, TempDir, scratch_dir};
@@ -53,7 +54,7 @@ fn failed(outcome: Outcome, retry_after: Option<Duration>) -> CallResult {
     }
 }
 
-fn states(history: &[backstop_journal::StepTransition]) -> Vec<&'static str> {
+fn states(history: &[crate::StepTransition]) -> Vec<&'static str> {
     history.iter().map(|t| t.to.as_str()).collect()
 }
 
@@ -185,7 +186,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         .await
         .unwrap();
     struct Unsure;
-    impl backstop_journal::Reconcile for Unsure {
+    impl crate::Reconcile for Unsure {
         fn reconcile<'a>(
             &'a self,
             _step: &'a Step,
@@ -222,7 +223,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
     ));
     let summary = j.runs().list(&RunFilter::latest(100)).await.unwrap();
     let run = summary.iter().find(|r| r.run == "r-human").unwrap();
-    assert_eq!(run.state, backstop_journal::RunState::NeedsHuman);
+    assert_eq!(run.state, crate::RunState::NeedsHuman);
 
     let s = j
         .operator()
@@ -341,26 +342,34 @@ async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
 }
 
 async fn two_workers_never_hold_one_run(j: &Journal, clock: &ManualClock) {
-    let step = NewStep::tool_call("r-claim", "s", "c", "t", b"");
-    j.begin(&step).await.unwrap();
+    j.start_run("r-claim", "claimed", None).await.unwrap();
     let lease = Duration::from_secs(60);
-    assert!(j.claim("r-claim", "worker-a", lease).await.unwrap());
-    assert!(!j.claim("r-claim", "worker-b", lease).await.unwrap());
+    let next = |worker: &'static str| j.claim_next(worker, lease, &["claimed"]);
+    assert_eq!(next("worker-a").await.unwrap().as_deref(), Some("r-claim"));
+    assert_eq!(next("worker-b").await.unwrap(), None, "worker-a holds it");
     assert!(
-        j.claim("r-claim", "worker-a", lease).await.unwrap(),
+        j.renew("r-claim", "worker-a", lease).await.unwrap(),
         "renewal"
     );
     clock.advance(Duration::from_secs(61));
-    assert!(
-        j.claim("r-claim", "worker-b", lease).await.unwrap(),
+    assert_eq!(
+        next("worker-b").await.unwrap().as_deref(),
+        Some("r-claim"),
         "an expired lease is free"
     );
-    j.release("r-claim", "worker-a").await.unwrap();
     assert!(
-        !j.claim("r-claim", "worker-a", lease).await.unwrap(),
+        !j.renew("r-claim", "worker-a", lease).await.unwrap(),
+        "a lease another worker took is not renewed"
+    );
+    j.release("r-claim", "worker-a").await.unwrap();
+    assert_eq!(
+        next("worker-c").await.unwrap(),
+        None,
         "only the holder releases"
     );
     j.release("r-claim", "worker-b").await.unwrap();
+    assert_eq!(next("worker-c").await.unwrap().as_deref(), Some("r-claim"));
+    j.release("r-claim", "worker-c").await.unwrap();
 }
 
 async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
@@ -432,7 +441,7 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
     let mut stated = with_context();
     stated
         .extensions_mut()
-        .insert(backstop_journal::StepArgs::new(b"{\"parcel\":2}"));
+        .insert(crate::StepArgs::new(b"{\"parcel\":2}"));
     let refused = svc.ready().await.unwrap().call(stated).await.unwrap_err();
     assert!(matches!(
         refused.journal(),
@@ -450,11 +459,11 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
 }
 
 trait LayerInto {
-    fn layer_into<S>(&self, inner: S) -> backstop_journal::Journaled<S>;
+    fn layer_into<S>(&self, inner: S) -> crate::Journaled<S>;
 }
 
 impl LayerInto for JournalLayer {
-    fn layer_into<S>(&self, inner: S) -> backstop_journal::Journaled<S> {
+    fn layer_into<S>(&self, inner: S) -> crate::Journaled<S> {
         tower::Layer::layer(self, inner)
     }
 }
@@ -477,7 +486,7 @@ async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
     assert_eq!(first.state, StepState::Unknown);
     assert_eq!(&*first.id.step, "charge:compensate");
     assert_ne!(first.key, charge.key, "its own key");
-    assert_eq!(first.kind, backstop_journal::StepKind::Compensation);
+    assert_eq!(first.kind, crate::StepKind::Compensation);
     let hooks = Reconcilers::new().tool("payments", |_: &Step| async { Reconciled::NotHappened });
     j.reconcile_run("r-comp", &hooks).await.unwrap();
     let charge_step = j
@@ -516,9 +525,8 @@ async fn runs_are_listed_by_workflow_and_state_before_the_limit(j: &Journal, clo
             .unwrap();
         clock.advance(Duration::from_millis(10));
     }
-    let ids = |runs: Vec<backstop_journal::RunSummary>| -> Vec<String> {
-        runs.into_iter().map(|r| r.run).collect()
-    };
+    let ids =
+        |runs: Vec<crate::RunSummary>| -> Vec<String> { runs.into_iter().map(|r| r.run).collect() };
     let refunds = j
         .runs()
         .list(&RunFilter::latest(2).workflow("listed-refund"))
@@ -662,27 +670,23 @@ async fn postgres_workers_claiming_together_take_different_runs() {
     let pg = PostgresServer::start().await;
     let j = Journal::postgres(&pg.url()).await.unwrap();
     for i in 0..20 {
-        j.begin(&NewStep::tool_call(
-            &format!("run-{i:02}"),
-            "s",
-            "c",
-            "t",
-            b"",
-        ))
-        .await
-        .unwrap();
+        j.start_run(&format!("run-{i:02}"), "w", None)
+            .await
+            .unwrap();
     }
     let mut workers = Vec::new();
     for w in 0..8 {
         let j = j.clone();
         workers.push(tokio::spawn(async move {
+            // Bounded: a claim that hands out runs already held shows as more than 20.
             let mut mine = Vec::new();
-            while let Some(run) = j
-                .claim_next(&format!("worker-{w}"), Duration::from_secs(60))
-                .await
-                .unwrap()
-            {
-                mine.push(run);
+            let worker = format!("worker-{w}");
+            for _ in 0..=20 {
+                let claim = j.claim_next(&worker, Duration::from_secs(60), &["w"]);
+                match claim.await.unwrap() {
+                    Some(run) => mine.push(run),
+                    None => break,
+                }
             }
             mine
         }));
@@ -703,22 +707,20 @@ async fn sqlite_claim_next_takes_each_run_once() {
     let clock = ManualClock::new();
     let (_dir, j) = sqlite("claim-next", &clock).await;
     for i in 0..5 {
-        j.begin(&NewStep::tool_call(&format!("run-{i}"), "s", "c", "t", b""))
-            .await
-            .unwrap();
+        j.start_run(&format!("run-{i}"), "wf", None).await.unwrap();
     }
+    let lease = Duration::from_secs(60);
+    // Bounded: a claim that hands out runs already held shows as more than 5.
     let mut got = Vec::new();
-    while let Some(run) = j.claim_next("w", Duration::from_secs(60)).await.unwrap() {
-        got.push(run);
+    for _ in 0..=5 {
+        match j.claim_next("w", lease, &["wf"]).await.unwrap() {
+            Some(run) => got.push(run),
+            None => break,
+        }
     }
-    assert_eq!(got.len(), 5);
+    assert_eq!(got.len(), 5, "{got:?}");
     clock.advance(Duration::from_secs(61));
-    assert!(
-        j.claim_next("w2", Duration::from_secs(60))
-            .await
-            .unwrap()
-            .is_some()
-    );
+    assert!(j.claim_next("w2", lease, &["wf"]).await.unwrap().is_some());
 }
 
 /// Workers racing to move one step: the state is compare-and-set in the database, so exactly
