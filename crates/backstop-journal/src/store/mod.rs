@@ -170,7 +170,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// `sqlite` or `postgres`.
     const NAME: &'static str;
 
-    /// The pool every statement but a step's two writes runs on.
+    /// The pool the statements run on (PostgreSQL runs a step's two writes on connections of
+    /// its own).
     fn pool(&self) -> &Pool<Self::Db>;
 
     /// How many rows a statement changed.
