@@ -115,7 +115,7 @@ impl Journal {
     }
 
     /// `sqlite` or `postgres`.
-    pub(crate) fn store_name(&self) -> &'static str {
+    pub fn store_name(&self) -> &'static str {
         self.store.name()
     }
 }

@@ -81,7 +81,7 @@ pub use model::{
     NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
     UnknownState, digest,
 };
-pub use reconcile::{Reconcile, Reconciled, Reconcilers, ResumeReport};
+pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
 pub use run::{ForkPoint, RunEvent, RunFilter, RunRecord, RunState};
 pub use runner::CallResult;
 pub use typed::Workflow;

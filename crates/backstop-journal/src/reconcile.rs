@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 /// What resuming a run does with a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Next {
+pub enum Next {
     /// Over: return its stored result, do not call again.
     Done,
     /// Not sent (or known not to have happened): send it, with the same key.
@@ -34,7 +34,7 @@ pub(crate) enum Next {
 
 impl Next {
     /// What to do with `step` at `now_ms`.
-    pub(crate) fn for_step(step: &Step, now_ms: i64) -> Next {
+    pub fn for_step(step: &Step, now_ms: i64) -> Next {
         if let Some(why) = &step.attention {
             return Next::Human { why: why.clone() };
         }
@@ -176,7 +176,7 @@ pub struct ResumeReport {
 
 impl Journal {
     /// What resuming `run` does with each of its steps, now.
-    pub(crate) async fn plan(&self, run: &str) -> Result<Vec<(Step, Next)>, JournalError> {
+    pub async fn plan(&self, run: &str) -> Result<Vec<(Step, Next)>, JournalError> {
         let now = self.now_ms();
         let steps = self.runs().steps(run).await?;
         if steps.is_empty() {

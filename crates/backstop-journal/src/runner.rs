@@ -221,7 +221,7 @@ impl Journal {
     }
 
     /// Parks a step that was not sent until `after` from now.
-    pub(crate) async fn park(&self, id: &StepId, after: Duration) -> Result<Step, JournalError> {
+    pub async fn park(&self, id: &StepId, after: Duration) -> Result<Step, JournalError> {
         let at = self
             .now_ms()
             .saturating_add(i64::try_from(after.as_millis()).unwrap_or(i64::MAX));

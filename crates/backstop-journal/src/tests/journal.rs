@@ -2,11 +2,11 @@
 //! PostgreSQL cluster of the test's own (initdb + pg_ctl on a free loopback port). Each
 //! scenario runs on both.
 
+use crate::steps::Change;
 use crate::{
-    CallResult, Journal, JournalError, JournalLayer, NewStep, Reconciled, Reconcilers, Resolution,
-    RunFilter, RunState, Step, StepId, StepState,
+    CallResult, Journal, JournalError, JournalLayer, NewStep, Next, Reconciled, Reconcilers,
+    Resolution, RunFilter, RunState, Step, StepId, StepState,
 };
-use crate::{reconcile::Next, steps::Change};
 use backstop_core::Outcome;
 #[cfg(feature = "postgres")]
 use backstop_testkit::PostgresServer;
