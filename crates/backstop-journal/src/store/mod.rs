@@ -5,8 +5,9 @@
 //! makes, and the claim of the next run.
 //!
 //! Parameters are numbered (`$1`), which PostgreSQL and sqlx's SQLite driver both bind by
-//! number; statements built from parts (a filter, a list of states) use sqlx's `QueryBuilder`,
-//! which writes each database's own placeholders.
+//! number. The claim's list of workflows is bound through sqlx's `QueryBuilder`, which writes
+//! each database's own placeholders; a run's move joins the guards it needs as text, from the
+//! journal's own state names and numbered parameters, never from input.
 
 #[cfg(feature = "postgres")]
 mod postgres;
