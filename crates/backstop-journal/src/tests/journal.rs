@@ -499,6 +499,15 @@ async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
         .await
         .unwrap();
     assert_eq!(charge_step.state, StepState::Compensated);
+    // Two steps in one run: each step's history is its own, the run's holds both.
+    let history = j.runs().step_history(&charge.id).await.unwrap();
+    assert!(history.iter().all(|t| t.id == charge.id), "{history:?}");
+    assert_eq!(
+        states(&history),
+        ["pending", "sent", "succeeded", "compensated"]
+    );
+    let all = j.runs().history("r-comp").await.unwrap();
+    assert!(all.iter().any(|t| t.id == first.id) && all.len() > history.len());
     let pending = NewStep::tool_call("r-comp", "other", "c1", "payments", b"{}");
     j.begin(&pending).await.unwrap();
     let refused = j
