@@ -579,6 +579,40 @@ async fn all(j: Journal, clock: ManualClock) {
     two_workers_never_hold_one_run(&j, &clock).await;
     the_layer_journals_tool_calls_through_the_stack(&j).await;
     a_repair_made_while_the_call_is_out_is_kept(&j).await;
+    a_run_waits_until_every_step_a_person_holds_is_resolved(&j).await;
+}
+
+/// Two steps of one run go to a person: resolving the first leaves the run waiting, resolving
+/// the second puts it back to pending.
+async fn a_run_waits_until_every_step_a_person_holds_is_resolved(j: &Journal) {
+    j.start_run("r-two-unknown", "refunds", None).await.unwrap();
+    let steps = ["first", "second"]
+        .map(|name| NewStep::tool_call("r-two-unknown", name, "", "ledger", name.as_bytes()));
+    for step in &steps {
+        j.execute(step, |_| async { failed(Outcome::Unknown, None) })
+            .await
+            .unwrap();
+    }
+    let nobody_knows = Reconcilers::new().tool("ledger", |_: &Step| async {
+        Reconciled::CannotTell {
+            why: "the ledger has no lookup".into(),
+        }
+    });
+    let report = j
+        .reconcile_run("r-two-unknown", &nobody_knows)
+        .await
+        .unwrap();
+    assert_eq!(report.human.len(), 2);
+    let state = || async { j.runs().get("r-two-unknown").await.unwrap().unwrap().state };
+    assert_eq!(state().await, RunState::NeedsHuman);
+    // The first resolved, the second still waits for a person; then both.
+    for (step, then) in steps.iter().zip([RunState::NeedsHuman, RunState::Pending]) {
+        j.operator()
+            .resolve(&step.id, Resolution::Failed, "ops", "checked the ledger")
+            .await
+            .unwrap();
+        assert_eq!(state().await, then, "after {}", step.id);
+    }
 }
 
 /// An operator settles a step while its call is out (the worker seemed stuck): the call's own
