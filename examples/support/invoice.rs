@@ -17,8 +17,8 @@
 
 use backstop::{Backstop, BackstopService, BoxError, Outcome};
 use backstop_journal::{
-    CallResult, Journal, JournalError, NewStep, Reconciled, Reconcilers, Resolution, RunContext,
-    RunEnd, Step, StepState, Worker, WorkflowResult,
+    CallResult, Journal, JournalError, Reconciled, Reconcilers, Resolution, RunContext, RunEnd,
+    Step, StepState, Worker, WorkflowResult,
 };
 use backstop_testkit::{Action, Seen, TestServer};
 use bytes::Bytes;
@@ -495,22 +495,20 @@ async fn invoice_workflow(
 ) -> WorkflowResult {
     let kill_at = kill_at.as_deref();
     checkpoint(kill_at, "run", "start");
-    let run = ctx.run_id().to_owned();
     let order = order_of(ctx.input());
     let mut invoice = String::new();
     for (step, tool) in STEPS {
         let args = step_args(&order, step, &invoice);
-        let new = NewStep::tool_call(&run, step, "", tool, args.as_bytes());
         let (path, field) = match step {
             "create-invoice" => ("/invoices", "invoice"),
             "reserve-inventory" => ("/reservations", "reservation"),
             _ => ("/messages", "message"),
         };
-        let t = tools.clone();
+        let (t, body) = (tools.clone(), args.clone());
         let done = ctx
-            .step_as(&new, |sent| async move {
+            .step(step, tool, args.as_bytes(), |sent| async move {
                 checkpoint(kill_at, step, "sent");
-                t.call(&sent, path, args, field).await
+                t.call(&sent, path, body, field).await
             })
             .await?;
         checkpoint(kill_at, step, "recorded");

@@ -137,23 +137,29 @@ async fn breaker_transitions_refusals_and_unknown_outcomes_are_counted() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn the_journal_counts_unknown_outcomes_duplicates_prevented_people_and_successes() {
-    use backstop::journal::{CallResult, Journal, NewStep, Reconciled, Reconcilers, Step};
+    use backstop::journal::{CallResult, Journal, Reconciled, Reconcilers, Step, StepId};
     let counters = Counters::default();
     let _metrics = metrics::set_default_local_recorder(&counters);
     let journal = Journal::in_memory().await.unwrap();
 
-    let invoice = NewStep::tool_call("run-m", "invoice", "", "billing", b"{}");
+    let invoice = StepId::new("run-m", "invoice", "");
     let ok = || async {
         CallResult::Succeeded {
             result: None,
             provider_ref: None,
         }
     };
-    journal.execute(&invoice, |_| ok()).await.unwrap();
-    journal.execute(&invoice, |_| ok()).await.unwrap(); // a resumed run asks again
-    let refund = NewStep::tool_call("run-m", "refund", "", "payments", b"{}");
     journal
-        .execute(&refund, |_| async {
+        .execute(&invoice, "billing", b"{}", |_| ok())
+        .await
+        .unwrap();
+    journal
+        .execute(&invoice, "billing", b"{}", |_| ok())
+        .await
+        .unwrap(); // a resumed run asks again
+    let refund = StepId::new("run-m", "refund", "");
+    journal
+        .execute(&refund, "payments", b"{}", |_| async {
             CallResult::Failed {
                 outcome: backstop::Outcome::Unknown,
                 error: "no reply".into(),

@@ -3,7 +3,7 @@
 
 use backstop_core::Outcome;
 use backstop_journal::{
-    CallResult, Journal, NewStep, Reconciled, Reconcilers, RunContext, RunError, Step, Worker,
+    CallResult, Journal, Reconciled, Reconcilers, RunContext, RunError, Step, StepId, Worker,
 };
 use std::{process::Command, time::Duration};
 
@@ -41,8 +41,8 @@ fn the_journal_help_lists_the_exit_codes() {
 
 /// A run with a done step, a step nobody can tell about, and a parked one.
 async fn write_a_run(j: &Journal) {
-    let invoice = NewStep::tool_call("run-1", "invoice", "", "billing", b"{}");
-    j.execute(&invoice, |_| async {
+    let invoice = StepId::new("run-1", "invoice", "");
+    j.execute(&invoice, "billing", b"{}", |_| async {
         CallResult::Succeeded {
             result: Some("{\"invoice\":\"inv_1\"}".into()),
             provider_ref: Some("inv_1".into()),
@@ -50,8 +50,8 @@ async fn write_a_run(j: &Journal) {
     })
     .await
     .unwrap();
-    let reserve = NewStep::tool_call("run-1", "reserve", "", "inventory", b"{}");
-    j.execute(&reserve, |_| async {
+    let reserve = StepId::new("run-1", "reserve", "");
+    j.execute(&reserve, "inventory", b"{}", |_| async {
         CallResult::Failed {
             outcome: Outcome::Unknown,
             error: "the inventory service did not answer within 2 s".into(),
@@ -66,8 +66,8 @@ async fn write_a_run(j: &Journal) {
         }
     });
     j.reconcile_run("run-1", &hooks).await.unwrap();
-    let email = NewStep::tool_call("run-1", "email", "", "mailer", b"{}");
-    j.execute(&email, |_| async {
+    let email = StepId::new("run-1", "email", "");
+    j.execute(&email, "mailer", b"{}", |_| async {
         CallResult::Failed {
             outcome: Outcome::NotSent,
             error: "mailer is unavailable (circuit open)".into(),
@@ -406,8 +406,8 @@ async fn show_reads_a_run_in_a_fixed_number_of_queries() {
     let j = Journal::postgres(&pg.url()).await.unwrap();
     for (run, steps) in [("small", 2), ("large", 20)] {
         for i in 0..steps {
-            let step = NewStep::tool_call(run, &format!("step-{i}"), "", "billing", b"{}");
-            j.execute(&step, |_| async {
+            let step = StepId::new(run, &format!("step-{i}"), "");
+            j.execute(&step, "billing", b"{}", |_| async {
                 CallResult::Succeeded {
                     result: None,
                     provider_ref: None,

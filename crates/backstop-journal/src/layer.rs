@@ -4,7 +4,7 @@
 use crate::{
     JournalError,
     journal::Journal,
-    model::NewStep,
+    model::{NewStep, StepId},
     runner::{CallResult, ToSend},
 };
 use backstop_core::{Dependency, HasExtensions, Outcome, ReportsOutcome};
@@ -322,7 +322,8 @@ where
         let judge = self.judge.clone();
         let args = self.args.call_args(&req);
         Box::pin(async move {
-            let new = NewStep::tool_call(&run_id, &step_id, &call_id, &tool, &args);
+            let id = StepId::new(&run_id, &step_id, &call_id);
+            let new = NewStep::action(&id, &tool, &args);
             let refused = JournaledError::Journal;
             let step = match journal.to_send(&new).await.map_err(refused)? {
                 ToSend::Send(step) => step,

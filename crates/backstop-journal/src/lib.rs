@@ -17,14 +17,15 @@
 //! applied on open by sqlx's migrations (`migrations/`, one directory per store).
 //!
 //! ```
-//! use backstop_journal::{CallResult, Journal, NewStep, StepState};
+//! use backstop_journal::{CallResult, Journal, StepId, StepState};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), backstop_journal::JournalError> {
 //! let journal = Journal::in_memory().await?;
-//! let step = NewStep::tool_call("run-7", "create-invoice", "c1", "billing", br#"{"amount":40}"#);
+//! let step = StepId::new("run-7", "create-invoice", "c1");
+//! let args = br#"{"amount":40}"#;
 //! let done = journal
-//!     .execute(&step, |sent| async move {
+//!     .execute(&step, "billing", args, |sent| async move {
 //!         // `sent.key` is the idempotency key every attempt sends.
 //!         assert_eq!(sent.state, StepState::Sent);
 //!         CallResult::Succeeded { result: Some(r#"{"invoice":"inv_1"}"#.into()), provider_ref: None }
@@ -33,7 +34,7 @@
 //! assert_eq!(done.state, StepState::Succeeded);
 //!
 //! // The run resumes after a crash: the step is done and is not called again.
-//! let again = journal.execute(&step, |_| async { unreachable!("not called") }).await?;
+//! let again = journal.execute(&step, "billing", args, |_| async { unreachable!("not called") }).await?;
 //! assert_eq!(again.result.as_deref(), Some(r#"{"invoice":"inv_1"}"#));
 //! # Ok(())
 //! # }
@@ -78,8 +79,7 @@ pub use layer::{
     StepArgs,
 };
 pub use model::{
-    NewStep, Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition,
-    UnknownState, digest,
+    Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition, UnknownState, digest,
 };
 pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
 pub use run::{ForkPoint, RunEvent, RunFilter, RunRecord, RunState};

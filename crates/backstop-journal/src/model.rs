@@ -239,30 +239,26 @@ impl StepKind {
     }
 }
 
-/// A step to record before it is sent.
+/// A step to record before it is sent: its id, the tool it calls, and what is derived from
+/// them (the key every attempt sends, the arguments' digest).
 #[derive(Clone, Debug)]
-pub struct NewStep {
-    /// Its id.
-    pub id: StepId,
-    /// The tool (or dependency) it calls.
-    pub tool: String,
-    /// The idempotency key every attempt sends: derived from the ids, so a resumed run sends
-    /// the same key.
-    pub key: String,
-    /// A digest of the arguments (to tell a resumed step from a different call with the same
-    /// ids).
-    pub args_digest: String,
-    /// Action or compensation.
-    pub kind: StepKind,
+pub(crate) struct NewStep {
+    pub(crate) id: StepId,
+    pub(crate) tool: String,
+    /// Derived from the ids, so a resumed run sends the same key.
+    pub(crate) key: String,
+    /// Tells a resumed step from a different call made under the same ids.
+    pub(crate) args_digest: String,
+    pub(crate) kind: StepKind,
 }
 
 impl NewStep {
-    /// An action identified by run, step and call ids, its key derived from them as
+    /// The action `id`, calling `tool` with `args`, its key derived from the ids as
     /// [`ActionContext::tool_call`](backstop_idempotency::ActionContext::tool_call) does.
-    pub fn tool_call(run: &str, step: &str, call: &str, tool: &str, args: &[u8]) -> Self {
-        let key = backstop_idempotency::ActionContext::tool_call(run, step, call).key();
+    pub(crate) fn action(id: &StepId, tool: &str, args: &[u8]) -> Self {
+        let key = backstop_idempotency::ActionContext::tool_call(&id.run, &id.step, &id.call).key();
         NewStep {
-            id: StepId::new(run, step, call),
+            id: id.clone(),
             tool: tool.to_owned(),
             key: key.as_str().to_owned(),
             args_digest: digest(args),
@@ -271,11 +267,13 @@ impl NewStep {
     }
 
     /// The compensation of `action`: a step of its own (`<step>:compensate`), with its own key.
-    pub fn compensation_of(action: &StepId, tool: &str, args: &[u8]) -> Self {
+    pub(crate) fn compensation_of(action: &StepId, tool: &str, args: &[u8]) -> Self {
         let step = format!("{}:compensate", action.step);
-        let mut new = NewStep::tool_call(&action.run, &step, &action.call, tool, args);
-        new.kind = StepKind::Compensation;
-        new
+        let id = StepId::new(&action.run, &step, &action.call);
+        NewStep {
+            kind: StepKind::Compensation,
+            ..NewStep::action(&id, tool, args)
+        }
     }
 }
 

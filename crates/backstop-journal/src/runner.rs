@@ -72,7 +72,31 @@ impl Journal {
     /// calling, then what came of it. A step already over returns as it is, without calling
     /// (its stored result is in [`Step::result`]); a step whose outcome is unknown is refused
     /// ([`JournalError::NeedsReconciliation`]); a parked step not due yet returns parked.
-    pub async fn execute<F, Fut>(&self, new: &NewStep, call: F) -> Result<Step, JournalError>
+    ///
+    /// The step `id` calls `tool` with `args`: the key every attempt sends ([`Step::key`]) is
+    /// derived from the ids, and a different tool or arguments under a recorded step's ids is
+    /// refused ([`JournalError::ArgsChanged`]).
+    pub async fn execute<F, Fut>(
+        &self,
+        id: &StepId,
+        tool: &str,
+        args: &[u8],
+        call: F,
+    ) -> Result<Step, JournalError>
+    where
+        F: FnOnce(Step) -> Fut,
+        Fut: Future<Output = CallResult>,
+    {
+        self.execute_new(&NewStep::action(id, tool, args), call)
+            .await
+    }
+
+    /// [`execute`](Self::execute) for a step described in full (an action or a compensation).
+    pub(crate) async fn execute_new<F, Fut>(
+        &self,
+        new: &NewStep,
+        call: F,
+    ) -> Result<Step, JournalError>
     where
         F: FnOnce(Step) -> Fut,
         Fut: Future<Output = CallResult>,
@@ -145,7 +169,7 @@ impl Journal {
             });
         }
         let undo = NewStep::compensation_of(action, tool, args);
-        let undone = self.execute(&undo, call).await?;
+        let undone = self.execute_new(&undo, call).await?;
         if !undone.state.succeeded() {
             return Ok(undone);
         }

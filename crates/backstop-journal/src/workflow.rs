@@ -5,7 +5,7 @@
 use crate::{
     JournalError,
     journal::Journal,
-    model::{NewStep, Step, StepId, StepState},
+    model::{Step, StepId, StepState},
     reconcile::ResumeReport,
     runner::CallResult,
 };
@@ -172,24 +172,39 @@ impl RunContext {
         F: FnOnce(Step) -> Fut,
         Fut: Future<Output = CallResult>,
     {
-        let new = NewStep::tool_call(&self.run, step, "", tool, args);
-        self.step_as(&new, call).await
+        let id = StepId::new(&self.run, step, "");
+        let step = self.journal.execute(&id, tool, args, call).await?;
+        Self::went_on(step)
     }
 
-    /// [`step`](Self::step) for a step described in full (several tool calls in one step, or
-    /// a compensation).
-    pub async fn step_as<F, Fut>(&self, new: &NewStep, call: F) -> Result<Step, RunError>
+    /// Undoes the action `action` of this run, deliberately, through `call`, as
+    /// [`Journal::compensate`] does: the compensation is a step of its own
+    /// (`<step>:compensate`), and once it succeeds the action is marked
+    /// [`Compensated`](StepState::Compensated), which this returns. A compensation that did not
+    /// succeed says why the workflow cannot go on, as [`step`](Self::step) does.
+    pub async fn compensate<F, Fut>(
+        &self,
+        action: &StepId,
+        tool: &str,
+        args: &[u8],
+        call: F,
+    ) -> Result<Step, RunError>
     where
         F: FnOnce(Step) -> Fut,
         Fut: Future<Output = CallResult>,
     {
-        if *new.id.run != *self.run {
+        if *action.run != *self.run {
             return Err(RunError::failed(format!(
-                "step {} belongs to another run than {}",
-                new.id, self.run
+                "step {action} belongs to another run than {}",
+                self.run
             )));
         }
-        let step = self.journal.execute(new, call).await?;
+        let step = self.journal.compensate(action, tool, args, call).await?;
+        Self::went_on(step)
+    }
+
+    /// A step as the journal left it: done (its result stands), or why the run cannot go on.
+    fn went_on(step: Step) -> Result<Step, RunError> {
         match step.state {
             s if s.succeeded() || s == StepState::Compensated => Ok(step),
             StepState::Parked => Err(RunError::Parked {

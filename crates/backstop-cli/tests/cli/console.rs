@@ -7,7 +7,7 @@
 
 use backstop_core::Outcome;
 use backstop_journal::{
-    CallResult, Journal, NewStep, Reconciled, Reconcilers, RunContext, RunError, Step, Worker,
+    CallResult, Journal, Reconciled, Reconcilers, RunContext, RunError, Step, StepId, Worker,
 };
 use fantoccini::{ClientBuilder, Locator};
 use std::{
@@ -65,7 +65,9 @@ async fn write_runs(db: &Path) {
         .await
         .unwrap();
     j.execute(
-        &NewStep::tool_call("run-human", "reserve", "", "inventory", b"{}"),
+        &StepId::new("run-human", "reserve", ""),
+        "inventory",
+        b"{}",
         |_| async {
             CallResult::Failed {
                 outcome: Outcome::Unknown,

@@ -4,8 +4,8 @@
 
 use crate::steps::Change;
 use crate::{
-    CallResult, Journal, JournalError, JournalLayer, NewStep, Next, Reconciled, Reconcilers,
-    Resolution, RunFilter, RunState, Step, StepId, StepState,
+    CallResult, Journal, JournalError, JournalLayer, Next, Reconciled, Reconcilers, Resolution,
+    RunFilter, RunState, Step, StepId, StepState,
 };
 use backstop_core::Outcome;
 #[cfg(feature = "postgres")]
@@ -61,10 +61,10 @@ fn states(history: &[crate::StepTransition]) -> Vec<&'static str> {
 // --- scenarios, each run on both stores ------------------------------------------------------
 
 async fn a_done_step_is_not_called_again(j: &Journal, clock: &ManualClock) {
-    let step = NewStep::tool_call("r-done", "invoice", "c1", "billing", b"{\"eur\":40}");
+    let step = super::new_step("r-done", "invoice", "c1", "billing", b"{\"eur\":40}");
     let calls = AtomicU32::new(0);
     let done = j
-        .execute(&step, |sent| {
+        .execute_new(&step, |sent| {
             calls.fetch_add(1, Ordering::SeqCst);
             assert_eq!(sent.state, StepState::Sent);
             assert_eq!(sent.attempts, 1);
@@ -76,7 +76,7 @@ async fn a_done_step_is_not_called_again(j: &Journal, clock: &ManualClock) {
     assert_eq!(done.state, StepState::Succeeded);
     clock.advance(Duration::from_secs(5));
     let again = j
-        .execute(&step, |_| {
+        .execute_new(&step, |_| {
             calls.fetch_add(1, Ordering::SeqCst);
             async { ok("second") }
         })
@@ -96,14 +96,14 @@ async fn a_done_step_is_not_called_again(j: &Journal, clock: &ManualClock) {
 }
 
 async fn an_unknown_step_is_reconciled_before_it_is_sent_again(j: &Journal) {
-    let step = NewStep::tool_call("r-unknown", "reserve", "c1", "inventory", b"{\"sku\":7}");
+    let step = super::new_step("r-unknown", "reserve", "c1", "inventory", b"{\"sku\":7}");
     let s = j
-        .execute(&step, |_| async { failed(Outcome::Unknown, None) })
+        .execute_new(&step, |_| async { failed(Outcome::Unknown, None) })
         .await
         .unwrap();
     assert_eq!(s.state, StepState::Unknown);
     // Nothing sends it again before it is reconciled.
-    let refused = j.execute(&step, |_| async { unreachable!() }).await;
+    let refused = j.execute_new(&step, |_| async { unreachable!() }).await;
     assert!(
         matches!(refused, Err(JournalError::NeedsReconciliation(_))),
         "{refused:?}"
@@ -140,7 +140,7 @@ async fn an_unknown_step_is_reconciled_before_it_is_sent_again(j: &Journal) {
 }
 
 async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_happen(j: &Journal) {
-    let step = NewStep::tool_call("r-crash", "email", "c1", "mailer", b"{}");
+    let step = super::new_step("r-crash", "email", "c1", "mailer", b"{}");
     let s = j.begin(&step).await.unwrap();
     // The worker wrote `sent` and died before the answer.
     j.transition(
@@ -157,7 +157,7 @@ async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_ha
     assert_eq!(report.resend, std::slice::from_ref(&step.id));
     let calls = AtomicU32::new(0);
     let s = j
-        .execute(&step, |sent| {
+        .execute_new(&step, |sent| {
             calls.fetch_add(1, Ordering::SeqCst);
             assert_eq!(sent.attempts, 2, "the second attempt, with the same key");
             async { ok("{\"message\":\"m_1\"}") }
@@ -181,8 +181,8 @@ async fn a_step_left_sent_by_a_crash_is_unknown_and_resent_only_if_it_did_not_ha
 }
 
 async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, clock: &ManualClock) {
-    let step = NewStep::tool_call("r-human", "refund", "c1", "payments", b"{\"eur\":12}");
-    j.execute(&step, |_| async { failed(Outcome::Unknown, None) })
+    let step = super::new_step("r-human", "refund", "c1", "payments", b"{\"eur\":12}");
+    j.execute_new(&step, |_| async { failed(Outcome::Unknown, None) })
         .await
         .unwrap();
     struct Unsure;
@@ -248,7 +248,7 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
         (last.actor.as_str(), last.reason.as_deref()),
         ("ana", Some("the bank shows no refund"))
     );
-    j.execute(&step, |_| async { ok("{\"refund\":\"rf_1\"}") })
+    j.execute_new(&step, |_| async { ok("{\"refund\":\"rf_1\"}") })
         .await
         .unwrap();
     // A step that is over cannot be "resolved" again.
@@ -263,9 +263,9 @@ async fn what_nobody_can_tell_goes_to_a_person_who_resolves_it(j: &Journal, cloc
 }
 
 async fn an_open_circuit_parks_the_step_until_its_time(j: &Journal, clock: &ManualClock) {
-    let step = NewStep::tool_call("r-park", "label", "c1", "carrier", b"{}");
+    let step = super::new_step("r-park", "label", "c1", "carrier", b"{}");
     let s = j
-        .execute(&step, |_| async {
+        .execute_new(&step, |_| async {
             failed(Outcome::NotSent, Some(Duration::from_secs(30)))
         })
         .await
@@ -277,18 +277,18 @@ async fn an_open_circuit_parks_the_step_until_its_time(j: &Journal, clock: &Manu
         Next::Wake { at_ms: at }
     );
     let early = j
-        .execute(&step, |_| async { unreachable!() })
+        .execute_new(&step, |_| async { unreachable!() })
         .await
         .unwrap();
     assert_eq!(early.state, StepState::Parked, "not sent before its time");
     clock.advance(Duration::from_secs(31));
-    let s = j.execute(&step, |_| async { ok("{}") }).await.unwrap();
+    let s = j.execute_new(&step, |_| async { ok("{}") }).await.unwrap();
     assert_eq!(s.state, StepState::Succeeded);
     assert_eq!(s.attempts, 2);
 }
 
 async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
-    let step = NewStep::tool_call("r-cas", "invoice", "c1", "billing", b"{\"eur\":1}");
+    let step = super::new_step("r-cas", "invoice", "c1", "billing", b"{\"eur\":1}");
     j.begin(&step).await.unwrap();
     let wrong = j
         .transition(
@@ -334,7 +334,7 @@ async fn moves_are_compare_and_set_and_arguments_are_checked(j: &Journal) {
         1,
         "nothing written"
     );
-    let other = NewStep::tool_call("r-cas", "invoice", "c1", "billing", b"{\"eur\":2}");
+    let other = super::new_step("r-cas", "invoice", "c1", "billing", b"{\"eur\":2}");
     assert!(matches!(
         j.begin(&other).await,
         Err(JournalError::ArgsChanged { .. })
@@ -469,8 +469,8 @@ impl LayerInto for JournalLayer {
 }
 
 async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
-    let charge = NewStep::tool_call("r-comp", "charge", "c1", "payments", b"{\"eur\":9}");
-    j.execute(&charge, |_| async { ok("{\"charge\":\"ch_1\"}") })
+    let charge = super::new_step("r-comp", "charge", "c1", "payments", b"{\"eur\":9}");
+    j.execute_new(&charge, |_| async { ok("{\"charge\":\"ch_1\"}") })
         .await
         .unwrap();
     // The refund fails with an unknown outcome first: the charge stays as it is.
@@ -508,7 +508,7 @@ async fn a_compensation_is_a_journaled_step_of_its_own(j: &Journal) {
     );
     let all = j.runs().history("r-comp").await.unwrap();
     assert!(all.iter().any(|t| t.id == first.id) && all.len() > history.len());
-    let pending = NewStep::tool_call("r-comp", "other", "c1", "payments", b"{}");
+    let pending = super::new_step("r-comp", "other", "c1", "payments", b"{}");
     j.begin(&pending).await.unwrap();
     let refused = j
         .compensate(&pending.id, "payments", b"{}", |_| async { unreachable!() })
@@ -587,9 +587,9 @@ async fn all(j: Journal, clock: ManualClock) {
 async fn a_run_waits_until_every_step_a_person_holds_is_resolved(j: &Journal) {
     j.start_run("r-two-unknown", "refunds", None).await.unwrap();
     let steps = ["first", "second"]
-        .map(|name| NewStep::tool_call("r-two-unknown", name, "", "ledger", name.as_bytes()));
+        .map(|name| super::new_step("r-two-unknown", name, "", "ledger", name.as_bytes()));
     for step in &steps {
-        j.execute(step, |_| async { failed(Outcome::Unknown, None) })
+        j.execute_new(step, |_| async { failed(Outcome::Unknown, None) })
             .await
             .unwrap();
     }
@@ -618,12 +618,12 @@ async fn a_run_waits_until_every_step_a_person_holds_is_resolved(j: &Journal) {
 /// An operator settles a step while its call is out (the worker seemed stuck): the call's own
 /// outcome, when it comes back, is refused and writes nothing, so the operator's word stands.
 async fn a_repair_made_while_the_call_is_out_is_kept(j: &Journal) {
-    let step = NewStep::tool_call("r-repaired-in-flight", "s", "c", "t", b"");
+    let step = super::new_step("r-repaired-in-flight", "s", "c", "t", b"");
     let by_hand = Resolution::Succeeded {
         result: Some("settled by hand".into()),
     };
     let outcome = j
-        .execute(&step, |sent| async move {
+        .execute_new(&step, |sent| async move {
             j.operator()
                 .resolve(&sent.id, by_hand, "ops", "the worker looked stuck")
                 .await
@@ -694,8 +694,10 @@ async fn the_sqlite_file_keeps_everything_across_reopening() {
         .await
         .unwrap()
         .with_clock(clock.reader());
-    let step = NewStep::tool_call("r-reopen", "s", "c", "t", b"");
-    j.execute(&step, |_| async { ok("kept") }).await.unwrap();
+    let step = super::new_step("r-reopen", "s", "c", "t", b"");
+    j.execute_new(&step, |_| async { ok("kept") })
+        .await
+        .unwrap();
     drop(j);
     let j = Journal::sqlite(&path).await.unwrap();
     let s = j.runs().step(&step.id).await.unwrap().unwrap();
@@ -770,7 +772,7 @@ async fn sqlite_claim_next_takes_each_run_once() {
 /// one moves it and the others are told it moved.
 async fn racing_moves_let_exactly_one_through(j: Journal) {
     for round in 0..10 {
-        let step = NewStep::tool_call(&format!("r-race-{round}"), "s", "c", "t", b"");
+        let step = super::new_step(&format!("r-race-{round}"), "s", "c", "t", b"");
         j.begin(&step).await.unwrap();
         let mut racers = Vec::new();
         for _ in 0..8 {

@@ -4,8 +4,8 @@
 //! several workers on one PostgreSQL never run one run twice at once.
 
 use crate::{
-    CallResult, Journal, JournalError, NewStep, Reconciled, Reconcilers, Resolution, RunContext,
-    RunEnd, RunFilter, RunState, Step, StepId, StepState, Worker,
+    CallResult, Journal, JournalError, Reconciled, Reconcilers, Resolution, RunContext, RunEnd,
+    RunFilter, RunState, Step, StepId, StepState, Worker,
 };
 use backstop_core::Outcome;
 use backstop_testkit::{ManualClock, TempDir, scratch_dir};
@@ -124,8 +124,8 @@ async fn died_after(j: &Journal, run: &str, steps: &[&str]) {
         } else {
             "mailer"
         };
-        let new = NewStep::tool_call(run, step, "", tool, args);
-        j.execute(&new, |_| async {
+        let new = super::new_step(run, step, "", tool, args);
+        j.execute_new(&new, |_| async {
             CallResult::Succeeded {
                 result: Some(format!("\"{step}-first\"")),
                 provider_ref: None,
@@ -203,7 +203,7 @@ async fn died_while_sent(j: &Journal, run: &str) -> Step {
             .unwrap()
             .is_some()
     );
-    let new = NewStep::tool_call(run, "label", "", "carrier", b"{\"parcel\":1}");
+    let new = super::new_step(run, "label", "", "carrier", b"{\"parcel\":1}");
     let label = j.begin(&new).await.unwrap();
     let sent = crate::steps::Change::attempt();
     j.transition(&label.id, &[StepState::Pending], StepState::Sent, sent)
@@ -625,12 +625,71 @@ async fn a_panicking_workflow_fails_its_run(j: &Journal) {
     );
 }
 
+/// A workflow undoes an action it took: the compensation is a step of its own, the action is
+/// marked compensated, and a resumed run neither charges nor refunds again. A step of another
+/// run is not the workflow's to undo.
+async fn a_workflow_compensates_an_action_it_took(j: &Journal) {
+    let calls = Calls::default();
+    let ok = |value: &str| CallResult::Succeeded {
+        result: Some(format!("\"{value}\"")),
+        provider_ref: None,
+    };
+    let undo = |ctx: RunContext| {
+        let calls = calls.clone();
+        async move {
+            let run = ctx.run_id().to_owned();
+            let charge = ctx
+                .step("charge", "payments", b"{\"eur\":9}", |_| async {
+                    calls.hit(&run, "charge");
+                    ok("ch_1")
+                })
+                .await?;
+            let undone = ctx
+                .compensate(&charge.id, "payments", b"{\"refund\":\"ch_1\"}", |sent| {
+                    assert_eq!(sent.id.step.as_ref(), "charge:compensate");
+                    calls.hit(&run, "refund");
+                    async { ok("rf_1") }
+                })
+                .await?;
+            crate::WorkflowResult::Ok(Some(undone.state.to_string()))
+        }
+    };
+    let ctx = RunContext::new(j.clone(), "undo-1", "undo", None);
+    assert_eq!(
+        undo(ctx.clone()).await.unwrap().as_deref(),
+        Some("compensated")
+    );
+    // Resumed: both steps are over, and neither is called again.
+    assert_eq!(undo(ctx).await.unwrap().as_deref(), Some("compensated"));
+    assert_eq!(
+        (calls.of("undo-1", "charge"), calls.of("undo-1", "refund")),
+        (1, 1)
+    );
+    let steps = j.runs().steps("undo-1").await.unwrap();
+    let state = |name: &str| steps.iter().find(|s| &*s.id.step == name).map(|s| s.state);
+    assert_eq!(state("charge"), Some(StepState::Compensated));
+    assert_eq!(state("charge:compensate"), Some(StepState::Succeeded));
+
+    let other = RunContext::new(j.clone(), "undo-2", "undo", None);
+    let charge = StepId::new("undo-1", "charge", "");
+    let refused = other
+        .compensate(&charge, "payments", b"{}", |_| async { ok("rf_2") })
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("belongs to another run"),
+        "{refused}"
+    );
+    assert!(j.runs().steps("undo-2").await.unwrap().is_empty());
+}
+
 async fn all(j: Journal, clock: ManualClock) {
     a_run_killed_anywhere_is_pending_and_recovered(&j, &clock).await;
     a_step_left_sent_is_reconciled_before_the_workflow_runs_again(&j, &clock).await;
     starting_a_run_twice(&j).await;
     a_panicking_workflow_fails_its_run(&j).await;
     the_operator_retries_and_stubs_failed_steps(&j).await;
+    a_workflow_compensates_an_action_it_took(&j).await;
 }
 
 /// Scenarios on the system clock (leases renewed, timers due in real time).

@@ -3,13 +3,13 @@
 
 #![cfg(feature = "postgres")]
 
-use backstop_journal::{CallResult, Journal, NewStep, RunContext, Worker};
+use backstop_journal::{CallResult, Journal, RunContext, StepId, Worker};
 use backstop_testkit::{PgWireCounter, PostgresServer};
 
 async fn steps(j: &Journal, run: &str, n: usize) {
     for i in 0..n {
-        let step = NewStep::tool_call(run, &format!("step-{i}"), "", "carrier", b"{}");
-        j.execute(&step, |_| async {
+        let step = StepId::new(run, &format!("step-{i}"), "");
+        j.execute(&step, "carrier", b"{}", |_| async {
             CallResult::Succeeded {
                 result: Some("\"ok\"".into()),
                 provider_ref: None,

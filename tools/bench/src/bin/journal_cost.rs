@@ -7,7 +7,7 @@
 //! the bench's own (`initdb`, `fsync=off`: its figures leave out the disk flush PostgreSQL
 //! would do in production).
 
-use backstop::journal::{CallResult, Journal, NewStep};
+use backstop::journal::{CallResult, Journal, StepId};
 use backstop_testkit::PostgresServer;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -20,16 +20,10 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 async fn measure(name: &str, journal: &Journal, n: usize) {
     let mut took = Vec::with_capacity(n);
     for i in 0..n {
-        let step = NewStep::tool_call(
-            &format!("bench-{}", i / 10),
-            &format!("s{i}"),
-            "",
-            "tool",
-            b"{}",
-        );
+        let step = StepId::new(&format!("bench-{}", i / 10), &format!("s{i}"), "");
         let start = Instant::now();
         journal
-            .execute(&step, |_| async {
+            .execute(&step, "tool", b"{}", |_| async {
                 CallResult::Succeeded {
                     result: Some("{\"ok\":true}".into()),
                     provider_ref: None,
