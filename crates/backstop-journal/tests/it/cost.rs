@@ -21,7 +21,7 @@ async fn steps(j: &Journal, run: &str, n: usize) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_step_costs_two_writes_and_three_round_trips_at_most() {
+async fn a_step_costs_two_writes_and_two_round_trips_at_most() {
     let pg = PostgresServer::start().await;
     let upstream = format!(
         "127.0.0.1:{}",
