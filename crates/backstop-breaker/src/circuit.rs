@@ -202,7 +202,6 @@ impl Inner {
     }
 
     /// Admits one call through `circuit`, or says why not.
-    #[inline]
     pub(crate) fn admit(
         &self,
         circuit: &Circuit,
@@ -265,7 +264,6 @@ impl Inner {
     }
 
     /// Records how a call ended, at `now` (the permit reads the clock when the call ends).
-    #[inline]
     pub(crate) fn record(
         &self,
         c: &Circuit,

@@ -12,7 +12,6 @@ const SLOTS: u64 = 0xffff_ffff;
 #[derive(Debug)]
 pub(crate) struct TrialSlots(AtomicU64);
 
-#[inline]
 fn tag(generation: u64) -> u64 {
     generation & SLOTS
 }
@@ -32,7 +31,6 @@ impl TrialSlots {
     }
 
     /// Takes one slot of `generation`'s period, if it is the current one and has a slot left.
-    #[inline]
     pub(crate) fn take(&self, generation: u64) -> bool {
         let tag = tag(generation);
         self.0

@@ -322,7 +322,6 @@ impl fmt::Debug for DependencyBudget {
 }
 
 impl RetryBudget for DependencyBudget {
-    #[inline]
     fn deposit(&self, dependency: &Dependency, now: Instant) {
         if *dependency == self.dependency {
             self.account.requests.add(now, 1);

@@ -16,7 +16,6 @@ pub struct ScopeOwner(TypeId);
 
 impl ScopeOwner {
     /// The owner named by the type `T`.
-    #[inline]
     pub fn of<T: ?Sized + 'static>() -> Self {
         ScopeOwner(TypeId::of::<T>())
     }
@@ -110,13 +109,11 @@ impl Claim {
 
 impl CallContext {
     /// The context on a request, if a layer put one there.
-    #[inline]
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<&CallContext> {
         req.extensions().get::<CallContext>()
     }
 
     /// The context on a request, created empty if absent.
-    #[inline]
     pub(crate) fn of_mut<R: HasExtensions + ?Sized>(req: &mut R) -> &mut CallContext {
         let ext = req.extensions_mut();
         if ext.get::<CallContext>().is_none() {

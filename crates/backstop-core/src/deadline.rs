@@ -19,7 +19,6 @@ const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 /// assert_eq!(instant_after(now, Duration::from_secs(2)), now + Duration::from_secs(2));
 /// assert!(instant_after(now, Duration::MAX) > now + Duration::from_secs(86_400 * 365));
 /// ```
-#[inline]
 pub fn instant_after(now: Instant, d: Duration) -> Instant {
     now.checked_add(d)
         .or_else(|| now.checked_add(FAR_FUTURE))
@@ -65,7 +64,6 @@ impl Deadline {
 
     /// A deadline `budget` after `now` (saturating far in the future on overflow): for a caller
     /// that has already read the clock.
-    #[inline]
     #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn after_from(now: Instant, budget: Duration) -> Self {
         Deadline {
@@ -92,7 +90,6 @@ impl Deadline {
     /// The deadline in force for a request: the one in its call context
     /// extension (a retry layer's or a deadline layer's), or else a bare `Deadline` a caller
     /// inserted.
-    #[inline]
     pub fn of<R: HasExtensions + ?Sized>(req: &R) -> Option<Deadline> {
         let ext = req.extensions();
         ext.get::<crate::context::CallContext>()

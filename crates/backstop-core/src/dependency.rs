@@ -100,7 +100,6 @@ impl Dependency {
     }
 
     /// The dependency a request names, borrowed: [`of`](Self::of) without the clone.
-    #[inline]
     #[doc(hidden)] // How Backstop's layers reach each other; not for users.
     pub fn on<R: crate::HasExtensions + ?Sized>(req: &R) -> Option<&Dependency> {
         let ext = req.extensions();
@@ -116,7 +115,6 @@ impl Dependency {
 }
 
 impl PartialEq for Dependency {
-    #[inline]
     fn eq(&self, other: &Self) -> bool {
         self.hash == other.hash && (Arc::ptr_eq(&self.name, &other.name) || self.name == other.name)
     }

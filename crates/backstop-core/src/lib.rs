@@ -74,7 +74,6 @@ pub mod plumbing {
     pub use crate::extensions::{is_idempotent_method, known_method};
 
     /// The dependency name's hash (per process, randomly keyed), which picks a registry shard.
-    #[inline]
     pub fn prehash(dependency: &crate::Dependency) -> u64 {
         dependency.hash
     }

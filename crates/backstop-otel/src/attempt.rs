@@ -56,7 +56,6 @@ where
     type Error = BoxError;
     type Future = AttemptMetricsFuture<S::Future>;
 
-    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx)
     }

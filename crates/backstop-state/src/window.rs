@@ -55,7 +55,6 @@ impl SlidingCount {
         Duration::from_nanos(self.width_nanos.saturating_mul(self.buckets.len() as u64))
     }
 
-    #[inline]
     fn period(&self, now: Instant) -> u64 {
         // u64 nanoseconds (584 years) rather than `as_nanos`' u128: a 128-bit division costs a
         // library call on every count.
@@ -67,13 +66,11 @@ impl SlidingCount {
         nanos / self.width_nanos
     }
 
-    #[inline]
     fn slot(&self, period: u64) -> &AtomicU64 {
         &self.buckets[(period % self.buckets.len() as u64) as usize]
     }
 
     /// Adds `n` events at `now`.
-    #[inline]
     pub fn add(&self, now: Instant, n: u64) {
         let period = self.period(now);
         let epoch = period & EPOCH_MASK;

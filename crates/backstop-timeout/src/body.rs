@@ -119,12 +119,10 @@ where
     type Error = S::Error;
     type Future = BodyTimeoutFuture<S::Future>;
 
-    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    #[inline]
     fn call(&mut self, req: Req) -> Self::Future {
         // Under an attempt timeout (the composed stack's case), the body ends when its attempt
         // does.
@@ -174,7 +172,6 @@ where
 {
     type Output = Result<http::Response<TimedBody<B>>, E>;
 
-    #[inline]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let res = ready!(this.inner.poll(cx))?;

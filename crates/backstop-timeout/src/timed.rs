@@ -73,7 +73,6 @@ impl DeadlinePassed {
 impl AttemptCutoff {
     /// When an attempt starting at `now` ends, given its own `limit` and the call's `deadline`
     /// (`Ok(None)`: neither is set). Instants are compared, never subtracted.
-    #[inline]
     pub fn plan(
         now: Instant,
         limit: Option<Duration>,
