@@ -4,7 +4,7 @@ use crate::{
     Backstop,
     attempt_header::AttemptHeaders,
     box_errors::BoxErrors,
-    transport::{Attempts, Describe, Transport, TransportSettings, attempts},
+    transport::{Attempts, TransportSettings, attempts, sealed},
 };
 use backstop_classify::{GrpcClassifier, grpc_timeout};
 use backstop_core::{BoxError, CallContext, Deadline, Dependency};
@@ -52,7 +52,7 @@ impl Backstop<GrpcClassifier, StreamingResend, HttpKeys> {
 
 /// A gRPC call's method is its request's path (`/package.Service/Method`), its target the
 /// authority it goes to.
-impl<B> Describe<http::Request<B>> for StreamingResend {
+impl<B> sealed::Describes<http::Request<B>> for StreamingResend {
     fn grpc_method(req: &http::Request<B>) -> Option<(String, String)> {
         let uri = req.uri();
         let target = uri.authority().map(|a| a.to_string()).unwrap_or_default();
@@ -60,7 +60,7 @@ impl<B> Describe<http::Request<B>> for StreamingResend {
     }
 }
 
-impl<S> Transport<S> for StreamingResend {
+impl<S> sealed::Wraps<S> for StreamingResend {
     type Client = Attempts<BoxErrors<BodyTimeout<GrpcAttempt<AttemptHeaders<S>>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
         // The time left travels as `grpc-timeout` (below).

@@ -92,6 +92,7 @@ pub use builder::{Backstop, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset};
 pub use dead_letter::JsonLinesSink;
 pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
 pub use service::{BackstopLayer, BackstopService};
+pub use transport::{Describe, Transport};
 
 /// The stack's future type.
 pub mod future {

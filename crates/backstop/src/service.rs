@@ -6,7 +6,7 @@
 
 use crate::{
     call::{CallState, CallWork},
-    transport::{Describe, Transport, TransportSettings},
+    transport::{Describe, Transport, TransportSettings, sealed::Wraps},
 };
 use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
 use backstop_budget::{Throttle, ThrottleLayer};
@@ -52,7 +52,7 @@ type Attempt<S, C> = Either<Throttle<Paced<Gated<S, C>>, C>, Paced<Gated<S, C>>>
 /// The stack under the call's work: the deadline, the retry layer, the throttle, the breaker,
 /// the attempt timeout, the client as its transport wraps it.
 type Stack<S, C, P, Pol> =
-    WithDeadline<Retry<Attempt<<P as Transport<S>>::Client, C>, C, P, Dependency, Pol>>;
+    WithDeadline<Retry<Attempt<<P as Wraps<S>>::Client, C>, C, P, Dependency, Pol>>;
 
 /// The service a [`BackstopLayer`] builds over the client `S`: every error is an
 /// [`Error`](crate::Error).
@@ -102,9 +102,9 @@ where
 }
 
 /// The client's response type under the stack.
-type ClientResponse<S, P, Req> = <<P as Transport<S>>::Client as Service<Req>>::Response;
+type ClientResponse<S, P, Req> = <<P as Wraps<S>>::Client as Service<Req>>::Response;
 /// The retry layer's parts under the stack.
-type Parts<S, C, P, Req, Pol> = (Attempt<<P as Transport<S>>::Client, C>, Req, C, P, Pol);
+type Parts<S, C, P, Req, Pol> = (Attempt<<P as Wraps<S>>::Client, C>, Req, C, P, Pol);
 
 impl<S, C, P, I, Pol, Req> Service<Req> for BackstopService<S, C, P, I, Pol>
 where

@@ -8,35 +8,82 @@ use backstop_timeout::{BodyTimeout, BodyTimeoutLayer};
 use std::time::Duration;
 use tower_layer::Layer;
 
-/// How the composed stack wraps the client for its kind of request: for HTTP ([`HttpResend`])
-/// the attempt number under the configured header, and the response's body timed to its
-/// attempt's end; tool calls ([`CloneResend`]) are passed as they are. Either way
-/// [`BoxErrors`] gives the classifier every error of the client as a `BoxError`.
-#[allow(unreachable_pub)] // Sealed: public in name only, so that public types can use it.
-pub trait Transport<S> {
-    /// The wrapped client.
-    type Client;
-    /// Wraps `client` as `settings` say.
-    fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
-}
+/// The kinds of request a [`BackstopService`](crate::BackstopService) is built for, by the
+/// copier it resends them with: HTTP ([`HttpResend`]: the attempt number under the configured
+/// header, and each response's body timed to its attempt's end), tool calls ([`CloneResend`]:
+/// passed as they are) and gRPC ([`StreamingResend`](backstop_retry::StreamingResend)).
+///
+/// Sealed: named in bounds over the stack's types, implemented by those three only.
+///
+/// ```
+/// use backstop::{Backstop, BackstopService, Transport};
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use std::convert::Infallible;
+/// use tower::{Layer, service_fn};
+///
+/// /// Holds a stack, whatever client, classifier and kind of request it was built for.
+/// struct Dependency<S, C, P: Transport<S>, I> {
+///     name: &'static str,
+///     stack: BackstopService<S, C, P, I>,
+/// }
+///
+/// # fn main() -> Result<(), backstop::BoxError> {
+/// let client = service_fn(|_req: http::Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
+/// });
+/// let rates = Dependency {
+///     name: "rates-api",
+///     stack: Backstop::http("rates-api").build()?.layer(client),
+/// };
+/// # let _ = (rates.name, rates.stack);
+/// # Ok(())
+/// # }
+/// ```
+pub trait Transport<S>: sealed::Wraps<S> {}
 
-/// What the composed stack's telemetry learns of a request before its call: a gRPC call's
-/// method and target (A96's `grpc.method`, `grpc.target`); nothing for the others.
-#[allow(unreachable_pub)] // Sealed, as `Transport`.
-pub trait Describe<Req> {
-    /// The method and target of `req` when it is a gRPC call.
-    fn grpc_method(_req: &Req) -> Option<(String, String)> {
-        None
+impl<S, T: sealed::Wraps<S>> Transport<S> for T {}
+
+/// What a [`BackstopService`](crate::BackstopService)'s telemetry reads of a request before its
+/// call: a gRPC call's method and target; nothing for the others.
+///
+/// Sealed, as [`Transport`]: implemented by the same three copiers only.
+pub trait Describe<Req>: sealed::Describes<Req> {}
+
+impl<Req, T: sealed::Describes<Req>> Describe<Req> for T {}
+
+/// What [`Transport`] and [`Describe`] stand for, which only this crate implements and calls.
+pub(crate) mod sealed {
+    use super::TransportSettings;
+
+    /// How the stack wraps the client: the pieces between its attempt timeout and the client.
+    /// Either way [`BoxErrors`](crate::box_errors::BoxErrors) gives the classifier every error
+    /// of the client as a `BoxError`.
+    #[allow(unreachable_pub)] // Public in name only: the supertrait that seals `Transport`.
+    pub trait Wraps<S> {
+        /// The wrapped client.
+        type Client;
+        /// Wraps `client` as `settings` say.
+        fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client;
+    }
+
+    /// A request's gRPC method and target, for the stack's telemetry.
+    #[allow(unreachable_pub)] // Public in name only: the supertrait that seals `Describe`.
+    pub trait Describes<Req> {
+        /// The method and target of `req` when it is a gRPC call.
+        fn grpc_method(_req: &Req) -> Option<(String, String)> {
+            None
+        }
     }
 }
 
-impl<B> Describe<http::Request<B>> for HttpResend {}
+impl<B> sealed::Describes<http::Request<B>> for HttpResend {}
 
-impl<Req> Describe<Req> for CloneResend {}
+impl<Req> sealed::Describes<Req> for CloneResend {}
 
-/// What [`Transport::wrap`] is told.
+/// What the stack tells its transport when it wraps the client.
 #[derive(Clone, Debug, Default)]
-#[allow(unreachable_pub)] // Sealed, as `Transport`.
+#[allow(unreachable_pub)] // Public in name only, as `sealed::Wraps`.
 pub struct TransportSettings {
     /// The header the attempt number goes under (HTTP), if any.
     pub(crate) attempt_header: Option<http::HeaderName>,
@@ -79,7 +126,7 @@ pub(crate) fn attempts<S>(client: S, settings: &TransportSettings) -> Attempts<S
     }
 }
 
-impl<S> Transport<S> for HttpResend {
+impl<S> sealed::Wraps<S> for HttpResend {
     type Client = Attempts<BoxErrors<BodyTimeout<AttemptHeaders<ReadQuotas<S>>>>>;
     fn wrap(&self, client: S, settings: &TransportSettings) -> Self::Client {
         #[cfg(feature = "quota")]
@@ -97,7 +144,7 @@ impl<S> Transport<S> for HttpResend {
     }
 }
 
-impl<S> Transport<S> for CloneResend {
+impl<S> sealed::Wraps<S> for CloneResend {
     type Client = BoxErrors<S>;
     fn wrap(&self, client: S, _settings: &TransportSettings) -> Self::Client {
         BoxErrors(client)
