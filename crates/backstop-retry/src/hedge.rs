@@ -201,8 +201,7 @@ where
                         timer: tokio::time::sleep(delay),
                         delay,
                         hedges: Vec::new(),
-                        svc,
-                        template: Some(template),
+                        more: Some((svc, template)),
                         run,
                         shared: shared.clone(),
                         failed: None,
@@ -257,9 +256,10 @@ struct Race<S: Service<Req>, Req, C, P> {
     timer: Sleep,
     delay: Duration,
     hedges: Vec<(Pin<Box<S::Future>>, Span)>,
-    svc: S,
-    /// What each hedge sends a copy of; `None` once no more hedges will be sent.
-    template: Option<Req>,
+    /// The service each hedge is sent on and the request it sends a copy of; `None` once no
+    /// more hedges will be sent, so that readiness the service granted a hedge that was not
+    /// sent (a permit of a concurrency limit, say) is given back at once.
+    more: Option<(S, Req)>,
     run: Option<Run>,
     shared: Arc<Shared<C, P>>,
     /// The last failure, kept while another copy is still in flight.
@@ -335,7 +335,10 @@ where
                 return Poll::Ready(Err(failed));
             }
             let room = in_flight < this.shared.hedging.max_in_flight as usize;
-            if this.template.is_none() || !room || *this.primary_done {
+            let Some((svc, template)) = this.more.as_mut() else {
+                return Poll::Pending;
+            };
+            if !room || *this.primary_done {
                 return Poll::Pending;
             }
             if this.timer.as_mut().poll(cx).is_pending() {
@@ -344,17 +347,16 @@ where
             // Due: one more copy, once the service is ready (a hedge waits for readiness while
             // the copies in flight go on), if it can be copied and the run and the budget pay
             // for it: a token is taken only for a copy that is sent.
-            match this.svc.poll_ready(cx) {
+            match svc.poll_ready(cx) {
                 Poll::Ready(Ok(())) => {}
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(_)) => {
-                    *this.template = None;
+                    *this.more = None;
                     return Poll::Pending;
                 }
             }
-            let template = this.template.as_ref().expect("checked above");
             let Ok(copy) = this.shared.resend.copy(template) else {
-                *this.template = None;
+                *this.more = None;
                 return Poll::Pending;
             };
             let dependency = &this.shared.dependency;
@@ -363,7 +365,7 @@ where
                 if run_pays && let Some(run) = this.run.as_ref() {
                     run.give_back(dependency);
                 }
-                *this.template = None;
+                *this.more = None;
                 return Poll::Pending;
             }
             let n = this.hedges.len() as u32 + 1;
@@ -371,7 +373,7 @@ where
             obs::hedge(dependency);
             let fut = {
                 let _entered = span.enter();
-                this.svc.call(copy)
+                svc.call(copy)
             };
             this.hedges.push((Box::pin(fut), span));
             let next = tokio::time::Instant::now() + *this.delay;

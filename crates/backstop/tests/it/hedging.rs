@@ -283,3 +283,53 @@ async fn a_hedge_the_service_cannot_take_costs_nothing() {
         "and none was paid for"
     );
 }
+
+/// A hedge the budget refuses gives back the readiness it was granted at once: under a
+/// concurrency limit of two, a slow call whose hedge was refused holds one permit, not both,
+/// and the next call goes through while it is still out.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_the_budget_refuses_leaves_the_service_free() {
+    // The attempt timeout at least 2 s, so that the slow call's one attempt is not cut.
+    let latency = LatencyTimeouts::new(
+        LatencyConfig::default()
+            .floor(Duration::from_secs(2))
+            .ceiling(Duration::from_secs(3))
+            .fallback(Duration::from_secs(3)),
+    )
+    .unwrap();
+    let no_retries = BudgetConfig::default()
+        .ratio(0.0)
+        .min_retries_per_sec(0.0)
+        .window(Duration::from_secs(3_600));
+    let budget = Budget::new(no_retries).unwrap();
+    let layer = stack_layer(&latency, &budget);
+    // 20 ms, or 1 s for a request marked slow.
+    let dependency = service_fn(|req: Request<String>| async move {
+        let took = if req.headers().contains_key("x-slow") {
+            1_000
+        } else {
+            20
+        };
+        tokio::time::sleep(Duration::from_millis(took)).await;
+        Ok::<_, std::io::Error>(Response::new(()))
+    });
+    let limited = tower::limit::ConcurrencyLimitLayer::new(2).layer(dependency);
+    for _ in 0..300 {
+        let svc = layer.clone().layer(limited.clone());
+        svc.oneshot(get()).await.unwrap();
+    }
+    let svc = layer.layer(layer.hedge(limited, Hedging::default()).unwrap());
+    let mut slow = get();
+    slow.headers_mut().insert("x-slow", "1".parse().unwrap());
+    let started = Instant::now();
+    let slow = tokio::spawn(svc.clone().oneshot(slow));
+    // Past the hedge's due time (the record's p95, 20 ms): the refused hedge has come and gone.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    svc.clone().oneshot(get()).await.unwrap();
+    let next = started.elapsed();
+    assert!(
+        next < Duration::from_millis(500),
+        "the next call waited {next:?} for a permit the refused hedge kept"
+    );
+    slow.await.unwrap().unwrap();
+}
