@@ -182,7 +182,7 @@ struct Pacing {
 
 impl Pacing {
     /// Asks the fleet, or this process's quotas, and goes, waits or ends accordingly.
-    fn next<S: Service<Req>, Req>(&self, svc: S, req: Req, spread: bool) -> State<S, Req> {
+    fn next<S: Service<Req> + Clone, Req>(&self, svc: S, req: Req, spread: bool) -> State<S, Req> {
         match self.quotas.ask_fleet(&self.dependency, self.cost) {
             Some(asking) => State::Asking {
                 asking,
@@ -194,7 +194,7 @@ impl Pacing {
     }
 
     /// Paced by this process's own account.
-    fn alone<S: Service<Req>, Req>(&self, svc: S, req: Req, spread: bool) -> State<S, Req> {
+    fn alone<S: Service<Req> + Clone, Req>(&self, svc: S, req: Req, spread: bool) -> State<S, Req> {
         let now = Instant::now();
         match self
             .quotas
@@ -207,7 +207,12 @@ impl Pacing {
     }
 
     /// Paced by the fleet's answer.
-    fn answered<S: Service<Req>, Req>(&self, answer: Answer, svc: S, req: Req) -> State<S, Req> {
+    fn answered<S: Service<Req> + Clone, Req>(
+        &self,
+        answer: Answer,
+        svc: S,
+        req: Req,
+    ) -> State<S, Req> {
         match answer {
             Answer::Go { generation } => {
                 self.quotas
@@ -225,10 +230,13 @@ impl Pacing {
         }
     }
 
-    fn wait<S: Service<Req>, Req>(&self, at: Instant, svc: S, req: Req) -> State<S, Req> {
+    /// Waits until `at`. The handle polled ready is dropped meanwhile, so that what its
+    /// readiness holds (a concurrency limit's permit, a buffer's slot) serves other calls; a
+    /// clone of it is readied once the wait is over.
+    fn wait<S: Service<Req> + Clone, Req>(&self, at: Instant, svc: S, req: Req) -> State<S, Req> {
         State::Waiting {
             sleep: Box::pin(sleep_until(at)),
-            svc: Some((svc, req)),
+            svc: Some((svc.clone(), req)),
         }
     }
 
@@ -322,11 +330,13 @@ enum State<S: Service<Req>, Req> {
         svc: Option<(S, Req)>,
         spread: bool,
     },
-    /// Waiting for the quota, with the handle polled ready and the request.
+    /// Waiting for the quota, with a handle not polled ready and the request.
     Waiting {
         sleep: Pin<Box<Sleep>>,
         svc: Option<(S, Req)>,
     },
+    /// The wait over: the handle getting ready before the quota is asked again.
+    Readying { svc: Option<(S, Req)> },
     /// Sent, its cost reserved.
     Calling {
         #[pin]
@@ -340,7 +350,7 @@ enum State<S: Service<Req>, Req> {
 
 impl<S, Req> Future for PacedFuture<S, Req>
 where
-    S: Service<Req, Response: HasExtensions>,
+    S: Service<Req, Response: HasExtensions> + Clone,
     S::Error: Into<BoxError>,
 {
     type Output = Result<S::Response, BoxError>;
@@ -364,6 +374,14 @@ where
                 }
                 StateProj::Waiting { sleep, svc } => {
                     ready!(sleep.as_mut().poll(cx));
+                    let svc = svc.take();
+                    this.state.set(State::Readying { svc });
+                }
+                StateProj::Readying { svc } => {
+                    let (handle, _) = svc.as_mut().expect("polled after completion");
+                    if let Err(e) = ready!(handle.poll_ready(cx)) {
+                        return Poll::Ready(Err(e.into()));
+                    }
                     let (svc, req) = svc.take().expect("polled after completion");
                     let next = this.pacing.next(svc, req, false);
                     this.state.set(next);
@@ -553,5 +571,47 @@ mod tests {
         let cut = || DeadlineExceeded::new(None, Outcome::Unknown).into();
         assert!(failing(cut).oneshot(prompt()).await.is_err());
         assert_eq!(quotas.remaining(&llm, Unit::Tokens), Some(400));
+    }
+
+    /// An attempt waiting for its quota holds no readiness of the service under it: under a
+    /// concurrency limit of one, a call to another dependency goes through while it waits,
+    /// and the waiting attempt is sent once its quota comes back.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_waiting_for_its_quota_leaves_the_service_free() {
+        let quotas = Quotas::seeded(Duration::ZERO, 1);
+        quotas.learn(
+            &Dependency::from("llm"),
+            &[Advertised {
+                unit: Unit::Tokens,
+                limit: Some(10_000),
+                remaining: Some(0),
+                reset: Some(Duration::from_secs(1)),
+            }],
+        );
+        let client = service_fn(|_req: http::Request<()>| async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok::<_, BoxError>(http::Response::new(()))
+        });
+        let svc = QuotaLayer::new(quotas.clone())
+            .dependency("llm")
+            .layer(tower::limit::ConcurrencyLimit::new(client, 1));
+        let started = Instant::now();
+        let mut prompt = http::Request::new(());
+        prompt.extensions_mut().insert(Cost::tokens(600));
+        let waiting = tokio::spawn(svc.clone().oneshot(prompt));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut search = http::Request::new(());
+        Dependency::from("search").attach(&mut search);
+        svc.clone().oneshot(search).await.unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(500),
+            "the other call waited {took:?} for the permit a paced attempt kept"
+        );
+        waiting.await.unwrap().unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_secs(1),
+            "the prompt waited for its quota"
+        );
     }
 }
