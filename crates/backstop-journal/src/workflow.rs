@@ -172,8 +172,26 @@ impl RunContext {
         F: FnOnce(Step) -> Fut,
         Fut: Future<Output = CallResult>,
     {
-        let id = StepId::new(&self.run, step, "");
-        let step = self.journal.execute(&id, tool, args, call).await?;
+        self.execute(&StepId::new(&self.run, step, ""), tool, args, call)
+            .await
+    }
+
+    /// [`step`](Self::step) for a step named by its whole id: one of the several tool calls a
+    /// step makes (an agent's turn that asks for three tools), each under its call id, each
+    /// journaled and keyed on its own. The id must be of this run.
+    pub async fn execute<F, Fut>(
+        &self,
+        id: &StepId,
+        tool: &str,
+        args: &[u8],
+        call: F,
+    ) -> Result<Step, RunError>
+    where
+        F: FnOnce(Step) -> Fut,
+        Fut: Future<Output = CallResult>,
+    {
+        self.owns(id)?;
+        let step = self.journal.execute(id, tool, args, call).await?;
         Self::went_on(step)
     }
 
@@ -193,14 +211,20 @@ impl RunContext {
         F: FnOnce(Step) -> Fut,
         Fut: Future<Output = CallResult>,
     {
-        if *action.run != *self.run {
-            return Err(RunError::failed(format!(
-                "step {action} belongs to another run than {}",
-                self.run
-            )));
-        }
+        self.owns(action)?;
         let step = self.journal.compensate(action, tool, args, call).await?;
         Self::went_on(step)
+    }
+
+    /// Refuses a step of another run: a workflow journals and undoes its own steps only.
+    fn owns(&self, id: &StepId) -> Result<(), RunError> {
+        if *id.run == *self.run {
+            return Ok(());
+        }
+        Err(RunError::failed(format!(
+            "step {id} belongs to another run than {}",
+            self.run
+        )))
     }
 
     /// A step as the journal left it: done (its result stands), or why the run cannot go on.

@@ -683,6 +683,68 @@ async fn a_workflow_compensates_an_action_it_took(j: &Journal) {
     assert!(j.runs().steps("undo-2").await.unwrap().is_empty());
 }
 
+/// A step that makes several tool calls (an agent's turn asking for two tools) journals each
+/// under its call id, with a key of its own; a resumed run calls neither again, and a step id
+/// of another run is refused.
+async fn a_step_journals_each_of_its_tool_calls(j: &Journal) {
+    let calls = Calls::default();
+    let turn = |ctx: RunContext| {
+        let calls = calls.clone();
+        async move {
+            let run = ctx.run_id().to_owned();
+            let mut answers = Vec::new();
+            for call in ["call_a", "call_b"] {
+                let id = StepId::new(&run, "turn-1", call);
+                let done = ctx
+                    .execute(&id, "search", call.as_bytes(), |_| {
+                        calls.hit(&run, call);
+                        async move {
+                            CallResult::Succeeded {
+                                result: Some(format!("\"{call}\"")),
+                                provider_ref: None,
+                            }
+                        }
+                    })
+                    .await?;
+                answers.push(done.result.unwrap_or_default());
+            }
+            crate::WorkflowResult::Ok(Some(answers.join("+")))
+        }
+    };
+    let ctx = RunContext::new(j.clone(), "turn-run", "agent", None);
+    let first = turn(ctx.clone()).await.unwrap();
+    assert_eq!(
+        turn(ctx.clone()).await.unwrap(),
+        first,
+        "resumed from the journal"
+    );
+    assert_eq!(first.as_deref(), Some("\"call_a\"+\"call_b\""));
+    assert_eq!(
+        (
+            calls.of("turn-run", "call_a"),
+            calls.of("turn-run", "call_b")
+        ),
+        (1, 1)
+    );
+    let steps = j.runs().steps("turn-run").await.unwrap();
+    assert_eq!(steps.len(), 2, "{steps:?}");
+    assert!(steps.iter().all(|s| &*s.id.step == "turn-1"));
+    assert_ne!(steps[0].key, steps[1].key, "each call has its own key");
+
+    let elsewhere = StepId::new("another-run", "turn-1", "call_a");
+    let refused = ctx
+        .execute(&elsewhere, "search", b"", |_| async {
+            unreachable!("not called")
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        refused.to_string().contains("belongs to another run"),
+        "{refused}"
+    );
+    assert!(j.runs().steps("another-run").await.unwrap().is_empty());
+}
+
 async fn all(j: Journal, clock: ManualClock) {
     a_run_killed_anywhere_is_pending_and_recovered(&j, &clock).await;
     a_step_left_sent_is_reconciled_before_the_workflow_runs_again(&j, &clock).await;
@@ -690,6 +752,7 @@ async fn all(j: Journal, clock: ManualClock) {
     a_panicking_workflow_fails_its_run(&j).await;
     the_operator_retries_and_stubs_failed_steps(&j).await;
     a_workflow_compensates_an_action_it_took(&j).await;
+    a_step_journals_each_of_its_tool_calls(&j).await;
 }
 
 /// Scenarios on the system clock (leases renewed, timers due in real time).
