@@ -102,7 +102,7 @@ async fn a_stack_built_with_a_journal_journals_each_tool_call() {
         .unwrap()
         .unwrap();
     assert_eq!(parked.state, StepState::Parked);
-    let wait = parked.park_until.unwrap() - journal.now_ms();
+    let wait = (parked.parked_until.unwrap() - journal.now()).num_milliseconds();
     assert!((29_000..=30_000).contains(&wait), "{wait}");
 
     // No answer: the outcome is unknown, and the step waits for reconciliation.

@@ -123,7 +123,7 @@ async fn open(db: &str) -> Result<Journal, Failure> {
 
 async fn journal(args: JournalArgs) -> Result<u8, Failure> {
     let j = open(&args.db).await?;
-    let now = j.now_ms();
+    let now = j.now();
     let json = args.json;
     match args.command {
         JournalCommand::Runs {

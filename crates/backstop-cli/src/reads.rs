@@ -5,12 +5,13 @@ use crate::render::{
     RunShown, StepShown, ago, human, print_json, short_key, table, time_in_states, when,
 };
 use backstop_journal::{Journal, RunFilter, Step, StepTransition};
+use chrono::{DateTime, Utc};
 
 /// `runs`: the most recently changed runs that `filter` selects.
 pub(crate) async fn runs(
     j: &Journal,
     json: bool,
-    now: i64,
+    now: DateTime<Utc>,
     filter: &RunFilter,
 ) -> Result<u8, Failure> {
     let runs = j.runs().list(filter).await?;
@@ -41,7 +42,7 @@ pub(crate) async fn runs(
                 r.needs_human.to_string(),
                 r.parked.to_string(),
                 r.unknown.to_string(),
-                ago(now, r.updated_ms),
+                ago(now, r.updated_at),
                 r.claimed_by.clone().unwrap_or_default(),
             ]);
         }
@@ -51,7 +52,12 @@ pub(crate) async fn runs(
 }
 
 /// `show`: one run's record, steps with their history, and events.
-pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result<u8, Failure> {
+pub(crate) async fn show(
+    j: &Journal,
+    json: bool,
+    now: DateTime<Utc>,
+    run: &str,
+) -> Result<u8, Failure> {
     // A fixed number of queries, however many steps: the record, the steps, every
     // transition of the run, the run's events, the runs forked from it.
     let Some(record) = j.runs().get(run).await? else {
@@ -108,7 +114,7 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
                 })
                 .collect::<Vec<_>>()
                 .join(", ");
-            let state = match (&s.attention, s.park_until) {
+            let state = match (&s.attention, s.parked_until) {
                 (Some(_), _) => format!("{} (needs a person)", s.state),
                 (None, Some(at)) if s.state == backstop_journal::StepState::Parked => {
                     format!("parked (wakes {})", when(now, at))
@@ -156,7 +162,7 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
         for e in &events {
             println!(
                 "{} {} by {}{}",
-                ago(now, e.at_ms),
+                ago(now, e.at),
                 e.action,
                 e.actor,
                 e.reason
@@ -173,7 +179,7 @@ pub(crate) async fn show(j: &Journal, json: bool, now: i64, run: &str) -> Result
 pub(crate) async fn stuck(
     j: &Journal,
     json: bool,
-    now: i64,
+    now: DateTime<Utc>,
     fail_if_any: bool,
 ) -> Result<u8, Failure> {
     let stuck = j.runs().stuck().await?;
@@ -192,7 +198,7 @@ pub(crate) async fn stuck(
             "since",
         ]);
         for s in &stuck {
-            let waiting = match (&s.attention, s.park_until) {
+            let waiting = match (&s.attention, s.parked_until) {
                 (Some(why), _) => format!("a person: {why}"),
                 (None, Some(at)) => format!("its time: wakes {}", when(now, at)),
                 (None, None) => String::new(),
@@ -204,7 +210,7 @@ pub(crate) async fn stuck(
                 s.tool.clone(),
                 s.state.to_string(),
                 waiting,
-                ago(now, s.updated_ms),
+                ago(now, s.updated_at),
             ]);
         }
         println!("{t}");

@@ -1,12 +1,10 @@
 //! What the commands print: tables for people, JSON for scripts, times in words.
 
 use backstop_journal::{RunEvent, RunRecord, Step, StepTransition};
+use chrono::{DateTime, Utc};
 use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
-use std::{
-    collections::BTreeMap,
-    time::{Duration, UNIX_EPOCH},
-};
+use std::collections::BTreeMap;
 
 pub(crate) fn table(header: &[&str]) -> Table {
     let mut t = Table::new();
@@ -44,14 +42,14 @@ pub(crate) struct StepShown<'a> {
 /// The state it is in now counts until now, unless it is final (a step over is not "waiting").
 pub(crate) fn time_in_states(
     history: &[StepTransition],
-    now: i64,
+    now: DateTime<Utc>,
 ) -> Vec<(&'static str, Option<i64>)> {
     let mut out: Vec<(&'static str, Option<i64>)> = Vec::new();
     for (i, t) in history.iter().enumerate() {
         let spent = match history.get(i + 1) {
-            Some(next) => Some((next.at_ms - t.at_ms).max(0)),
+            Some(next) => Some(millis_between(t.at, next.at)),
             None if t.to.is_final() => None,
-            None => Some((now - t.at_ms).max(0)),
+            None => Some(millis_between(t.at, now)),
         };
         match out.iter_mut().find(|(s, _)| *s == t.to.as_str()) {
             Some((_, ms)) => *ms = Some(ms.unwrap_or(0) + spent.unwrap_or(0)),
@@ -59,6 +57,11 @@ pub(crate) fn time_in_states(
         }
     }
     out
+}
+
+/// Milliseconds from `from` to `to`, none when `to` is earlier.
+fn millis_between(from: DateTime<Utc>, to: DateTime<Utc>) -> i64 {
+    (to - from).num_milliseconds().max(0)
 }
 
 pub(crate) fn human(ms: i64) -> String {
@@ -74,16 +77,16 @@ pub(crate) fn human(ms: i64) -> String {
     }
 }
 
-pub(crate) fn ago(now: i64, at: i64) -> String {
-    format!("{} ago", human(now - at))
+pub(crate) fn ago(now: DateTime<Utc>, at: DateTime<Utc>) -> String {
+    format!("{} ago", human(millis_between(at, now)))
 }
 
-pub(crate) fn when(now: i64, at: i64) -> String {
-    let date = UNIX_EPOCH + Duration::from_millis(u64::try_from(at).unwrap_or(0));
+pub(crate) fn when(now: DateTime<Utc>, at: DateTime<Utc>) -> String {
+    let date = httpdate::fmt_http_date(at.into());
     if at > now {
-        format!("in {} ({})", human(at - now), httpdate::fmt_http_date(date))
+        format!("in {} ({date})", human(millis_between(now, at)))
     } else {
-        format!("now (due {})", httpdate::fmt_http_date(date))
+        format!("now (due {date})")
     }
 }
 

@@ -527,18 +527,19 @@ async fn the_operator_reads_and_acknowledges_dead_letters() {
     .unwrap();
 }
 
-/// `value` with every time in it (`..._ms`, `..._until`: milliseconds) replaced by `[ms]`:
-/// what is left is the shape and the facts a snapshot holds.
+/// `value` with every time in it replaced: a timestamp (RFC 3339) by `[time]`, milliseconds
+/// by state (`time_in_state_ms`) by `[ms]`: what is left is the shape and the facts a snapshot
+/// holds.
 fn without_times(mut value: serde_json::Value) -> serde_json::Value {
     fn walk(v: &mut serde_json::Value) {
         match v {
+            serde_json::Value::String(s) if chrono::DateTime::parse_from_rfc3339(s).is_ok() => {
+                *v = "[time]".into();
+            }
             serde_json::Value::Object(map) => {
                 for (k, field) in map.iter_mut() {
-                    let a_time = k.ends_with("_ms") || k.ends_with("_until");
                     match field {
-                        serde_json::Value::Number(_) if a_time => *field = "[ms]".into(),
-                        // Milliseconds by state (`time_in_state_ms`).
-                        serde_json::Value::Object(by) if a_time => by
+                        serde_json::Value::Object(by) if k.ends_with("_ms") => by
                             .values_mut()
                             .filter(|ms| ms.is_number())
                             .for_each(|ms| *ms = "[ms]".into()),

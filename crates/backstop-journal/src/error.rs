@@ -117,9 +117,9 @@ impl fmt::Display for JournalError {
             ),
             JournalError::Parked(step) => write!(
                 f,
-                "step {} is parked until {} ms since the epoch (its dependency asked to wait): it was not sent",
+                "step {} is parked until {} (its dependency asked to wait): it was not sent",
                 step.id,
-                step.park_until.unwrap_or_default()
+                step.parked_until.unwrap_or_default()
             ),
             JournalError::RunRefused { run, why } => write!(f, "run {run}: {why}"),
         }

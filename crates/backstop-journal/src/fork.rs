@@ -139,11 +139,11 @@ mod tests {
             last_error: None,
             result: None,
             provider_ref: None,
-            park_until: None,
+            parked_until: None,
             attention: None,
-            created_ms: 0,
-            updated_ms: 0,
-            sent_ms: None,
+            created_at: chrono::DateTime::UNIX_EPOCH,
+            updated_at: chrono::DateTime::UNIX_EPOCH,
+            sent_at: None,
         }
     }
 

@@ -5,11 +5,8 @@ use crate::{
     JournalError,
     store::{self, Store},
 };
-use std::{
-    fmt,
-    sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
-};
+use chrono::{DateTime, Utc};
+use std::{fmt, sync::Arc};
 
 /// What identifies a call a step makes: its tool and its arguments' digest.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,15 +17,31 @@ pub struct CallIdentity {
     pub args_digest: String,
 }
 
-/// The time the journal writes, in milliseconds since the Unix epoch (replaceable for tests).
-pub type Clock = Arc<dyn Fn() -> i64 + Send + Sync>;
+/// The time the journal writes (replaceable for tests). The journal keeps times to the
+/// millisecond.
+pub type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 
 fn system_clock() -> Clock {
-    Arc::new(|| {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-    })
+    Arc::new(Utc::now)
+}
+
+/// A time as the store keeps it: milliseconds since the Unix epoch.
+pub(crate) fn millis(at: DateTime<Utc>) -> i64 {
+    at.timestamp_millis()
+}
+
+/// `after` past `at`, or the latest time chrono has.
+pub(crate) fn later(at: DateTime<Utc>, after: std::time::Duration) -> DateTime<Utc> {
+    chrono::TimeDelta::from_std(after)
+        .ok()
+        .and_then(|d| at.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// A time the store kept (milliseconds since the Unix epoch); out of chrono's range (no
+/// clock writes one) it is the latest time chrono has.
+pub(crate) fn at_millis(ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(ms).unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 /// The durable step journal, on SQLite or PostgreSQL. Cheap to clone (a pool).
@@ -110,8 +123,13 @@ impl Journal {
     }
 
     /// The time now, as the journal writes it.
-    pub fn now_ms(&self) -> i64 {
-        (self.clock)()
+    pub fn now(&self) -> DateTime<Utc> {
+        at_millis(self.now_ms())
+    }
+
+    /// The time now, as the store keeps it.
+    pub(crate) fn now_ms(&self) -> i64 {
+        millis((self.clock)())
     }
 
     /// `sqlite` or `postgres`.

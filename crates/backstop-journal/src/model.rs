@@ -1,6 +1,7 @@
 //! What the journal records: steps, their states, and every transition.
 
 use backstop_core::Outcome;
+use chrono::{DateTime, Utc};
 use serde::{Serialize, Serializer};
 use std::{fmt, str::FromStr, sync::Arc};
 
@@ -310,16 +311,16 @@ pub struct Step {
     pub result: Option<String>,
     /// The provider's own reference (a message id, an order number), when known.
     pub provider_ref: Option<String>,
-    /// When a parked step wakes (milliseconds since the Unix epoch).
-    pub park_until: Option<i64>,
+    /// When a parked step wakes.
+    pub parked_until: Option<DateTime<Utc>>,
     /// Why it waits for a person, when it does.
     pub attention: Option<String>,
-    /// When it was recorded (milliseconds since the Unix epoch).
-    pub created_ms: i64,
+    /// When it was recorded.
+    pub created_at: DateTime<Utc>,
     /// When it last changed.
-    pub updated_ms: i64,
+    pub updated_at: DateTime<Utc>,
     /// When it was last sent, if ever.
-    pub sent_ms: Option<i64>,
+    pub sent_at: Option<DateTime<Utc>>,
 }
 
 /// One recorded change of a step's state.
@@ -332,8 +333,8 @@ pub struct StepTransition {
     pub from: Option<StepState>,
     /// To.
     pub to: StepState,
-    /// When (milliseconds since the Unix epoch).
-    pub at_ms: i64,
+    /// When.
+    pub at: DateTime<Utc>,
     /// The attempt count after it.
     pub attempts: u32,
     /// The error that caused it, if any.
@@ -365,11 +366,11 @@ pub struct RunSummary {
     /// Steps whose outcome is unknown (sent, unknown, requires reconciliation).
     pub unknown: u32,
     /// When it last changed.
-    pub updated_ms: i64,
+    pub updated_at: DateTime<Utc>,
     /// The worker holding the run, if one does.
     pub claimed_by: Option<String>,
     /// Not claimed before this time, if set.
-    pub wake_ms: Option<i64>,
+    pub wake_at: Option<DateTime<Utc>>,
     /// Why it failed, was cancelled, waits for a person or was deferred.
     pub error: Option<String>,
 }

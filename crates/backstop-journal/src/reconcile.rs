@@ -4,10 +4,11 @@
 
 use crate::{
     JournalError,
-    journal::Journal,
+    journal::{Journal, later},
     model::{Step, StepId, StepState},
     steps::Change,
 };
+use chrono::{DateTime, Utc};
 use std::{collections::HashMap, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
 use tokio::time::Instant;
 
@@ -20,10 +21,10 @@ pub enum Next {
     Resend,
     /// Sent and unknown: ask the tool's [`Reconcile`] hook before anything else.
     Reconcile,
-    /// Parked until this time (milliseconds since the Unix epoch).
+    /// Parked until this time.
     Wake {
         /// When.
-        at_ms: i64,
+        at: DateTime<Utc>,
     },
     /// A person must decide (`backstop journal resolve`).
     Human {
@@ -33,16 +34,16 @@ pub enum Next {
 }
 
 impl Next {
-    /// What to do with `step` at `now_ms`.
-    pub fn for_step(step: &Step, now_ms: i64) -> Next {
+    /// What to do with `step` at `now`.
+    pub fn for_step(step: &Step, now: DateTime<Utc>) -> Next {
         if let Some(why) = &step.attention {
             return Next::Human { why: why.clone() };
         }
         match step.state {
             s if s.is_final() => Next::Done,
             StepState::Pending | StepState::FailedBeforeExecution => Next::Resend,
-            StepState::Parked => match step.park_until {
-                Some(at_ms) if at_ms > now_ms => Next::Wake { at_ms },
+            StepState::Parked => match step.parked_until {
+                Some(at) if at > now => Next::Wake { at },
                 _ => Next::Resend,
             },
             _ => Next::Reconcile,
@@ -171,13 +172,13 @@ pub struct ResumeReport {
     /// Steps waiting for a person.
     pub human: Vec<StepId>,
     /// Parked steps and when they wake.
-    pub parked: Vec<(StepId, i64)>,
+    pub parked: Vec<(StepId, DateTime<Utc>)>,
 }
 
 impl Journal {
     /// What resuming `run` does with each of its steps, now.
     pub async fn plan(&self, run: &str) -> Result<Vec<(Step, Next)>, JournalError> {
-        let now = self.now_ms();
+        let now = self.now();
         let steps = self.runs().steps(run).await?;
         if steps.is_empty() {
             return Err(JournalError::NotFound(format!("run {run}")));
@@ -207,7 +208,7 @@ impl Journal {
             match next {
                 Next::Done => report.done.push(id),
                 Next::Resend => report.resend.push(id),
-                Next::Wake { at_ms } => report.parked.push((id, at_ms)),
+                Next::Wake { at } => report.parked.push((id, at)),
                 Next::Human { .. } => report.human.push(id),
                 Next::Reconcile => match self.reconcile_step(step, hooks).await? {
                     Next::Done => report.reconciled.push(id),
@@ -292,10 +293,10 @@ impl Journal {
                 Ok(Next::Resend)
             }
             Reconciled::CannotTell { why } => {
-                let expired = hook.key_ttl().zip(step.sent_ms).is_some_and(|(ttl, sent)| {
-                    let ttl = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-                    self.now_ms() > sent.saturating_add(ttl)
-                });
+                let expired = hook
+                    .key_ttl()
+                    .zip(step.sent_at)
+                    .is_some_and(|(ttl, sent)| self.now() > later(sent, ttl));
                 let why = if expired {
                     format!(
                         "{why}; the key's time to live at the provider has passed, so sending it again could act twice"

@@ -3,6 +3,7 @@
 
 use crate::{
     ForkPoint, JournalError, RunEvent, RunRecord, RunSummary,
+    journal::at_millis,
     model::{Step, StepId, StepKind, StepState, StepTransition},
 };
 use sqlx::FromRow;
@@ -54,11 +55,11 @@ impl TryFrom<StepRow> for Step {
             last_error: r.last_error,
             result: r.result,
             provider_ref: r.provider_ref,
-            park_until: r.park_until,
+            parked_until: r.park_until.map(at_millis),
             attention: r.attention,
-            created_ms: r.created_ms,
-            updated_ms: r.updated_ms,
-            sent_ms: r.sent_ms,
+            created_at: at_millis(r.created_ms),
+            updated_at: at_millis(r.updated_ms),
+            sent_at: r.sent_ms.map(at_millis),
         })
     }
 }
@@ -93,10 +94,10 @@ impl TryFrom<RunRow> for RunRecord {
             output: r.output,
             error: r.error,
             claimed_by: r.claimed_by,
-            claim_until: r.claim_until,
-            wake_ms: r.wake_ms,
-            created_ms: r.created_ms,
-            updated_ms: r.updated_ms,
+            claim_until: r.claim_until.map(at_millis),
+            wake_at: r.wake_ms.map(at_millis),
+            created_at: at_millis(r.created_ms),
+            updated_at: at_millis(r.updated_ms),
             forked_from: match (r.forked_from, r.forked_at_step) {
                 (Some(run), Some(step)) => Some(ForkPoint { run, step }),
                 _ => None,
@@ -135,9 +136,9 @@ impl TryFrom<SummaryRow> for RunSummary {
             needs_human: count(r.needs_human),
             parked: count(r.parked),
             unknown: count(r.unknown),
-            updated_ms: r.updated_ms,
+            updated_at: at_millis(r.updated_ms),
             claimed_by: r.claimed_by,
-            wake_ms: r.wake_ms,
+            wake_at: r.wake_ms.map(at_millis),
             error: r.error,
         })
     }
@@ -164,7 +165,7 @@ impl TransitionRow {
             id: StepId::new(run, &self.step_id, &self.call_id),
             from: self.from_state.as_deref().map(state).transpose()?,
             to: state::<StepState>(&self.to_state)?,
-            at_ms: self.at_ms,
+            at: at_millis(self.at_ms),
             attempts: count(self.attempts),
             error: self.error,
             actor: self.actor,
@@ -185,7 +186,7 @@ pub(crate) struct EventRow {
 impl From<EventRow> for RunEvent {
     fn from(r: EventRow) -> RunEvent {
         RunEvent {
-            at_ms: r.at_ms,
+            at: at_millis(r.at_ms),
             actor: r.actor,
             action: r.action,
             reason: r.reason,

@@ -9,6 +9,7 @@ use crate::{
     journal::Journal,
     model::{RunSummary, StepState},
 };
+use chrono::{DateTime, Utc};
 use serde::{Serialize, Serializer};
 use std::{fmt, str::FromStr};
 
@@ -102,15 +103,15 @@ pub struct RunRecord {
     pub error: Option<String>,
     /// The worker holding it, if one does.
     pub claimed_by: Option<String>,
-    /// Until when that worker's lease lasts (milliseconds since the Unix epoch).
-    pub claim_until: Option<i64>,
+    /// Until when that worker's lease lasts.
+    pub claim_until: Option<DateTime<Utc>>,
     /// Not claimed before this time: a parked step's durable timer, or a step not sent waiting
     /// to be tried again.
-    pub wake_ms: Option<i64>,
+    pub wake_at: Option<DateTime<Utc>>,
     /// When it was recorded.
-    pub created_ms: i64,
+    pub created_at: DateTime<Utc>,
     /// When it last changed.
-    pub updated_ms: i64,
+    pub updated_at: DateTime<Utc>,
     /// The run and step it was forked from ([`Operator::fork`](crate::Operator::fork)), when it was.
     pub forked_from: Option<ForkPoint>,
 }
@@ -145,8 +146,8 @@ pub(crate) enum RunOutcome {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RunEvent {
-    /// When (milliseconds since the Unix epoch).
-    pub at_ms: i64,
+    /// When.
+    pub at: DateTime<Utc>,
     /// Who: `journal`, a worker's id, or an operator's name.
     pub actor: String,
     /// What: `started`, `succeeded`, `failed`, `cancelled`, `needs_human`, `reopened`.

@@ -8,6 +8,7 @@ use crate::{
     run::{RunOutcome, RunRecord, RunState},
     store::{NextClaim, RunMove},
 };
+use chrono::{DateTime, Utc};
 use std::time::Duration;
 
 fn lease_end(now: i64, lease: Duration) -> i64 {
@@ -99,13 +100,13 @@ impl Journal {
         .await
     }
 
-    /// Gives `run` back, pending, not to be claimed before `wake_ms`: a parked step's timer,
-    /// or a step that was not sent and is tried again later.
+    /// Gives `run` back, pending, not to be claimed before `wake`: a parked step's timer, or a
+    /// step that was not sent and is tried again later.
     pub(crate) async fn defer_run(
         &self,
         run: &str,
         worker: &str,
-        wake_ms: i64,
+        wake: DateTime<Utc>,
         why: &str,
     ) -> Result<RunRecord, JournalError> {
         self.end_claim(
@@ -113,7 +114,7 @@ impl Journal {
             worker,
             RunMove {
                 error: Some(why.to_owned()),
-                wake_ms: Some(wake_ms),
+                wake_ms: Some(crate::journal::millis(wake)),
                 ..RunMove::new(RunState::Pending, &[RunState::Pending], worker)
             },
         )

@@ -118,7 +118,7 @@ impl Journal {
             return Ok(ToSend::Send(sent));
         }
         let step = self.begin(new).await?;
-        match Next::for_step(&step, self.now_ms()) {
+        match Next::for_step(&step, self.now()) {
             Next::Done => {
                 crate::obs::duplicate_prevented(&step);
                 Ok(ToSend::Done(step))
@@ -246,9 +246,7 @@ impl Journal {
 
     /// Parks a step that was not sent until `after` from now.
     pub async fn park(&self, id: &StepId, after: Duration) -> Result<Step, JournalError> {
-        let at = self
-            .now_ms()
-            .saturating_add(i64::try_from(after.as_millis()).unwrap_or(i64::MAX));
+        let at = crate::journal::millis(crate::journal::later(self.now(), after));
         self.transition(
             id,
             &[StepState::Pending, StepState::FailedBeforeExecution],

@@ -34,7 +34,9 @@ impl Journal {
         let now = self.now_ms();
         let step = self.store.finish_sent(id, to, change, now).await?;
         if let Some(step) = &step {
-            let sent_for = step.sent_ms.map_or(0, |sent| now - sent);
+            let sent_for = step
+                .sent_at
+                .map_or(0, |sent| now - crate::journal::millis(sent));
             crate::obs::transition(step, StepState::Sent, sent_for);
         }
         Ok(step)

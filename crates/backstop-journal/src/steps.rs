@@ -116,7 +116,8 @@ impl Journal {
             // Another worker moved it between the read and the write.
             return Err(conflict(Some(step.state)));
         }
-        crate::obs::transition(&step, current.state, now - current.updated_ms);
+        let in_previous = now - crate::journal::millis(current.updated_at);
+        crate::obs::transition(&step, current.state, in_previous);
         Ok(step)
     }
 

@@ -360,22 +360,20 @@ impl Worker {
                 )
                 .await
                 .map(|_| RunEnd::Succeeded { output }),
-            Err(RunError::Parked { step, until_ms }) => {
+            Err(RunError::Parked { step, until }) => {
                 let why = format!("step {step} is parked");
                 self.journal
-                    .defer_run(run, &self.id, until_ms, &why)
+                    .defer_run(run, &self.id, until, &why)
                     .await
-                    .map(|_| RunEnd::Deferred { until_ms, why })
+                    .map(|_| RunEnd::Deferred { until, why })
             }
             Err(RunError::NotYet { step, error }) => {
-                let until_ms = self.journal.now_ms().saturating_add(
-                    i64::try_from(self.retry_delay.as_millis()).unwrap_or(i64::MAX),
-                );
+                let until = crate::journal::later(self.journal.now(), self.retry_delay);
                 let why = format!("step {step} is not done yet: {error}");
                 self.journal
-                    .defer_run(run, &self.id, until_ms, &why)
+                    .defer_run(run, &self.id, until, &why)
                     .await
-                    .map(|_| RunEnd::Deferred { until_ms, why })
+                    .map(|_| RunEnd::Deferred { until, why })
             }
             Err(RunError::NeedsHuman { why }) => self
                 .journal

@@ -9,6 +9,7 @@ use crate::{
     reconcile::ResumeReport,
     runner::CallResult,
 };
+use chrono::{DateTime, Utc};
 use std::{fmt, future::Future, pin::Pin, sync::Arc};
 
 /// What a workflow returns: its output (JSON, say), or why it stopped.
@@ -27,8 +28,8 @@ pub enum RunError {
     Parked {
         /// The step.
         step: StepId,
-        /// When it wakes (milliseconds since the Unix epoch).
-        until_ms: i64,
+        /// When it wakes.
+        until: DateTime<Utc>,
     },
     /// A step was not sent, or its outcome is not known yet: the run is deferred by the
     /// worker's retry delay, and on the next claim unknown steps are reconciled before
@@ -64,12 +65,7 @@ impl RunError {
 impl fmt::Display for RunError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RunError::Parked { step, until_ms } => {
-                write!(
-                    f,
-                    "step {step} is parked until {until_ms} ms since the epoch"
-                )
-            }
+            RunError::Parked { step, until } => write!(f, "step {step} is parked until {until}"),
             RunError::NotYet { step, error } => write!(f, "step {step} is not done yet: {error}"),
             RunError::StepFailed(step) => write!(
                 f,
@@ -98,7 +94,7 @@ impl From<JournalError> for RunError {
     fn from(e: JournalError) -> Self {
         match e {
             JournalError::Parked(step) => RunError::Parked {
-                until_ms: step.park_until.unwrap_or_default(),
+                until: step.parked_until.unwrap_or_default(),
                 step: step.id,
             },
             JournalError::NeedsReconciliation(step) => match &step.attention {
@@ -232,7 +228,7 @@ impl RunContext {
         match step.state {
             s if s.succeeded() || s == StepState::Compensated => Ok(step),
             StepState::Parked => Err(RunError::Parked {
-                until_ms: step.park_until.unwrap_or_default(),
+                until: step.parked_until.unwrap_or_default(),
                 step: step.id,
             }),
             StepState::FailedAfterExecution | StepState::ReconciledFailed => {
@@ -267,11 +263,11 @@ pub enum RunEnd {
         /// Why.
         why: String,
     },
-    /// It is pending, and not claimed again before `until_ms` (a parked step's timer, or a
-    /// step to try again).
+    /// It is pending, and not claimed again before `until` (a parked step's timer, or a step
+    /// to try again).
     Deferred {
-        /// When it can be claimed again (milliseconds since the Unix epoch).
-        until_ms: i64,
+        /// When it can be claimed again.
+        until: DateTime<Utc>,
         /// Why.
         why: String,
     },

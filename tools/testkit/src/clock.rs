@@ -1,5 +1,6 @@
 //! A wall clock a test moves by hand, and a scratch directory per test.
 
+use chrono::{DateTime, Utc};
 use std::{
     sync::{
         Arc,
@@ -31,16 +32,25 @@ impl ManualClock {
         self.0.fetch_add(by, Ordering::SeqCst);
     }
 
-    /// The time now.
+    /// The time now, in milliseconds since the Unix epoch.
     pub fn now_ms(&self) -> i64 {
         self.0.load(Ordering::SeqCst)
     }
 
-    /// The clock as a function, for a component that takes one (`Journal::with_clock`).
-    pub fn reader(&self) -> Arc<dyn Fn() -> i64 + Send + Sync> {
-        let t = self.0.clone();
-        Arc::new(move || t.load(Ordering::SeqCst))
+    /// The time now.
+    pub fn now(&self) -> DateTime<Utc> {
+        at(self.now_ms())
     }
+
+    /// The clock as a function, for a component that takes one (`Journal::with_clock`).
+    pub fn reader(&self) -> Arc<dyn Fn() -> DateTime<Utc> + Send + Sync> {
+        let t = self.0.clone();
+        Arc::new(move || at(t.load(Ordering::SeqCst)))
+    }
+}
+
+fn at(ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(ms).expect("a time chrono can hold")
 }
 
 /// A fresh, empty directory under the system's temporary directory, named after `name`; it

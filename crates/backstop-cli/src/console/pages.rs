@@ -9,6 +9,7 @@ use axum::{
     response::Html,
 };
 use backstop_journal::{RunFilter, RunState, Step, StepTransition};
+use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 use serde::Deserialize;
 use std::sync::Arc;
@@ -74,7 +75,7 @@ pub(crate) async fn runs(
     filter.state = state;
     filter.workflow = workflow.clone();
     let runs = c.journal.runs().list(&filter).await?;
-    let now = c.journal.now_ms();
+    let now = c.journal.now();
     let body = html! {
         form method="get" action="/" {
             label { "State " select name="state" {
@@ -99,7 +100,7 @@ pub(crate) async fn runs(
                         td { (r.workflow.clone().unwrap_or_default()) }
                         td.state.(r.state.as_str()) { (r.state.as_str()) }
                         td { (r.steps) } td { (r.done) } td { (r.needs_human) } td { (r.parked) }
-                        td { (r.unknown) } td { (ago(now, r.updated_ms)) }
+                        td { (r.unknown) } td { (ago(now, r.updated_at)) }
                         td { (r.claimed_by.clone().unwrap_or_default()) }
                         td { (r.error.clone().unwrap_or_default()) }
                     }
@@ -113,7 +114,7 @@ pub(crate) async fn runs(
 /// `/stuck`: the steps waiting for a person, and the parked ones.
 pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Result<Html<String>, ConsoleError> {
     let steps = c.journal.runs().stuck().await?;
-    let now = c.journal.now_ms();
+    let now = c.journal.now();
     let body = html! {
         @if steps.is_empty() {
             p { "Nothing is stuck: no step waits for a person, none is parked." }
@@ -127,7 +128,7 @@ pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Result<Html<String>,
                         td { (&*s.id.step) } td { (&*s.id.call) } td { (s.tool) }
                         td.state { (s.state.as_str()) }
                         td { (waiting(s, now)) }
-                        td { (ago(now, s.updated_ms)) }
+                        td { (ago(now, s.updated_at)) }
                     }
                 }
             }
@@ -136,8 +137,8 @@ pub(crate) async fn stuck(State(c): State<Arc<Console>>) -> Result<Html<String>,
     Ok(page("Needs a person", body))
 }
 
-fn waiting(s: &Step, now: i64) -> String {
-    match (&s.attention, s.park_until) {
+fn waiting(s: &Step, now: DateTime<Utc>) -> String {
+    match (&s.attention, s.parked_until) {
         (Some(why), _) => format!("a person: {why}"),
         (None, Some(at)) => format!("its time: wakes {}", when(now, at)),
         (None, None) => String::new(),
@@ -164,7 +165,7 @@ pub(crate) async fn run(
             "run {run} is not in the journal"
         )));
     };
-    let now = j.now_ms();
+    let now = j.now();
     let of =
         |s: &Step| -> Vec<&StepTransition> { history.iter().filter(|t| t.id == s.id).collect() };
     let acting = c.allow_actions;
@@ -176,7 +177,7 @@ pub(crate) async fn run(
             tr { th { "output" } td { code { (record.output.clone().unwrap_or_default()) } } }
             tr { th { "error" } td { (record.error.clone().unwrap_or_default()) } }
             tr { th { "claimed by" } td { (record.claimed_by.clone().unwrap_or_default()) } }
-            tr { th { "updated" } td { (ago(now, record.updated_ms)) } }
+            tr { th { "updated" } td { (ago(now, record.updated_at)) } }
             @if let Some(from) = &record.forked_from {
                 tr { th { "forked from" } td {
                     a href=(format!("/runs/{}", encode(&from.run))) { (from.run) }
@@ -205,7 +206,7 @@ pub(crate) async fn run(
                         td { (s.last_error.clone().or_else(|| s.attention.clone()).unwrap_or_default()) }
                         td { (times(&h, now)) }
                         td { @for t in &h {
-                            div { (ago(now, t.at_ms)) " → " (t.to.as_str()) " by " (t.actor)
+                            div { (ago(now, t.at)) " → " (t.to.as_str()) " by " (t.actor)
                                 @if let Some(r) = &t.reason { ": " (r) } }
                         } }
                     }
@@ -214,7 +215,7 @@ pub(crate) async fn run(
         }
         h2 { "Events" }
         ul { @for e in &events {
-            li { (ago(now, e.at_ms)) " " (e.action) " by " (e.actor)
+            li { (ago(now, e.at)) " " (e.action) " by " (e.actor)
                 @if let Some(r) = &e.reason { ": " (r) } }
         } }
         @if acting {
@@ -227,7 +228,7 @@ pub(crate) async fn run(
     Ok(page(&format!("Run {run}"), body))
 }
 
-fn times(history: &[&StepTransition], now: i64) -> String {
+fn times(history: &[&StepTransition], now: DateTime<Utc>) -> String {
     let owned: Vec<StepTransition> = history.iter().map(|t| (*t).clone()).collect();
     time_in_states(&owned, now)
         .into_iter()

@@ -21,6 +21,7 @@ pub(crate) use sqlite::Sqlite;
 
 use crate::{
     JournalError, RunEvent, RunFilter, RunRecord, RunState, RunSummary,
+    journal::millis,
     model::{NewStep, Step, StepId, StepState, StepTransition},
     rows::{EventRow, RunRow, StepRow, SummaryRow, TransitionRow},
     steps::Change,
@@ -341,9 +342,9 @@ where
         .bind(step.last_error.as_deref())
         .bind(step.result.as_deref())
         .bind(step.provider_ref.as_deref())
-        .bind(step.created_ms)
+        .bind(millis(step.created_at))
         .bind(now)
-        .bind(step.sent_ms)
+        .bind(step.sent_at.map(millis))
         .execute(&mut *conn)
         .await?;
         let change = Change {

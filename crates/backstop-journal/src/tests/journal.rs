@@ -90,7 +90,7 @@ async fn a_done_step_is_not_called_again(j: &Journal, clock: &ManualClock) {
     assert_eq!(again.result.as_deref(), Some("{\"invoice\":\"inv_1\"}"));
     let history = j.runs().step_history(&step.id).await.unwrap();
     assert_eq!(states(&history), ["pending", "sent", "succeeded"]);
-    assert!(history.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+    assert!(history.windows(2).all(|w| w[0].at <= w[1].at));
     assert!(history.iter().all(|t| t.actor == "journal"));
     assert_eq!(j.plan("r-done").await.unwrap()[0].1, Next::Done);
 }
@@ -271,11 +271,13 @@ async fn an_open_circuit_parks_the_step_until_its_time(j: &Journal, clock: &Manu
         .await
         .unwrap();
     assert_eq!(s.state, StepState::Parked);
-    let at = s.park_until.unwrap();
+    let at = s.parked_until.unwrap();
     assert_eq!(
-        j.plan("r-park").await.unwrap()[0].1,
-        Next::Wake { at_ms: at }
+        at,
+        clock.now() + Duration::from_secs(30),
+        "the time it was told"
     );
+    assert_eq!(j.plan("r-park").await.unwrap()[0].1, Next::Wake { at });
     let early = j
         .execute_new(&step, |_| async { unreachable!() })
         .await

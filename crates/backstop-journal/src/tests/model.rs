@@ -345,7 +345,9 @@ async fn the_model_claim_agrees_with_the_sqlite_journal() {
     let journal = Journal::in_memory()
         .await
         .unwrap()
-        .with_clock(Arc::new(move || reading.load(Ordering::SeqCst)));
+        .with_clock(Arc::new(move || {
+            chrono::DateTime::from_timestamp_millis(reading.load(Ordering::SeqCst)).unwrap()
+        }));
     for n in 0..alphabet.len().pow(depth) {
         let ops: Vec<Op> = (0..depth)
             .map(|d| alphabet[n / alphabet.len().pow(d) % alphabet.len()])

@@ -393,7 +393,7 @@ async fn a_parked_step_wakes_by_itself(j: &Journal) {
     assert!(matches!(first.end, RunEnd::Deferred { .. }), "{first:?}");
     let record = j.runs().get("parked").await.unwrap().unwrap();
     assert_eq!(record.state, RunState::Pending);
-    assert!(record.wake_ms.is_some());
+    assert!(record.wake_at.is_some());
     // Not before its time.
     assert!(w.run_once().await.unwrap().is_none());
     // A worker loop, and nobody calling anything: the step is sent again when it is due.
