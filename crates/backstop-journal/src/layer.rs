@@ -302,7 +302,7 @@ where
     fn call(&mut self, req: Req) -> Self::Future {
         // The readied service goes with the call; its clone stays for the next one.
         let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut ready = std::mem::replace(&mut self.inner, clone);
         let context = req.extensions().get::<ActionContext>().cloned();
         let Some(ActionContext::ToolCall {
             run_id,
@@ -310,9 +310,14 @@ where
             call_id,
         }) = context
         else {
-            let fut = inner.call(req);
+            let fut = ready.call(req);
             return Box::pin(async move { fut.await.map_err(JournaledError::Call) });
         };
+        // A journaled call reaches the service only after the journal's round trip, or never
+        // (a step already done): the readiness granted goes back at once, and a clone is
+        // readied when the step is sent.
+        let mut inner = self.inner.clone();
+        drop(ready);
         let tool = match (&self.tool, Dependency::of(&req)) {
             (Some(tool), _) => tool.to_string(),
             (None, Some(dep)) => dep.as_str().to_owned(),
@@ -332,6 +337,23 @@ where
                 }
                 ToSend::Parked(step) => return Err(refused(JournalError::Parked(Box::new(step)))),
             };
+            if let Err(e) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+                // Not sent: the step may be sent again.
+                let not_sent = CallResult::Failed {
+                    outcome: Outcome::NotSent,
+                    error: "the service failed before the call was sent".into(),
+                    retry_after: None,
+                };
+                if let Err(e) = journal.record(&step.id, not_sent).await {
+                    tracing::warn!(
+                        target: "backstop::journal",
+                        step = %step.id,
+                        error = %backstop_core::plumbing::CauseChain(&e),
+                        "a call not sent could not be journaled as such"
+                    );
+                }
+                return Err(JournaledError::Call(e));
+            }
             let result = inner.call(req).await;
             if let Err(e) = journal.record(&step.id, judge.judge(&result)).await {
                 // The call's result is real and goes back; the step stays `sent`, which a

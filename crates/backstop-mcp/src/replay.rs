@@ -232,16 +232,25 @@ where
     fn call(&mut self, mut call: ToolCall) -> Self::Future {
         // The handle polled ready goes with the call; a clone stays behind.
         let clone = self.inner.clone();
-        let mut tool = std::mem::replace(&mut self.inner, clone);
+        let mut ready = std::mem::replace(&mut self.inner, clone);
         let action = match self.layer.action(&call) {
-            None => return Box::pin(tool.call(call)),
+            None => return Box::pin(ready.call(call)),
             Some(Err(refused)) => return Box::pin(async { Err(refused) }),
             Some(Ok(action)) => action,
         };
+        // A keyed call reaches the tool only once its key is claimed, or never (a replay): the
+        // readiness granted goes back at once, and a clone is readied when the tool's turn
+        // comes.
+        let mut tool = self.inner.clone();
+        drop(ready);
         let replay = self.layer.replay.clone();
         Box::pin(async move {
             let once = replay
                 .once(action, move |lease| async move {
+                    if let Err(e) = std::future::poll_fn(|cx| tool.poll_ready(cx)).await {
+                        // The tool was never called: its key is free for a retry.
+                        return (Settle::Release, Err(e));
+                    }
                     if let Some(lease) = lease {
                         call.extensions_mut().insert(lease);
                     }

@@ -320,3 +320,28 @@ async fn the_tool_runs_within_its_callers_deadline() {
         .unwrap();
     assert_eq!(*seen.lock().unwrap(), [Some(deadline), Some(deadline)]);
 }
+
+/// A keyed call reaches the tool only once its key is claimed: while it waits for the store it
+/// holds none of the tool's capacity (a concurrency limit's permit).
+#[tokio::test]
+async fn a_call_waiting_for_its_claim_leaves_the_tool_free() {
+    use std::task::{Context, Waker};
+    use tower::Service;
+    let booked = Arc::new(AtomicU32::new(0));
+    let tool = refund_tool(booked.clone(), Duration::ZERO, ok);
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(tower::limit::ConcurrencyLimit::new(tool, 1));
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut keyed = server.clone();
+    assert!(keyed.poll_ready(&mut cx).is_ready());
+    let waiting = keyed.call(call(Some("k-free"), 40));
+    let mut other = server.clone();
+    assert!(
+        other.poll_ready(&mut cx).is_ready(),
+        "a call waiting for its claim holds the tool's only permit"
+    );
+    other.call(call(None, 1)).await.unwrap();
+    waiting.await.unwrap();
+    assert_eq!(booked.load(Ordering::SeqCst), 2);
+}

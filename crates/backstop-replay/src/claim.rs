@@ -8,7 +8,7 @@ use crate::{
     capture::capture,
     config::Config,
     guard::ClaimGuard,
-    inner::call_inner,
+    inner::{call_inner, ready},
     problem::{ReplayRequestBody, ReplayResponseBody, unknown_record},
 };
 use backstop_core::BoxError;
@@ -78,7 +78,7 @@ async fn renew_while_running(
 /// A claimed request's handler, its response and its record: what settles the claim.
 pub(crate) async fn settle<S, ResB>(
     cfg: Arc<Config>,
-    svc: S,
+    mut svc: S,
     req: Request<ReplayRequestBody>,
     guard: ClaimGuard,
 ) -> Result<Response<ReplayResponseBody>, S::Error>
@@ -87,6 +87,11 @@ where
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
+    if let Err(e) = ready(&mut svc).await {
+        // The handler was never called: the key is free for a retry.
+        guard.release().await;
+        return Err(e);
+    }
     #[cfg(feature = "postgres")]
     if let Some(pg) = cfg.transactional.clone() {
         return run_in_transaction(cfg, &pg, svc, req, guard).await;

@@ -4,7 +4,7 @@
 use crate::{
     claim::settle,
     config::{Config, SINGLE_TENANT},
-    inner::call_inner,
+    inner::ready_and_call,
     key::{Identity, fingerprint, read_key, store_key},
     once::{Found, Panicked, claim, run_detached},
     problem::{
@@ -58,11 +58,11 @@ where
     let (parts, body) = req.into_parts();
     if !cfg.methods.contains(&parts.method) {
         let body = body.map_err(|e| BodyError(e.into())).boxed_unsync();
-        return call_inner(svc, Request::from_parts(parts, body)).await;
+        return ready_and_call(svc, Request::from_parts(parts, body)).await;
     }
     let keyed = match read(&cfg, parts, body).await {
         Read::Keyed(keyed) => keyed,
-        Read::Unkeyed(req) => return call_inner(svc, req).await,
+        Read::Unkeyed(req) => return ready_and_call(svc, req).await,
         Read::Refused(res) => return Ok(res),
     };
     let token = match claim(&cfg, &keyed.store_key, keyed.fingerprint, keyed.is_business).await {
@@ -79,7 +79,7 @@ where
         Err(Found::KeyReused) => return Ok(mismatch()),
         Err(Found::Unavailable(_)) => return Ok(store_unavailable()),
         Err(Found::Unprotected) => {
-            return call_inner(svc, rebuilt(keyed.parts, keyed.bytes)).await;
+            return ready_and_call(svc, rebuilt(keyed.parts, keyed.bytes)).await;
         }
     };
     let mut req = rebuilt(keyed.parts, keyed.bytes);

@@ -63,8 +63,11 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let clone = self.inner.clone();
-        let svc = std::mem::replace(&mut self.inner, clone);
+        // The handler is called only once the request is read and claimed, or not at all (a
+        // replay): the readiness this handle was granted goes back at once, and the call
+        // readies a clone of its own when the handler's turn comes.
+        let svc = self.inner.clone();
+        drop(std::mem::replace(&mut self.inner, svc.clone()));
         Box::pin(serve(self.cfg.clone(), svc, req))
     }
 }

@@ -460,6 +460,122 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+/// A journaled call reaches its service only after the journal's round trip: while it waits
+/// for the journal it holds none of the service's capacity (a concurrency limit's permit), and
+/// a service that then cannot be readied leaves the step not sent, to be sent again.
+async fn the_layer_readies_the_service_when_the_step_is_sent(j: &Journal) {
+    type Req = http::Request<()>;
+    let calls = Arc::new(AtomicU32::new(0));
+    let polls = Arc::new(AtomicU32::new(0));
+    let (c, p) = (calls.clone(), polls.clone());
+    let inner = service_fn(move |_req: Req| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, backstop_core::CircuitOpen>(http::Response::new(())) }
+    });
+    let svc = JournalLayer::new(j.clone())
+        .tool("carrier")
+        .layer_into(tower::limit::ConcurrencyLimit::new(inner, 1));
+    let with_context = |run: &str| {
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert(backstop_idempotency::ActionContext::tool_call(
+                run, "label", "c1",
+            ));
+        req
+    };
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut journaled = svc.clone();
+    assert!(journaled.poll_ready(&mut cx).is_ready());
+    let waiting = journaled.call(with_context("r-free"));
+    let mut other = svc.clone();
+    assert!(
+        other.poll_ready(&mut cx).is_ready(),
+        "a call waiting for the journal holds the service's only permit"
+    );
+    other.call(http::Request::new(())).await.unwrap();
+    waiting.await.unwrap();
+    let s = j.runs().step(&StepId::new("r-free", "label", "c1")).await;
+    assert_eq!(s.unwrap().unwrap().state, StepState::Succeeded);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+    // Readiness fails once, at the layer's own poll (the second): not sent, sent again later.
+    let flaky = tower::service_fn(|_req: Req| async {
+        Ok::<_, backstop_core::BoxError>(http::Response::new(()))
+    });
+    let flaky = NotReadyAtSecondPoll {
+        polls: p,
+        inner: flaky,
+    };
+    // Its judge would call any error of the call an unknown outcome.
+    let judge = |r: &Result<http::Response<()>, backstop_core::BoxError>| match r {
+        Ok(_) => CallResult::Succeeded {
+            result: None,
+            provider_ref: None,
+        },
+        Err(e) => CallResult::Failed {
+            outcome: Outcome::Unknown,
+            error: e.to_string(),
+            retry_after: None,
+        },
+    };
+    let mut svc = tower::Layer::layer(
+        &JournalLayer::new(j.clone()).tool("carrier").judge(judge),
+        flaky,
+    );
+    let e = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(with_context("r-unready"))
+        .await
+        .unwrap_err();
+    assert!(e.call().is_some(), "the service's own error: {e}");
+    let id = StepId::new("r-unready", "label", "c1");
+    let s = j.runs().step(&id).await.unwrap().unwrap();
+    assert_eq!(
+        s.state,
+        StepState::FailedBeforeExecution,
+        "not sent, not unknown"
+    );
+    svc.ready()
+        .await
+        .unwrap()
+        .call(with_context("r-unready"))
+        .await
+        .unwrap();
+    let s = j.runs().step(&id).await.unwrap().unwrap();
+    assert_eq!(s.state, StepState::Succeeded);
+}
+
+/// A service whose readiness fails at its second poll and only then.
+#[derive(Clone)]
+struct NotReadyAtSecondPoll<S> {
+    polls: Arc<AtomicU32>,
+    inner: S,
+}
+
+impl<S: tower::Service<R, Error = backstop_core::BoxError>, R> tower::Service<R>
+    for NotReadyAtSecondPoll<S>
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        if self.polls.fetch_add(1, Ordering::SeqCst) == 1 {
+            return std::task::Poll::Ready(Err("no connection left".into()));
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> S::Future {
+        self.inner.call(req)
+    }
+}
+
 trait LayerInto {
     fn layer_into<S>(&self, inner: S) -> crate::Journaled<S>;
 }
@@ -580,6 +696,7 @@ async fn all(j: Journal, clock: ManualClock) {
     moves_are_compare_and_set_and_arguments_are_checked(&j).await;
     two_workers_never_hold_one_run(&j, &clock).await;
     the_layer_journals_tool_calls_through_the_stack(&j).await;
+    the_layer_readies_the_service_when_the_step_is_sent(&j).await;
     a_repair_made_while_the_call_is_out_is_kept(&j).await;
     a_run_waits_until_every_step_a_person_holds_is_resolved(&j).await;
 }

@@ -1382,3 +1382,107 @@ async fn a_handler_learns_that_its_lease_was_lost() {
     assert_eq!(res.status(), 200);
     assert_eq!(lost.load(Ordering::SeqCst), 0);
 }
+
+/// A body whose sender has stalled: headers arrived, the rest never does.
+struct Stalled;
+
+impl http_body::Body for Stalled {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Pending
+    }
+}
+
+/// The handler's capacity (a concurrency limit's permit) is taken only when the handler's turn
+/// comes: a request still uploading, or waiting for its claim, holds none of it.
+#[tokio::test]
+async fn a_request_still_uploading_leaves_the_handler_free() {
+    use std::{future::Future, task::Context};
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(tower::limit::ConcurrencyLimit::new(h.service(), 1));
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let mut uploading = svc.clone();
+    assert!(Service::<Request<Stalled>>::poll_ready(&mut uploading, &mut cx).is_ready());
+    let slow = Request::post("/refunds")
+        .header("idempotency-key", "slow")
+        .body(Stalled)
+        .unwrap();
+    let mut slow = std::pin::pin!(uploading.call(slow));
+    assert!(
+        slow.as_mut().poll(&mut cx).is_pending(),
+        "still reading the body"
+    );
+    let mut other = svc.clone();
+    assert!(
+        Service::<Request<Full<Bytes>>>::poll_ready(&mut other, &mut cx).is_ready(),
+        "a request still uploading holds the handler's only permit"
+    );
+    let res = other.call(refund(Some("k-other"), "7")).await.unwrap();
+    assert_eq!(res.status(), 201);
+    assert_eq!(h.runs(), 1);
+}
+
+/// A handler whose readiness fails once, at its second poll (a connection pool that had one
+/// when the caller asked, and none when the handler's turn came), and works otherwise.
+#[derive(Clone)]
+struct NotReadyOnce<S> {
+    polls: Arc<AtomicU32>,
+    inner: S,
+}
+
+impl<S, R> Service<R> for NotReadyOnce<S>
+where
+    S: Service<R, Error = Infallible, Future: Send + 'static>,
+{
+    type Response = S::Response;
+    type Error = backstop_core::BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<S::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        if self.polls.fetch_add(1, Ordering::SeqCst) == 1 {
+            return std::task::Poll::Ready(Err("the pool could not open a connection".into()));
+        }
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: R) -> Self::Future {
+        let fut = self.inner.call(req);
+        Box::pin(async move { Ok(fut.await.unwrap_or_else(|e| match e {})) })
+    }
+}
+
+/// A handler that could not be readied was never called: its error goes back, and its key is
+/// free for the retry, which runs the handler.
+#[tokio::test]
+async fn a_handler_that_was_never_ready_leaves_the_key_free() {
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(NotReadyOnce {
+            polls: Arc::default(),
+            inner: h.service(),
+        });
+    let first = svc.clone().oneshot(refund(Some("k-ready"), "5")).await;
+    assert!(first.is_err(), "the readiness error goes back");
+    assert_eq!(h.runs(), 0);
+    let again = svc
+        .clone()
+        .oneshot(refund(Some("k-ready"), "5"))
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 201, "the key was freed, not held in flight");
+    assert!(!again.headers().contains_key("idempotent-replayed"));
+    assert_eq!(h.runs(), 1);
+}
