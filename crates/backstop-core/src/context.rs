@@ -115,11 +115,7 @@ impl CallContext {
 
     /// The context on a request, created empty if absent.
     pub(crate) fn of_mut<R: HasExtensions + ?Sized>(req: &mut R) -> &mut CallContext {
-        let ext = req.extensions_mut();
-        if ext.get::<CallContext>().is_none() {
-            ext.insert(CallContext::default());
-        }
-        ext.get_mut::<CallContext>().expect("just inserted")
+        req.extensions_mut().get_or_insert_default()
     }
 
     /// Records that the retrying layer `owner` retries the call to `dependency` within
