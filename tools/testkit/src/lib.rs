@@ -18,6 +18,7 @@
 #![deny(missing_docs)]
 
 mod clock;
+mod not_ready;
 mod pg_wire;
 mod postgres;
 mod proxy;
@@ -26,6 +27,7 @@ mod redis_cluster;
 mod redis_sentinel;
 
 pub use clock::{ManualClock, scratch_dir};
+pub use not_ready::NotReadyAt;
 pub use pg_wire::PgWireCounter;
 pub use postgres::PostgresServer;
 pub use proxy::{FaultCounts, FaultPlan, FaultProxy};

@@ -466,8 +466,7 @@ async fn the_layer_journals_tool_calls_through_the_stack(j: &Journal) {
 async fn the_layer_readies_the_service_when_the_step_is_sent(j: &Journal) {
     type Req = http::Request<()>;
     let calls = Arc::new(AtomicU32::new(0));
-    let polls = Arc::new(AtomicU32::new(0));
-    let (c, p) = (calls.clone(), polls.clone());
+    let c = calls.clone();
     let inner = service_fn(move |_req: Req| {
         c.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, backstop_core::CircuitOpen>(http::Response::new(())) }
@@ -502,10 +501,7 @@ async fn the_layer_readies_the_service_when_the_step_is_sent(j: &Journal) {
     let flaky = tower::service_fn(|_req: Req| async {
         Ok::<_, backstop_core::BoxError>(http::Response::new(()))
     });
-    let flaky = NotReadyAtSecondPoll {
-        polls: p,
-        inner: flaky,
-    };
+    let flaky = backstop_testkit::NotReadyAt::new(flaky, 2);
     // Its judge would call any error of the call an unknown outcome.
     let judge = |r: &Result<http::Response<()>, backstop_core::BoxError>| match r {
         Ok(_) => CallResult::Succeeded {
@@ -545,35 +541,6 @@ async fn the_layer_readies_the_service_when_the_step_is_sent(j: &Journal) {
         .unwrap();
     let s = j.runs().step(&id).await.unwrap().unwrap();
     assert_eq!(s.state, StepState::Succeeded);
-}
-
-/// A service whose readiness fails at its second poll and only then.
-#[derive(Clone)]
-struct NotReadyAtSecondPoll<S> {
-    polls: Arc<AtomicU32>,
-    inner: S,
-}
-
-impl<S: tower::Service<R, Error = backstop_core::BoxError>, R> tower::Service<R>
-    for NotReadyAtSecondPoll<S>
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = S::Future;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), S::Error>> {
-        if self.polls.fetch_add(1, Ordering::SeqCst) == 1 {
-            return std::task::Poll::Ready(Err("no connection left".into()));
-        }
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: R) -> S::Future {
-        self.inner.call(req)
-    }
 }
 
 trait LayerInto {

@@ -1429,40 +1429,6 @@ async fn a_request_still_uploading_leaves_the_handler_free() {
     assert_eq!(h.runs(), 1);
 }
 
-/// A handler whose readiness fails once, at its second poll (a connection pool that had one
-/// when the caller asked, and none when the handler's turn came), and works otherwise.
-#[derive(Clone)]
-struct NotReadyOnce<S> {
-    polls: Arc<AtomicU32>,
-    inner: S,
-}
-
-impl<S, R> Service<R> for NotReadyOnce<S>
-where
-    S: Service<R, Error = Infallible, Future: Send + 'static>,
-{
-    type Response = S::Response;
-    type Error = backstop_core::BoxError;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<S::Response, Self::Error>> + Send>,
-    >;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        if self.polls.fetch_add(1, Ordering::SeqCst) == 1 {
-            return std::task::Poll::Ready(Err("the pool could not open a connection".into()));
-        }
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, req: R) -> Self::Future {
-        let fut = self.inner.call(req);
-        Box::pin(async move { Ok(fut.await.unwrap_or_else(|e| match e {})) })
-    }
-}
-
 /// A handler that could not be readied was never called: its error goes back, and its key is
 /// free for the retry, which runs the handler.
 #[tokio::test]
@@ -1470,10 +1436,8 @@ async fn a_handler_that_was_never_ready_leaves_the_key_free() {
     let h = Handler::new(Mode::Ok);
     let svc = ReplayLayer::new(MemoryStore::default())
         .single_tenant()
-        .layer(NotReadyOnce {
-            polls: Arc::default(),
-            inner: h.service(),
-        });
+        // Its readiness fails at the second poll: the layer's own, after the caller's.
+        .layer(backstop_testkit::NotReadyAt::new(h.service(), 2));
     let first = svc.clone().oneshot(refund(Some("k-ready"), "5")).await;
     assert!(first.is_err(), "the readiness error goes back");
     assert_eq!(h.runs(), 0);
