@@ -87,3 +87,19 @@ pub use runner::CallResult;
 pub use typed::Workflow;
 pub use worker::Worker;
 pub use workflow::{RunContext, RunEnd, RunError, RunReport, WorkflowResult};
+
+/// The crate the journal's times come from: every time it records is a
+/// `chrono::DateTime<chrono::Utc>`, kept to the millisecond.
+///
+/// ```
+/// use backstop_journal::chrono::TimeDelta;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), backstop_journal::JournalError> {
+/// let journal = backstop_journal::Journal::in_memory().await?;
+/// let run = journal.start_run("refund-7", "refund", None).await?;
+/// assert!(journal.now() - run.created_at < TimeDelta::minutes(1));
+/// # Ok(())
+/// # }
+/// ```
+pub use chrono;
