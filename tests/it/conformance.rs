@@ -10,11 +10,12 @@ use backstop::{
     Backstop, BoxError,
     backoff::{Backoff, RngSource},
     breaker::{Breaker, BreakerConfig, BreakerLayer},
-    budget::Budget,
+    budget::{AdaptiveThrottle, Budget, ThrottleConfig, ThrottleLayer},
     chaos::{ChaosLayer, FaultPlan},
     classify::HttpClassifier,
     idempotency::IdempotencyLayer,
     mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolResult},
+    otel::AttemptMetricsLayer,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
     retry::{Hedging, RetryLayer, StandardPolicy},
     timeout::{
@@ -133,9 +134,18 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
         ("the idempotency key", |inner| {
             status_of(IdempotencyLayer::http().layer(inner))
         }),
+        ("the adaptive throttle", |inner| {
+            let throttle = AdaptiveThrottle::new(ThrottleConfig::default(), 7).unwrap();
+            let layer = ThrottleLayer::new(throttle, HttpClassifier::default())
+                .dependency("conformance-throttle");
+            status_of(layer.layer(inner))
+        }),
+        ("the attempt metrics", |inner| {
+            status_of(AttemptMetricsLayer::new(None).layer(inner))
+        }),
         ("the replay layer, keyed writes", |inner| {
-            // Each request becomes a POST with a key of its own: claimed, run once on the handle
-            // polled ready (in a task of its own), its result stored.
+            // Each request becomes a POST with a key of its own: claimed, run once (in a task of
+            // its own) on a handle readied when its turn comes, its result stored.
             static KEYS: AtomicUsize = AtomicUsize::new(0);
             let handler =
                 inner.map_request(|req: Request<ReplayRequestBody>| req.map(|_| Full::default()));
