@@ -82,7 +82,8 @@ pub(crate) fn ago(now: DateTime<Utc>, at: DateTime<Utc>) -> String {
 }
 
 pub(crate) fn when(now: DateTime<Utc>, at: DateTime<Utc>) -> String {
-    let date = httpdate::fmt_http_date(at.into());
+    // The HTTP date format (RFC 9110's IMF-fixdate), for any time a clock can write.
+    let date = at.format("%a, %d %b %Y %H:%M:%S GMT");
     if at > now {
         format!("in {} ({date})", human(millis_between(now, at)))
     } else {
