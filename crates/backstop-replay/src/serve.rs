@@ -8,8 +8,8 @@ use crate::{
     key::{Identity, fingerprint, read_key, store_key},
     once::{Found, Panicked, claim, run_detached},
     problem::{
-        BodyError, ReplayRequestBody, ReplayResponseBody, mismatch, principal_missing, problem,
-        replayed, retry_later, store_unavailable, unknown_outcome,
+        ReplayRequestBody, ReplayResponseBody, mismatch, principal_missing, problem, replayed,
+        retry_later, store_unavailable, unknown_outcome,
     },
     store::Fingerprint,
 };
@@ -56,10 +56,6 @@ where
     ResB::Error: Into<BoxError>,
 {
     let (parts, body) = req.into_parts();
-    if !cfg.methods.contains(&parts.method) {
-        let body = body.map_err(|e| BodyError(e.into())).boxed_unsync();
-        return ready_and_call(svc, Request::from_parts(parts, body)).await;
-    }
     let keyed = match read(&cfg, parts, body).await {
         Read::Keyed(keyed) => keyed,
         Read::Unkeyed(req) => return ready_and_call(svc, req).await,

@@ -1,14 +1,17 @@
-//! The service: readiness passed through, the request served on the handle polled ready.
+//! The service: readiness passed through; a request the layer does not guard sent on the handle
+//! polled ready, a guarded one served on a clone readied when the handler's turn comes.
 
 use crate::{
     config::Config,
-    problem::{ReplayRequestBody, ReplayResponseBody},
+    inner::call_inner,
+    problem::{BodyError, ReplayRequestBody, ReplayResponseBody},
     serve::serve,
 };
 use backstop_core::BoxError;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
+use http_body_util::BodyExt;
 use std::{
     fmt,
     future::Future,
@@ -63,11 +66,30 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, clone);
+        if !self.cfg.methods.contains(req.method()) {
+            // Not guarded: it goes on as it came, on the handle polled ready.
+            return Box::pin(pass(ready, req));
+        }
         // The handler is called only once the request is read and claimed, or not at all (a
-        // replay): the readiness this handle was granted goes back at once, and the call
-        // readies a clone of its own when the handler's turn comes.
+        // replay): the readiness granted goes back at once, and a clone is readied when the
+        // handler's turn comes.
         let svc = self.inner.clone();
-        drop(std::mem::replace(&mut self.inner, svc.clone()));
+        drop(ready);
         Box::pin(serve(self.cfg.clone(), svc, req))
     }
+}
+
+/// A request the layer does not guard, sent on `svc` (polled ready) with its body boxed.
+async fn pass<S, B, ResB>(svc: S, req: Request<B>) -> Result<Response<ReplayResponseBody>, S::Error>
+where
+    S: Service<Request<ReplayRequestBody>, Response = Response<ResB>>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let req = req.map(|b| b.map_err(|e| BodyError(e.into())).boxed_unsync());
+    call_inner(svc, req).await
 }

@@ -1450,3 +1450,29 @@ async fn a_handler_that_was_never_ready_leaves_the_key_free() {
     assert!(!again.headers().contains_key("idempotent-replayed"));
     assert_eq!(h.runs(), 1);
 }
+
+/// A request the layer does not guard (a `GET`) goes on as it came: on the handle polled ready,
+/// keeping the permit that handle was granted, so no caller that asked later takes it first.
+#[tokio::test]
+async fn a_request_not_guarded_keeps_the_readiness_it_was_granted() {
+    use std::{future::Future, task::Context};
+    let h = Handler::new(Mode::Ok);
+    let svc = ReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(tower::limit::ConcurrencyLimit::new(h.service(), 1));
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let mut reading = svc.clone();
+    assert!(Service::<Request<Full<Bytes>>>::poll_ready(&mut reading, &mut cx).is_ready());
+    let get = Request::get("/refunds/R1").body(Full::default()).unwrap();
+    let mut get = std::pin::pin!(reading.call(get));
+    let mut later = svc.clone();
+    assert!(
+        Service::<Request<Full<Bytes>>>::poll_ready(&mut later, &mut cx).is_pending(),
+        "the GET gave its permit away"
+    );
+    let res = std::future::poll_fn(|cx| get.as_mut().poll(cx))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    assert!(Service::<Request<Full<Bytes>>>::poll_ready(&mut later, &mut cx).is_ready());
+}
