@@ -345,3 +345,26 @@ async fn a_call_waiting_for_its_claim_leaves_the_tool_free() {
     waiting.await.unwrap();
     assert_eq!(booked.load(Ordering::SeqCst), 2);
 }
+
+/// A tool that could not be readied when its turn came was never called: the error goes back,
+/// and its key is free for the retry, which runs the tool.
+#[tokio::test]
+async fn a_tool_that_was_never_ready_leaves_the_key_free() {
+    let booked = Arc::new(AtomicU32::new(0));
+    // Its readiness fails at the second poll: the layer's own, after the caller's.
+    let tool =
+        backstop_testkit::NotReadyAt::new(refund_tool(booked.clone(), Duration::ZERO, ok), 2)
+            .map_err(ToolError::NotSent);
+    let server = ToolReplayLayer::new(MemoryStore::default())
+        .single_tenant()
+        .layer(tool);
+    let first = server.clone().oneshot(call(Some("k-ready"), 40)).await;
+    assert!(first.is_err(), "the readiness error goes back");
+    assert_eq!(booked.load(Ordering::SeqCst), 0);
+    let again = server.oneshot(call(Some("k-ready"), 40)).await.unwrap();
+    assert!(
+        !again.is_replayed(),
+        "the key was freed, not held as unknown"
+    );
+    assert_eq!(booked.load(Ordering::SeqCst), 1);
+}
