@@ -13,7 +13,7 @@ use std::{fmt, sync::Arc};
 pub struct CallIdentity {
     /// The tool (or dependency) called.
     pub tool: String,
-    /// The digest of its arguments ([`digest`](crate::digest)).
+    /// The digest of its arguments, as [`Step::args_digest`](crate::Step::args_digest) holds it.
     pub args_digest: String,
 }
 
@@ -133,7 +133,7 @@ impl Journal {
     }
 
     /// `sqlite` or `postgres`.
-    pub fn store_name(&self) -> &'static str {
+    pub(crate) fn store_name(&self) -> &'static str {
         self.store.name()
     }
 }

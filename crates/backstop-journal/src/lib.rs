@@ -79,7 +79,7 @@ pub use layer::{
     StepArgs,
 };
 pub use model::{
-    Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition, UnknownState, digest,
+    Resolution, RunSummary, Step, StepId, StepKind, StepState, StepTransition, UnknownState,
 };
 pub use reconcile::{Next, Reconcile, Reconciled, Reconcilers, ResumeReport};
 pub use run::{ForkPoint, RunEvent, RunFilter, RunRecord, RunState};

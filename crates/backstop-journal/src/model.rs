@@ -81,7 +81,7 @@ pub enum StepState {
 
 impl StepState {
     /// Every state, in the order of the diagram above.
-    pub const ALL: [StepState; 11] = [
+    pub(crate) const ALL: [StepState; 11] = [
         StepState::Pending,
         StepState::Sent,
         StepState::Succeeded,
@@ -148,7 +148,7 @@ impl StepState {
 
     /// Whether the journal lets a step move from `self` to `to` on its own (an operator's
     /// repair, [`Resolution`], may do more).
-    pub const fn can_move_to(self, to: StepState) -> bool {
+    pub(crate) const fn can_move_to(self, to: StepState) -> bool {
         use StepState::*;
         matches!(
             (self, to),
@@ -195,7 +195,7 @@ impl FromStr for StepState {
 
 /// A state name the journal does not know (a newer schema, or a hand-edited row).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct UnknownState(pub String);
+pub struct UnknownState(pub(crate) String);
 
 impl fmt::Display for UnknownState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -280,7 +280,7 @@ impl NewStep {
 
 /// The arguments' digest as stored: an idempotency-key derivation over the bytes (SHA-256,
 /// hex), so equal arguments give equal digests across processes.
-pub fn digest(args: &[u8]) -> String {
+pub(crate) fn digest(args: &[u8]) -> String {
     backstop_idempotency::ActionContext::action("", "args", args)
         .key()
         .as_str()
@@ -297,7 +297,8 @@ pub struct Step {
     pub tool: String,
     /// The idempotency key every attempt sends.
     pub key: String,
-    /// The digest of its arguments.
+    /// The digest of its arguments (a SHA-256 key derivation over their bytes, hex): equal
+    /// arguments give equal digests in every process.
     pub args_digest: String,
     /// Action or compensation.
     pub kind: StepKind,

@@ -35,7 +35,7 @@ pub enum Next {
 
 impl Next {
     /// What to do with `step` at `now`.
-    pub fn for_step(step: &Step, now: DateTime<Utc>) -> Next {
+    pub(crate) fn for_step(step: &Step, now: DateTime<Utc>) -> Next {
         if let Some(why) = &step.attention {
             return Next::Human { why: why.clone() };
         }
