@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-/// Milliseconds since the Unix epoch that move only when the test says so (a lease that runs
+/// A wall clock, to the millisecond, that moves only when the test says so (a lease that runs
 /// out, a key's time to live, a clock advanced by years). Starts at 2026-01-01.
 #[derive(Clone, Debug)]
 pub struct ManualClock(Arc<AtomicI64>);
@@ -32,14 +32,9 @@ impl ManualClock {
         self.0.fetch_add(by, Ordering::SeqCst);
     }
 
-    /// The time now, in milliseconds since the Unix epoch.
-    pub fn now_ms(&self) -> i64 {
-        self.0.load(Ordering::SeqCst)
-    }
-
     /// The time now.
     pub fn now(&self) -> DateTime<Utc> {
-        at(self.now_ms())
+        at(self.0.load(Ordering::SeqCst))
     }
 
     /// The clock as a function, for a component that takes one (`Journal::with_clock`).
