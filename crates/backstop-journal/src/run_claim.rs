@@ -11,8 +11,9 @@ use crate::{
 use chrono::{DateTime, Utc};
 use std::time::Duration;
 
-fn lease_end(now: i64, lease: Duration) -> i64 {
-    now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX))
+/// The end of a lease taken at `now`, as the store keeps times.
+fn lease_end(now: DateTime<Utc>, lease: Duration) -> i64 {
+    crate::journal::millis(crate::journal::later(now, lease))
 }
 
 impl Journal {
@@ -29,11 +30,11 @@ impl Journal {
         if workflows.is_empty() {
             return Ok(None);
         }
-        let now = self.now_ms();
+        let now = self.now();
         let claim = NextClaim {
             worker,
             until: lease_end(now, lease),
-            now,
+            now: crate::journal::millis(now),
             workflows,
         };
         self.store.claim_next(&claim).await
@@ -48,7 +49,7 @@ impl Journal {
         worker: &str,
         lease: Duration,
     ) -> Result<bool, JournalError> {
-        let until = lease_end(self.now_ms(), lease);
+        let until = lease_end(self.now(), lease);
         self.store.renew(run, worker, until).await
     }
 
