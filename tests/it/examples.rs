@@ -59,14 +59,41 @@ fn reqwest_client_runs() {
     reqwest_client::main().unwrap();
 }
 
-/// The guide's typed workflow, on a PostgreSQL of the test's own: three steps, each once.
+/// The README's typed workflow, on a PostgreSQL of the test's own: three steps, each once, each
+/// with a key of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn typed_workflow_runs_on_postgres() {
     let pg = backstop_testkit::PostgresServer::start().await;
     let (output, done) = typed_workflow::run(&pg.url()).await.unwrap();
-    assert_eq!(output, "refund 4200");
+    assert!(output.starts_with("refund 4200 (key "), "{output}");
     assert_eq!(done.len(), 3, "{done:?}");
-    assert!(done[0].starts_with("refund 4200") && done[2].starts_with("email about refund 4200"));
+    assert_eq!(done[0], output);
+    assert!(done[1].starts_with("restock order-7 (key "), "{done:?}");
+    assert!(
+        done[2].starts_with(&format!("email about {output} (key ")),
+        "{done:?}"
+    );
+    let keys: std::collections::HashSet<_> =
+        done.iter().map(|d| d.rsplit("(key ").next()).collect();
+    assert_eq!(keys.len(), 3, "a key per step: {done:?}");
+}
+
+/// The workflow the README and the guide show is the one the example runs (and the test above
+/// runs on PostgreSQL): the same code, whitespace and trailing commas aside.
+#[test]
+fn the_readme_and_the_guide_show_the_workflow_the_example_runs() {
+    fn workflow(text: &str) -> String {
+        let start = (text.find("#[derive(Serialize, Deserialize)]")).expect("the workflow's input");
+        let end = start + (text[start..].find("Ok(refund)")).expect("the workflow's output");
+        let code: String = text[start..end].split_whitespace().collect();
+        code.replace(",}", "}")
+    }
+    let example = workflow(include_str!("../../examples/typed_workflow.rs"));
+    assert_eq!(workflow(include_str!("../../README.md")), example);
+    assert_eq!(
+        workflow(include_str!("../../docs/guide/05-step-journal.md")),
+        example
+    );
 }
 
 #[test]
