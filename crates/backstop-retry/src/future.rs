@@ -84,7 +84,7 @@ impl<T: Retryable> Future for ResponseFuture<T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let call = &mut *this.call;
-        loop {
+        let (ended, verdict, stopped) = loop {
             let (ended, verdict) = match this.state.as_mut().project() {
                 StateProj::Called { fut } => ready!(call.poll_attempt(fut, cx)),
                 StateProj::Waiting { sleep } => {
@@ -103,10 +103,8 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                         // attempt's end stands.
                         Err(why) => {
                             let verdict = call.history.last().map_or(NOT_SENT, |a| a.verdict);
-                            this.state.set(State::Done);
                             let error = Ended::Own(Box::new(why.clone()));
-                            let stopped = Some(StopReason::NotCopyable(why));
-                            return Poll::Ready(call.finish(error, verdict, stopped));
+                            break (error, verdict, Some(StopReason::NotCopyable(why)));
                         }
                     },
                     Err(error) => {
@@ -118,12 +116,12 @@ impl<T: Retryable> Future for ResponseFuture<T> {
             };
             match call.decide(&ended, verdict) {
                 Ok(wait) => this.state.set(State::Waiting { sleep: sleep(wait) }),
-                Err(stopped) => {
-                    this.state.set(State::Done);
-                    return Poll::Ready(call.finish(ended, verdict, stopped));
-                }
+                Err(stopped) => break (ended, verdict, stopped),
             }
-        }
+        };
+        // The call's one end.
+        this.state.set(State::Done);
+        Poll::Ready(call.finish(ended, verdict, stopped))
     }
 }
 
