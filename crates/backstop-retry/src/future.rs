@@ -84,9 +84,13 @@ impl<T: Retryable> Future for ResponseFuture<T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let call = &mut *this.call;
-        let (ended, verdict, stopped) = loop {
-            let (ended, verdict) = match this.state.as_mut().project() {
-                StateProj::Called { fut } => ready!(call.poll_attempt(fut, cx)),
+        loop {
+            // How the attempt ended, and a stop that needs no decision.
+            let (ended, verdict, stop) = match this.state.as_mut().project() {
+                StateProj::Called { fut } => {
+                    let (ended, verdict) = ready!(call.poll_attempt(fut, cx));
+                    (ended, verdict, None)
+                }
                 StateProj::Waiting { sleep } => {
                     ready!(sleep.poll(cx));
                     this.state.set(State::Readying { timer: None });
@@ -104,24 +108,30 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                         Err(why) => {
                             let verdict = call.history.last().map_or(NOT_SENT, |a| a.verdict);
                             let error = Ended::Own(Box::new(why.clone()));
-                            break (error, verdict, Some(StopReason::NotCopyable(why)));
+                            (error, verdict, Some(StopReason::NotCopyable(why)))
                         }
                     },
                     Err(error) => {
                         call.begin_attempt(Instant::now());
-                        (Ended::Own(error), NOT_SENT)
+                        (Ended::Own(error), NOT_SENT, None)
                     }
                 },
                 StateProj::Done => panic!("{POLLED_AFTER}"),
             };
-            match call.decide(&ended, verdict) {
-                Ok(wait) => this.state.set(State::Waiting { sleep: sleep(wait) }),
-                Err(stopped) => break (ended, verdict, stopped),
-            }
-        };
-        // The call's one end.
-        this.state.set(State::Done);
-        Poll::Ready(call.finish(ended, verdict, stopped))
+            let stopped = match stop {
+                Some(stop) => Some(stop),
+                None => match call.decide(&ended, verdict) {
+                    Ok(wait) => {
+                        this.state.set(State::Waiting { sleep: sleep(wait) });
+                        continue;
+                    }
+                    Err(stopped) => stopped,
+                },
+            };
+            // The call's one end.
+            this.state.set(State::Done);
+            return Poll::Ready(call.finish(ended, verdict, stopped));
+        }
     }
 }
 
