@@ -11,32 +11,46 @@ use crate::{
     inner::{call_inner, ready},
     problem::{ReplayRequestBody, ReplayResponseBody, unknown_record},
 };
-use backstop_core::BoxError;
+use backstop_core::{BoxError, Deadline};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
-use std::{future::Future, sync::Arc, task::Poll};
+use std::{
+    future::{Future, poll_fn},
+    pin::pin,
+    sync::Arc,
+    task::Poll,
+};
 use tokio::sync::watch;
 use tower_service::Service;
 
 /// Runs the work of a claimed action to its end, with the claim's lease renewed beside it in
-/// the same task until the work settles the claim.
-pub(crate) async fn renewing<T>(
+/// the same task until the work settles the claim; both within `deadline`, when there is one.
+/// The work's future is made here, in the place it is polled from: passed in made, it would be
+/// held twice, as this function's argument and as its pinned local.
+pub(crate) async fn renewing<T, Fut: Future<Output = T>>(
     cfg: Arc<Config>,
     key: String,
     token: u64,
     held: Arc<watch::Sender<bool>>,
-    work: impl Future<Output = T>,
+    deadline: Option<Deadline>,
+    work: impl FnOnce() -> Fut,
 ) -> T {
     let renewals = renew_while_running(cfg, key, token, held);
-    let (mut work, mut renewals) = (std::pin::pin!(work), std::pin::pin!(renewals));
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(done) = work.as_mut().poll(cx) {
-            return Poll::Ready(done);
-        }
-        match renewals.as_mut().poll(cx) {
-            Poll::Ready(never) => match never {},
-            Poll::Pending => Poll::Pending,
+    let (mut work, mut renewals) = (pin!(work()), pin!(renewals));
+    poll_fn(|cx| {
+        let mut poll = || {
+            if let Poll::Ready(done) = work.as_mut().poll(cx) {
+                return Poll::Ready(done);
+            }
+            match renewals.as_mut().poll(cx) {
+                Poll::Ready(never) => match never {},
+                Poll::Pending => Poll::Pending,
+            }
+        };
+        match deadline {
+            Some(deadline) => deadline.in_scope(poll),
+            None => poll(),
         }
     })
     .await
@@ -94,7 +108,9 @@ where
     }
     #[cfg(feature = "postgres")]
     if let Some(pg) = cfg.transactional.clone() {
-        return run_in_transaction(cfg, &pg, svc, req, guard).await;
+        // Boxed: the transaction's state is large, and a request served without one would
+        // carry it in its task too.
+        return Box::pin(run_in_transaction(cfg, &pg, svc, req, guard)).await;
     }
     let res = match call_inner(svc, req).await {
         Ok(res) => res,

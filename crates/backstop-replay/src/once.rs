@@ -165,13 +165,7 @@ where
         // The guard is made in the task: a task that never started settles nothing.
         let held = Arc::new(held);
         let guard = ClaimGuard::new(cfg.clone(), key.clone(), token, held.clone());
-        renewing(cfg, key, token, held, work(lease, guard)).await
-    };
-    let claimed = async move {
-        match deadline {
-            Some(deadline) => deadline.scope(claimed).await,
-            None => claimed.await,
-        }
+        renewing(cfg, key, token, held, deadline, || work(lease, guard)).await
     };
     tokio::spawn(claimed.in_current_span())
         .await
