@@ -31,6 +31,7 @@ fn advance(by: Duration) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     Box::pin(tokio::time::advance(by))
 }
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
 fn sleep(by: Duration) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     Box::pin(tokio::time::sleep(by))
 }
