@@ -79,7 +79,8 @@ async fn typed_workflow_runs_on_postgres() {
 }
 
 /// The workflow the README and the guide show is the one the example runs (and the test above
-/// runs on PostgreSQL): the same code, whitespace and trailing commas aside.
+/// runs on PostgreSQL), and the one the crash test's worker process runs: the same code,
+/// whitespace and trailing commas aside.
 #[test]
 fn the_readme_and_the_guide_show_the_workflow_the_example_runs() {
     fn workflow(text: &str) -> String {
@@ -92,6 +93,11 @@ fn the_readme_and_the_guide_show_the_workflow_the_example_runs() {
     assert_eq!(workflow(include_str!("../../README.md")), example);
     assert_eq!(
         workflow(include_str!("../../docs/guide/05-step-journal.md")),
+        example
+    );
+    // And the worker process the crash test kills (readme_crash.rs).
+    assert_eq!(
+        workflow(include_str!("../../examples/support/bin/readme_worker.rs")),
         example
     );
 }

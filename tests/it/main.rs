@@ -22,6 +22,7 @@ mod observability;
 mod otel_metrics;
 mod quota;
 mod quota_fleet;
+mod readme_crash;
 mod readme_texts;
 mod soak;
 mod stack;
