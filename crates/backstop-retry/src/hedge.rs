@@ -14,9 +14,9 @@
 //! A request that is not replay-safe, a dependency whose latency is not known yet, and a
 //! request that cannot be copied are passed through as they are, without a copy.
 
-use crate::{Resend, obs};
+use crate::{CloneResend, Resend, obs};
 use backstop_classify::Classify;
-use backstop_core::{Dependency, HasExtensions, ReplaySafe, RetryBudget, Run};
+use backstop_core::{Dependency, HasExtensions, NoBudget, ReplaySafe, RetryBudget, Run};
 use backstop_timeout::LatencyTimeouts;
 use pin_project::pin_project;
 use std::{
@@ -66,7 +66,34 @@ impl Hedging {
     }
 }
 
-struct Shared<C, P> {
+/// Sends a hedge of each replay-safe attempt still unanswered at the dependency's high
+/// percentile of latency, paid from the retry budget.
+///
+/// Built as [`RetryLayer`](crate::RetryLayer) is: the classifier that says which requests are
+/// replay-safe and the latency record to hedge after, then what differs from the defaults.
+/// Give it the retry layer's budget (the same `Arc`) so that retries and hedges draw on one.
+///
+/// ```
+/// use backstop_classify::HttpClassifier;
+/// use backstop_core::RetryBudget;
+/// use backstop_retry::{HedgeLayer, Hedging, HttpResend};
+/// use backstop_timeout::LatencyTimeouts;
+/// use std::{sync::Arc, time::Duration};
+///
+/// fn hedged_reads(
+///     latency: LatencyTimeouts,
+///     budget: Arc<dyn RetryBudget>,
+/// ) -> HedgeLayer<HttpClassifier, HttpResend> {
+///     HedgeLayer::new(HttpClassifier::new(), latency)
+///         .resend(HttpResend)
+///         .dependency("catalog")
+///         .budget(budget)
+///         .hedging(Hedging::default().min_delay(Duration::from_millis(20)))
+/// }
+/// # let _ = hedged_reads;
+/// ```
+#[derive(Clone)]
+pub struct HedgeLayer<C, P = CloneResend> {
     hedging: Hedging,
     classifier: C,
     resend: P,
@@ -75,61 +102,73 @@ struct Shared<C, P> {
     dependency: Dependency,
 }
 
-/// Sends a hedge of each replay-safe attempt still unanswered at the dependency's high
-/// percentile of latency, paid from the retry budget.
-pub struct HedgeLayer<C, P> {
-    shared: Arc<Shared<C, P>>,
-}
-
-impl<C, P> Clone for HedgeLayer<C, P> {
-    fn clone(&self) -> Self {
-        HedgeLayer {
-            shared: self.shared.clone(),
-        }
-    }
-}
-
 impl<C, P> fmt::Debug for HedgeLayer<C, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HedgeLayer")
-            .field("hedging", &self.shared.hedging)
-            .field("dependency", &self.shared.dependency)
+            .field("hedging", &self.hedging)
+            .field("dependency", &self.dependency)
             .finish_non_exhaustive()
     }
 }
 
-impl<C, P> HedgeLayer<C, P> {
-    /// Hedges calls to `dependency` as `hedging` says, after the latency `latency` records,
-    /// each hedge paid from `budget`; `classifier` says which requests are replay-safe and
-    /// `resend` copies them.
-    pub fn new(
-        hedging: Hedging,
-        dependency: Dependency,
-        latency: LatencyTimeouts,
-        budget: Arc<dyn RetryBudget>,
-        classifier: C,
-        resend: P,
-    ) -> Self {
+impl<C> HedgeLayer<C> {
+    /// Hedges the requests `classifier` says are replay-safe, after the dependency's latency
+    /// as `latency` records it; copied with [`CloneResend`], for an unnamed dependency, with
+    /// no budget (only [`Hedging`]'s bound on copies in flight), as [`Hedging::default`] says.
+    pub fn new(classifier: C, latency: LatencyTimeouts) -> Self {
         HedgeLayer {
-            shared: Arc::new(Shared {
-                hedging,
-                classifier,
-                resend,
-                latency,
-                budget,
-                dependency,
-            }),
+            hedging: Hedging::default(),
+            classifier,
+            resend: CloneResend,
+            latency,
+            budget: Arc::new(NoBudget),
+            dependency: Dependency::unnamed(),
         }
     }
 }
 
-impl<S, C, P> Layer<S> for HedgeLayer<C, P> {
+impl<C, P> HedgeLayer<C, P> {
+    /// How many copies of an attempt may be in flight, and how soon each is sent.
+    #[must_use]
+    pub fn hedging(mut self, hedging: Hedging) -> Self {
+        self.hedging = hedging;
+        self
+    }
+
+    /// How a request is copied for its hedge; a request it cannot copy is not hedged.
+    pub fn resend<P2>(self, resend: P2) -> HedgeLayer<C, P2> {
+        HedgeLayer {
+            hedging: self.hedging,
+            classifier: self.classifier,
+            resend,
+            latency: self.latency,
+            budget: self.budget,
+            dependency: self.dependency,
+        }
+    }
+
+    /// The dependency whose latency decides when to hedge, named in metrics and spans.
+    #[must_use]
+    pub fn dependency(mut self, name: impl Into<Dependency>) -> Self {
+        self.dependency = name.into();
+        self
+    }
+
+    /// The retry budget each hedge withdraws one retry from.
+    #[must_use]
+    pub fn budget(mut self, budget: Arc<dyn RetryBudget>) -> Self {
+        self.budget = budget;
+        self
+    }
+}
+
+impl<S, C: Clone, P: Clone> Layer<S> for HedgeLayer<C, P> {
     type Service = Hedge<S, C, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Hedge {
             inner,
-            shared: self.shared.clone(),
+            shared: Arc::new(self.clone()),
         }
     }
 }
@@ -137,7 +176,7 @@ impl<S, C, P> Layer<S> for HedgeLayer<C, P> {
 /// See [`HedgeLayer`].
 pub struct Hedge<S, C, P> {
     inner: S,
-    shared: Arc<Shared<C, P>>,
+    shared: Arc<HedgeLayer<C, P>>,
 }
 
 impl<S: Clone, C, P> Clone for Hedge<S, C, P> {
@@ -261,7 +300,7 @@ struct Race<S: Service<Req>, Req, C, P> {
     /// sent (a permit of a concurrency limit, say) is given back at once.
     more: Option<(S, Req)>,
     run: Option<Run>,
-    shared: Arc<Shared<C, P>>,
+    shared: Arc<HedgeLayer<C, P>>,
     /// The last failure, kept while another copy is still in flight.
     failed: Option<S::Error>,
     _req: PhantomData<fn() -> Req>,

@@ -309,14 +309,12 @@ impl<C, P, I, Pol> BackstopLayer<C, P, I, Pol> {
                  stack with attempt_timeout_from_latency(..) first",
             ));
         };
-        let layer = backstop_retry::HedgeLayer::new(
-            hedging,
-            self.dependency.clone(),
-            parts.latency.clone(),
-            parts.budget.clone(),
-            parts.classifier.clone(),
-            self.transport.clone(),
-        );
+        let layer =
+            backstop_retry::HedgeLayer::new(parts.classifier.clone(), parts.latency.clone())
+                .resend(self.transport.clone())
+                .dependency(self.dependency.clone())
+                .budget(parts.budget.clone())
+                .hedging(hedging);
         Ok(Layer::layer(&layer, client))
     }
 }

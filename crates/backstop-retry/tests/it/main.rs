@@ -1,6 +1,7 @@
 //! The retry layer's integration tests in one binary, a module per concern.
 
 mod attempts;
+mod hedge;
 mod policy;
 mod retry;
 
