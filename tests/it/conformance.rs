@@ -17,7 +17,7 @@ use backstop::{
     mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolResult},
     otel::AttemptMetricsLayer,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
-    retry::{Hedging, RetryLayer, StandardPolicy},
+    retry::{HedgeLayer, Hedging, HttpResend, RetryLayer, StandardPolicy},
     timeout::{
         AttemptTimeoutLayer, BodyTimeoutLayer, CallerDeadlineLayer, DeadlineLayer, LatencyConfig,
         LatencyTimeouts, LearnedTimeoutLayer,
@@ -93,6 +93,22 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 .dependency("conformance-policy")
                 .policy(policy);
             status_of(layer.layer(inner))
+        }),
+        (
+            "the hedge layer, reads hedged on a latency record",
+            |inner| {
+                // The record knows one answer, at once: each read unanswered 5 ms on is hedged.
+                let latency =
+                    LatencyTimeouts::new(LatencyConfig::default().min_samples(1)).unwrap();
+                latency.record(&"conformance-hedge".into(), Duration::ZERO);
+                let layer = HedgeLayer::new(HttpClassifier::default(), latency)
+                    .resend(HttpResend)
+                    .dependency("conformance-hedge");
+                status_of(layer.layer(inner))
+            },
+        ),
+        ("the quota headers' reader", |inner| {
+            status_of(backstop::quota::ReadQuotasLayer.layer(inner))
         }),
         ("the quota layer", |inner| {
             let quotas = backstop::quota::Quotas::seeded(Duration::from_millis(10), 7);
