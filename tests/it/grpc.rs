@@ -3,7 +3,9 @@
 //! shorter than the pushback, a negative pushback, and a streaming request body over the limit.
 
 use backstop::{
-    Backstop, Deadline, Error as BackstopError, ErrorKind, Outcome, timeout::CallerDeadlineLayer,
+    Backstop, Deadline, Error as BackstopError, ErrorKind, Outcome,
+    retry::{RetryHistory, StopReason},
+    timeout::CallerDeadlineLayer,
 };
 use http::HeaderMap;
 use std::{
@@ -19,7 +21,7 @@ use std::{
 };
 use tokio::time::Instant;
 use tonic::{Code, Status, codegen::http};
-use tower::{Layer, Service};
+use tower::{Layer, Service, ServiceExt};
 
 #[derive(Clone, PartialEq, prost::Message)]
 struct RefundRequest {
@@ -237,14 +239,20 @@ async fn issue(client: &mut tonic::client::Grpc<Stack>) -> Result<RefundReply, S
     unary(client, "/test.Refunds/Issue").await
 }
 
-async fn unary(
-    client: &mut tonic::client::Grpc<Stack>,
+async fn unary<T>(
+    client: &mut tonic::client::Grpc<T>,
     path: &'static str,
-) -> Result<RefundReply, Status> {
+) -> Result<RefundReply, Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<backstop::BoxError>,
+    T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as http_body::Body>::Error: Into<backstop::BoxError>,
+{
     client
         .ready()
         .await
-        .map_err(|e| Status::unknown(e.to_string()))?;
+        .map_err(|e| Status::unknown(e.into().to_string()))?;
     let codec = tonic_prost::ProstCodec::<RefundRequest, RefundReply>::default();
     let req = tonic::Request::new(RefundRequest {
         order: "ORD-4812".into(),
@@ -341,22 +349,47 @@ async fn resource_exhausted_is_retried_and_invalid_argument_is_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pushback_longer_than_the_deadline_ends_the_call_at_once() {
     let server = serve(|_| Err(with_pushback(Status::unavailable("maintenance"), "10000"))).await;
-    let mut client = stack(&server, |b| {
-        b.honours_keys().deadline(Duration::from_secs(3))
-    })
-    .await;
-    let started = Instant::now();
-    let status = issue(&mut client).await.unwrap_err();
-    // No waiting for a retry that cannot happen. The stack's decision is not visible through
-    // tonic's `Status` (the final answer is a response), so the clock tells it, with a margin no
-    // load reaches: the wrong behaviour waits out the 3 s deadline, the right one ends after
-    // one loopback round trip.
-    assert!(
-        started.elapsed() < Duration::from_millis(2_500),
-        "no waiting for a retry that cannot happen"
-    );
+    let channel = tonic::transport::Endpoint::from_shared(server.url.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let layer = Backstop::grpc("refunds-grpc")
+        .no_breaker()
+        .honours_keys()
+        .attempt_timeout(Duration::from_secs(2))
+        .deadline(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    // The stack's decision rides on its final answer (a response, which tonic turns into the
+    // `Status`): read where the stack hands it over.
+    let stopped = Arc::new(Mutex::new(None));
+    let seen = stopped.clone();
+    let watched = layer
+        .layer(channel)
+        .map_response(move |res: http::Response<_>| {
+            *seen.lock().unwrap() = RetryHistory::of(&res).map(|h| h.stopped.clone());
+            res
+        });
+    let status = unary(
+        &mut tonic::client::Grpc::new(watched),
+        "/test.Refunds/Issue",
+    )
+    .await
+    .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);
     assert_eq!(server.calls.load(Ordering::SeqCst), 1);
+    // No waiting for a retry that cannot happen: the wait the server asked for does not fit in
+    // the deadline, so the call ends with the pushback's answer instead of waiting the deadline
+    // out.
+    let stopped = stopped.lock().unwrap().clone();
+    assert!(
+        matches!(
+            stopped,
+            Some(StopReason::DeadlineTooClose { wait, .. }) if wait == Duration::from_secs(10)
+        ),
+        "{stopped:?}"
+    );
 
     // A negative pushback means "do not retry".
     let server = serve(|_| Err(with_pushback(Status::unavailable("go away"), "-1"))).await;
