@@ -545,11 +545,10 @@ async fn a_hung_server_is_ended_by_the_stacks_own_limits_and_repeated_when_keyed
         "{}",
         status.message()
     );
-    // Bounds with a reason: never before the deadline (each attempt waits its full 300 ms,
-    // and the backoff waits are inside the deadline); the upper bound only catches a call
-    // that outlives its deadline by a whole attempt.
+    // Never before the deadline: each attempt waits its full 300 ms, and the backoff waits are
+    // inside the deadline. (That the call ends at its deadline and not later is a question for
+    // the paused clock, which the timeout crate's tests answer; here, load could move it.)
     assert!(took >= Duration::from_millis(600), "{took:?}");
-    assert!(took < Duration::from_millis(1300), "{took:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
