@@ -13,8 +13,8 @@ use backstop::{
     budget::{AdaptiveThrottle, Budget, ThrottleConfig, ThrottleLayer},
     chaos::{ChaosLayer, FaultPlan},
     classify::HttpClassifier,
-    idempotency::IdempotencyLayer,
-    mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolResult},
+    idempotency::{IdempotencyKey, IdempotencyLayer},
+    mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolReplayLayer, ToolResult},
     otel::AttemptMetricsLayer,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
     retry::{HedgeLayer, Hedging, HttpResend, RetryLayer, StandardPolicy},
@@ -178,6 +178,28 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 Request::from_parts(parts, body)
             }))
         }),
+        ("the MCP tool replay layer, keyed tool calls", |inner| {
+            // Each request becomes a tool call with a key of its own, claimed and run once (in
+            // a task of its own) on a handle readied when its turn comes, its result stored.
+            static KEYS: AtomicUsize = AtomicUsize::new(0);
+            let replay = ToolReplayLayer::new(MemoryStore::new(10_000))
+                .single_tenant()
+                .layer(ToolTransport(inner));
+            let svc = replay
+                .map_request(|req: Req| {
+                    let key = format!("conformance-tool-{}", KEYS.fetch_add(1, Ordering::SeqCst));
+                    ToolCall::new(
+                        req.uri().path().trim_start_matches('/'),
+                        serde_json::json!({}),
+                    )
+                    .unwrap()
+                    .with_key(IdempotencyKey::new(key).unwrap())
+                })
+                .map_response(|result: ToolResult| {
+                    StatusCode::from_bytes(result.joined_text().as_bytes()).expect("a status")
+                });
+            BoxCloneService::new(svc.map_err(Into::into))
+        }),
         ("the fault layer, with no faults", |inner| {
             status_of(
                 ChaosLayer::new(FaultPlan::default(), 1)
@@ -298,11 +320,11 @@ pub(crate) async fn each_subject(
     .await;
 }
 
-/// Subjects that finish a request's handler after its caller has gone (the replay layer runs a
-/// claimed request to its end, so that its result is stored): what the handler holds is freed
-/// when it ends, not when the caller drops its future.
+/// Subjects that finish a request's handler after its caller has gone (the replay layers run a
+/// claimed request or tool call to its end, so that its result is stored): what the handler
+/// holds is freed when it ends, not when the caller drops its future.
 pub(crate) fn finishes_after_the_caller_leaves(name: &str) -> bool {
-    name.starts_with("the replay layer")
+    name.starts_with("the replay layer") || name.starts_with("the MCP tool replay layer")
 }
 
 /// Subjects that retry a 503 themselves.
@@ -765,27 +787,34 @@ async fn a_hedged_copy_is_polled_ready_on_a_handle_of_its_own() {
 #[tokio::test(start_paused = true)]
 async fn a_claimed_request_outlives_its_caller_and_then_frees_what_it_held() {
     within(async {
-        let (_, subject) = subjects()
+        let claiming: Vec<_> = subjects()
             .into_iter()
-            .find(|(name, _)| finishes_after_the_caller_leaves(name))
-            .expect("the replay layer is a subject");
-        let (mock, mut handle) = mock::pair::<Req, Res>();
-        let svc = subject(boxed(ConcurrencyLimit::new(mock, 1)));
-        let mut first = tokio_test::task::spawn(svc.clone().oneshot(get()));
-        assert!(first.poll().is_pending());
-        let (_req, reply) = handle.next_request().await.expect("the first went out");
-        drop(first);
-        // The handler still holds the permit: the next caller waits for it.
-        let next = tokio::spawn(svc.clone().oneshot(get()));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(
-            !next.is_finished(),
-            "the next waits while the first's handler works"
+            .filter(|(name, _)| finishes_after_the_caller_leaves(name))
+            .collect();
+        assert_eq!(
+            claiming.len(),
+            2,
+            "the replay layer and the MCP tool replay layer"
         );
-        reply.send_response(answer(201));
-        let (_req, reply) = handle.next_request().await.expect("the next went out");
-        reply.send_response(answer(200));
-        assert_eq!(next.await.unwrap().unwrap(), 200);
+        for (name, subject) in claiming {
+            let (mock, mut handle) = mock::pair::<Req, Res>();
+            let svc = subject(boxed(ConcurrencyLimit::new(mock, 1)));
+            let mut first = tokio_test::task::spawn(svc.clone().oneshot(get()));
+            assert!(first.poll().is_pending(), "{name}");
+            let (_req, reply) = handle.next_request().await.expect("the first went out");
+            drop(first);
+            // The handler still holds the permit: the next caller waits for it.
+            let next = tokio::spawn(svc.clone().oneshot(get()));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(
+                !next.is_finished(),
+                "{name}: the next waits while the first's handler works"
+            );
+            reply.send_response(answer(201));
+            let (_req, reply) = handle.next_request().await.expect("the next went out");
+            reply.send_response(answer(200));
+            assert_eq!(next.await.unwrap().unwrap(), 200, "{name}");
+        }
     })
     .await;
 }
