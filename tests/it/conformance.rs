@@ -200,6 +200,9 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 });
             BoxCloneService::new(svc.map_err(Into::into))
         }),
+        ("the MCP server's key from a header", |inner| {
+            status_of(backstop::mcp::tower_mcp::KeyFromHeaderLayer::new().layer(inner))
+        }),
         ("the fault layer, with no faults", |inner| {
             status_of(
                 ChaosLayer::new(FaultPlan::default(), 1)
