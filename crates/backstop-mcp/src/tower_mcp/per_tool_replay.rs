@@ -116,20 +116,27 @@ where
     type Error = ToolError;
     type Future = BoxFuture<Result<ToolResult, ToolError>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ToolError>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ToolError>> {
+        // A tool that cannot take the call was never called.
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| ToolError::NotSent(e.to_string().into()))
     }
 
     fn call(&mut self, mut call: ToolCall) -> Self::Future {
-        let received = call.extensions_mut().remove::<Received>();
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            let Some(Received(req)) = received else {
-                return Err(ToolError::Lost(
+        // The handle polled ready runs the tool; a clone stays for the next call.
+        let clone = self.inner.clone();
+        let mut ready = std::mem::replace(&mut self.inner, clone);
+        let Some(Received(req)) = call.extensions_mut().remove::<Received>() else {
+            return Box::pin(async {
+                Err(ToolError::Lost(
                     "the tool call lost its tower-mcp request".into(),
-                ));
-            };
-            match inner.oneshot(req).await {
+                ))
+            });
+        };
+        let ran = ready.call(req);
+        Box::pin(async move {
+            match ran.await {
                 Ok(result) => from_result(&result),
                 // The tool failed without a result: its outcome is unknown.
                 Err(e) => Err(ToolError::Lost(e.to_string().into())),
@@ -161,27 +168,31 @@ where
     type Error = PerToolReplayError;
     type Future = BoxFuture<Result<CallToolResult, PerToolReplayError>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), PerToolReplayError>> {
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), PerToolReplayError>> {
+        self.direct
+            .poll_ready(cx)
+            .map_err(|e| PerToolReplayError(e.to_string()))
     }
 
     fn call(&mut self, req: ToolRequest) -> Self::Future {
         use tracing::Instrument;
         let span = crate::trace::tool_span(&self.tool, &trace_meta(&req));
+        // The handle polled ready goes with the call; a clone stays for the next one.
+        let clone = self.direct.clone();
+        let mut ready = std::mem::replace(&mut self.direct, clone);
         let key = req.ctx.extensions().get::<IdempotencyKey>().cloned();
         let Some(key) = key else {
             // No key: the tool runs as it would without the layer.
-            let direct = self.direct.clone();
+            let ran = ready.call(req);
             return Box::pin(
-                async move {
-                    direct
-                        .oneshot(req)
-                        .await
-                        .map_err(|e| PerToolReplayError(e.to_string()))
-                }
-                .instrument(span),
+                async move { ran.await.map_err(|e| PerToolReplayError(e.to_string())) }
+                    .instrument(span),
             );
         };
+        // A keyed call reaches the tool only once its key is claimed, or never (a replay): the
+        // readiness granted goes back at once, and the replay readies a handle of its own when
+        // the tool's turn comes.
+        drop(ready);
         let arguments = match &req.args {
             Value::Object(map) => Some(map.clone()),
             _ => None,
@@ -225,5 +236,82 @@ fn rpc_of(e: ToolError) -> RpcError {
     match e {
         ToolError::Rpc(rpc) => rpc,
         other => RpcError::new(codes::INTERNAL_ERROR, other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use backstop_replay::MemoryStore;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tokio::sync::Semaphore;
+    use tower::limit::ConcurrencyLimit;
+    use tower_mcp::{context::RequestContext, protocol::RequestId};
+
+    /// A tool that takes one call at a time (a concurrency limit of one) and answers each call
+    /// once `gate` gives it a permit, counting the calls it ran.
+    fn tool(
+        gate: Arc<Semaphore>,
+        ran: Arc<AtomicU32>,
+    ) -> impl Service<ToolRequest, Response = CallToolResult, Error = tower::BoxError, Future: Send>
+    + Clone
+    + Send
+    + 'static {
+        ConcurrencyLimit::new(
+            tower::service_fn(move |_req: ToolRequest| {
+                let (gate, ran) = (gate.clone(), ran.clone());
+                async move {
+                    gate.acquire().await.unwrap().forget();
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, tower::BoxError>(CallToolResult::text("booked"))
+                }
+            }),
+            1,
+        )
+    }
+
+    fn request(key: Option<&str>) -> ToolRequest {
+        let mut ctx = RequestContext::new(RequestId::Number(1));
+        if let Some(key) = key {
+            ctx.extensions_mut()
+                .insert(IdempotencyKey::new(key).unwrap());
+        }
+        ToolRequest::new(ctx, serde_json::json!({"order": "ORD-1"}))
+    }
+
+    /// The layer answers readiness as the tool does: while a call holds the tool's only permit,
+    /// keyed or not, the layer is not ready; once it ends, it is, and each call runs on the
+    /// handle polled ready (a concurrency limit panics on a call it gave no permit for).
+    #[tokio::test]
+    async fn readiness_is_the_tools_own_and_each_call_runs_on_the_handle_polled_ready() {
+        let (gate, ran) = (Arc::new(Semaphore::new(0)), Arc::new(AtomicU32::new(0)));
+        let replay = ToolReplayLayer::new(MemoryStore::default()).single_tenant();
+        let svc =
+            PerToolReplayLayer::new("issue_refund", replay).layer(tool(gate.clone(), ran.clone()));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        for key in [Some("refund-ORD-1"), None] {
+            let first = tokio::spawn(svc.clone().oneshot(request(key)));
+            // Once the first call holds the tool's permit, the layer is not ready.
+            let mut held = false;
+            for _ in 0..1_000 {
+                let mut other = svc.clone();
+                if other.poll_ready(&mut cx).is_pending() {
+                    held = true;
+                    break;
+                }
+                drop(other);
+                tokio::task::yield_now().await;
+            }
+            assert!(held, "{key:?}: ready while the tool's only permit is held");
+            gate.add_permits(1);
+            assert!(!first.await.unwrap().unwrap().is_error, "{key:?}");
+            let mut next = svc.clone();
+            std::future::poll_fn(|cx| next.poll_ready(cx))
+                .await
+                .unwrap();
+            gate.add_permits(1);
+            next.call(request(None)).await.unwrap();
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 4);
     }
 }
