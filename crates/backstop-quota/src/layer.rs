@@ -324,7 +324,10 @@ impl<S: Service<Req>, Req> fmt::Debug for PacedFuture<S, Req> {
 
 #[pin_project(project = StateProj)]
 enum State<S: Service<Req>, Req> {
-    /// Waiting for the fleet's answer, with the handle polled ready and the request.
+    /// Waiting for the fleet's answer, with the handle polled ready and the request. The
+    /// handle keeps its readiness for that one round trip (unlike a wait, which gives it back):
+    /// the fleet's "go" reserves quota every process shares, so the attempt is sent at once
+    /// rather than holding that reservation while the service readies again.
     Asking {
         asking: Asking,
         svc: Option<(S, Req)>,
