@@ -17,7 +17,7 @@ use backstop::{
     mcp::{RpcError, ToolCall, ToolError, ToolHints, ToolReplayLayer, ToolResult},
     otel::AttemptMetricsLayer,
     replay::{MemoryStore, ReplayLayer, ReplayRequestBody},
-    retry::{HedgeLayer, Hedging, HttpResend, RetryLayer, StandardPolicy},
+    retry::{HedgeLayer, Hedging, RetryLayer, StandardPolicy},
     timeout::{
         AttemptTimeoutLayer, BodyTimeoutLayer, CallerDeadlineLayer, DeadlineLayer, LatencyConfig,
         LatencyTimeouts, LearnedTimeoutLayer,
@@ -101,9 +101,7 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
                 let latency =
                     LatencyTimeouts::new(LatencyConfig::default().min_samples(1)).unwrap();
                 latency.record(&"conformance-hedge".into(), Duration::ZERO);
-                let layer = HedgeLayer::new(HttpClassifier::default(), latency)
-                    .resend(HttpResend)
-                    .dependency("conformance-hedge");
+                let layer = HedgeLayer::http(latency).dependency("conformance-hedge");
                 status_of(layer.layer(inner))
             },
         ),

@@ -14,8 +14,8 @@
 //! A request that is not replay-safe, a dependency whose latency is not known yet, and a
 //! request that cannot be copied are passed through as they are, without a copy.
 
-use crate::{CloneResend, Resend, obs};
-use backstop_classify::Classify;
+use crate::{CloneResend, HttpResend, Resend, obs};
+use backstop_classify::{Classify, HttpClassifier};
 use backstop_core::{Dependency, HasExtensions, NoBudget, ReplaySafe, RetryBudget, Run};
 use backstop_timeout::LatencyTimeouts;
 use pin_project::pin_project;
@@ -84,8 +84,7 @@ impl Hedging {
 ///     latency: LatencyTimeouts,
 ///     budget: Arc<dyn RetryBudget>,
 /// ) -> HedgeLayer<HttpClassifier, HttpResend> {
-///     HedgeLayer::new(HttpClassifier::new(), latency)
-///         .resend(HttpResend)
+///     HedgeLayer::http(latency)
 ///         .dependency("catalog")
 ///         .budget(budget)
 ///         .hedging(Hedging::default().min_delay(Duration::from_millis(20)))
@@ -124,6 +123,14 @@ impl<C> HedgeLayer<C> {
             budget: Arc::new(NoBudget),
             dependency: Dependency::unnamed(),
         }
+    }
+}
+
+impl HedgeLayer<HttpClassifier, HttpResend> {
+    /// Hedges HTTP reads: replay-safe as the default [`HttpClassifier`] says (idempotent
+    /// methods, keys the dependency honours), copied with [`HttpResend`].
+    pub fn http(latency: LatencyTimeouts) -> Self {
+        HedgeLayer::new(HttpClassifier::new(), latency).resend(HttpResend)
     }
 }
 

@@ -67,9 +67,7 @@ impl RetryBudget for Empty {
 }
 
 fn hedge() -> HedgeLayer<HttpClassifier, HttpResend> {
-    HedgeLayer::new(HttpClassifier::new(), latency())
-        .resend(HttpResend)
-        .dependency("catalog")
+    HedgeLayer::http(latency()).dependency("catalog")
 }
 
 /// Sends `method` through `layer` over [`leaf`]: the answer (which copy), the copies sent and
