@@ -78,6 +78,21 @@ fn subjects() -> Vec<(&'static str, Wrap)> {
             },
         ),
         ("the composed stack for MCP tool calls", mcp_stack),
+        ("the call's work alone", |inner| {
+            let layer = stack_builder("conformance-call").build().unwrap();
+            status_of(layer.call_layer().layer(inner))
+        }),
+        ("the call's work over the retry layer", |inner| {
+            let call = stack_builder("conformance-call-retry")
+                .build()
+                .unwrap()
+                .call_layer();
+            let retry = RetryLayer::http()
+                .dependency("conformance-call-retry")
+                .rng(RngSource::seeded(7))
+                .backoff(Backoff::constant(Duration::from_millis(20)));
+            status_of(call.layer(retry.layer(inner)))
+        }),
         ("the retry layer", |inner| {
             let layer = RetryLayer::http()
                 .dependency("conformance-retry")
@@ -330,7 +345,9 @@ pub(crate) fn finishes_after_the_caller_leaves(name: &str) -> bool {
 
 /// Subjects that retry a 503 themselves.
 pub(crate) fn retries(name: &str) -> bool {
-    name.starts_with("the composed stack") || name.starts_with("the retry layer")
+    name.starts_with("the composed stack")
+        || name.starts_with("the retry layer")
+        || name == "the call's work over the retry layer"
 }
 
 pub(crate) fn stack_builder(

@@ -279,6 +279,84 @@ async fn keyed_posts_are_retried_and_dead_letters_carry_the_key() {
     assert_eq!(sink.take()[0].idempotency_key, Some(want));
 }
 
+/// The call's work as a layer of its own, over a retry layer the user composed: the key it
+/// attaches once is on every attempt the retry layer sends (and, declared honoured, lets a lost
+/// reply be repeated); the call ends in one `Error` and one dead letter. Without the
+/// declaration the same stack sends once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_calls_work_over_a_retry_layer_of_ones_own_keys_every_attempt_once() {
+    for honoured in [true, false] {
+        let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+        let sink = Arc::new(MemorySink::default());
+        let mut builder = Backstop::http("call-payments-api").dead_letters(sink.clone());
+        if honoured {
+            builder = builder.honours_keys();
+        }
+        let call = builder.build().unwrap().call_layer();
+        let retry = backstop::retry::RetryLayer::http()
+            .dependency("call-payments-api")
+            .backoff(Backoff::constant(Duration::from_millis(5)));
+        let svc = tower::ServiceBuilder::new()
+            .layer(call)
+            .layer(retry)
+            .service(client());
+        let mut req = post(server.url("/refunds"));
+        req.extensions_mut()
+            .insert(ActionContext::tool_call("run-7", "step-2", "call-9"));
+        let err: Error = svc.oneshot(req).await.unwrap_err();
+        let sent = if honoured { 3 } else { 1 };
+        assert_eq!(server.requests(), sent, "honoured: {honoured}; {err}");
+        assert_eq!(err.attempts(), sent as u32, "{err}");
+        assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+        assert_eq!(
+            err.dependency().map(|d| d.as_str()),
+            Some("call-payments-api")
+        );
+        let want = ActionContext::tool_call("run-7", "step-2", "call-9").key();
+        assert!(
+            server
+                .seen()
+                .iter()
+                .all(|s| s.header("idempotency-key") == Some(want.as_str())),
+            "one key on every attempt"
+        );
+        let letters = sink.take();
+        assert_eq!(letters.len(), 1, "one dead letter for the call");
+        assert_eq!(letters[0].idempotency_key, Some(want));
+        assert_eq!(letters[0].outcome, Outcome::Unknown);
+    }
+}
+
+/// A call the call's work refuses (a required key missing) sends nothing and keeps the
+/// readiness it was given for the next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_calls_work_refuses_a_call_without_its_required_key_and_sends_nothing() {
+    let server = TestServer::start(|_: &Seen| Action::status(200)).await;
+    let call = Backstop::http("call-charges-api")
+        .preset(Preset::Create)
+        .build()
+        .unwrap()
+        .call_layer();
+    let mut svc = call.layer(client());
+    let err = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(post(server.url("/charges")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
+    assert_eq!(err.outcome(), Outcome::NotSent);
+    assert_eq!(server.requests(), 0);
+    let mut keyed = post(server.url("/charges"));
+    keyed
+        .headers_mut()
+        .insert("idempotency-key", "charge-1".parse().unwrap());
+    let res = svc.call(keyed).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(server.requests(), 1);
+}
+
 /// A POST that carries its own `Idempotency-Key` header: its dead letter names that key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_names_the_key_the_caller_set_in_the_header() {

@@ -1,15 +1,27 @@
 //! The call's work, once per logical call, outside the retry layer: the idempotency key (attached
 //! before the retry layer copies the request, so every attempt carries it), the call's span,
-//! one [`Error`] for every end, dead letters and reconciliation.
+//! one [`Error`] for every end, dead letters and reconciliation. As tower's pieces:
+//! [`CallLayer`], [`CallService`] and [`CallFuture`].
 
 use crate::telemetry::{Otel, Slot};
+use crate::transport::{Describe, sealed::Describes};
 use crate::{DeadLetter, DeadLetterSink, Error};
 use backstop_core::{BoxError, Dependency, HasExtensions, Outcome, ReplaySafe};
 use backstop_idempotency::{
     ActionContext, IdempotencyKey, IdempotencyLayer, Inject, MakeKey, RandomKey,
 };
 use backstop_retry::RetryHistory;
-use std::{fmt, sync::Arc};
+use pin_project::pin_project;
+use std::{
+    fmt,
+    future::Future,
+    marker::PhantomData,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll, ready},
+};
+use tower_layer::Layer;
+use tower_service::Service;
 
 pub(crate) type Reconcile = Arc<dyn Fn(&DeadLetter) + Send + Sync>;
 
@@ -229,5 +241,209 @@ impl CallState {
             }
         }
         Err(err)
+    }
+}
+
+/// The call's work of a [`BackstopLayer`](crate::BackstopLayer) as a tower `Layer` of its own
+/// ([`BackstopLayer::call_layer`](crate::BackstopLayer::call_layer)), for a stack whose other
+/// layers are composed by hand: once per logical call it attaches the idempotency key (so every
+/// attempt the retry layer under it sends carries the same one), opens the call's span, makes
+/// every end one [`Error`], and writes a failed mutating call's dead letter.
+///
+/// `I` is where the key goes, `P` the kind of request (what the call's telemetry reads of it).
+///
+/// ```
+/// use backstop::{Backstop, retry::RetryLayer};
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use std::convert::Infallible;
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), backstop::BoxError> {
+/// let client = service_fn(|req: http::Request<Full<Bytes>>| async move {
+///     // Every attempt carries the call's one key.
+///     assert!(req.headers().contains_key("idempotency-key"));
+///     Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
+/// });
+/// let stack = Backstop::http("payments-api").honours_keys().build()?;
+/// let payments = ServiceBuilder::new()
+///     .layer(stack.call_layer())
+///     .layer(RetryLayer::http().dependency("payments-api"))
+///     .service(client);
+/// let req = http::Request::post("http://payments.test/refunds").body(Full::default())?;
+/// let res = payments.oneshot(req).await?;
+/// assert_eq!(res.status(), 200);
+/// # Ok(())
+/// # }
+/// ```
+pub struct CallLayer<I, P> {
+    work: Arc<CallWork<I>>,
+    kind: PhantomData<fn() -> P>,
+}
+
+impl<I, P> CallLayer<I, P> {
+    pub(crate) fn new(work: Arc<CallWork<I>>) -> Self {
+        CallLayer {
+            work,
+            kind: PhantomData,
+        }
+    }
+}
+
+impl<I, P> Clone for CallLayer<I, P> {
+    fn clone(&self) -> Self {
+        CallLayer::new(self.work.clone())
+    }
+}
+
+impl<I, P> fmt::Debug for CallLayer<I, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("CallLayer").field(&self.work).finish()
+    }
+}
+
+impl<S, I, P> Layer<S> for CallLayer<I, P> {
+    type Service = CallService<S, I, P>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        CallService {
+            inner,
+            work: self.work.clone(),
+            kind: PhantomData,
+        }
+    }
+}
+
+/// The service a [`CallLayer`] builds: the call's work around `S`, every error an [`Error`].
+///
+/// `poll_ready` answers what `S` answers, and each call is sent on the handle polled ready; a
+/// call refused before it is sent (a required key missing) leaves that readiness for the next.
+pub struct CallService<S, I, P> {
+    inner: S,
+    work: Arc<CallWork<I>>,
+    kind: PhantomData<fn() -> P>,
+}
+
+impl<S: Clone, I, P> Clone for CallService<S, I, P> {
+    fn clone(&self) -> Self {
+        CallService {
+            inner: self.inner.clone(),
+            work: self.work.clone(),
+            kind: PhantomData,
+        }
+    }
+}
+
+impl<S: fmt::Debug, I, P> fmt::Debug for CallService<S, I, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CallService")
+            .field("inner", &self.inner)
+            .field("work", &self.work)
+            .finish()
+    }
+}
+
+impl<S, I, P, Req> Service<Req> for CallService<S, I, P>
+where
+    S: Service<Req, Response: HasExtensions>,
+    S::Error: Into<BoxError>,
+    Req: HasExtensions,
+    I: Inject<Req>,
+    P: Describe<Req>,
+{
+    type Response = S::Response;
+    type Error = Error;
+    type Future = CallFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| self.work.error(e.into()))
+    }
+
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        // Another Backstop stack outside owns this call: its work is that stack's, which tells
+        // this attempt's error in its own words.
+        if backstop_retry::retried_outside(&req) {
+            let inner = self.inner.call(req);
+            return CallFuture(Calling::Passed { inner });
+        }
+        match self
+            .work
+            .begin(&mut req, <P as Describes<Req>>::grpc_method)
+        {
+            Ok(state) => {
+                // The first attempt is sent from here: its span is the call's child.
+                let inner = {
+                    let _entered = state.enter();
+                    self.inner.call(req)
+                };
+                CallFuture(Calling::Owned { inner, state })
+            }
+            // Nothing is sent: the ready handle stays here for the next call.
+            Err(refused) => CallFuture(Calling::Refused {
+                error: Some(refused),
+            }),
+        }
+    }
+}
+
+/// Response future of [`CallService`].
+#[pin_project]
+pub struct CallFuture<F>(#[pin] Calling<F>);
+
+#[pin_project(project = CallingProj)]
+enum Calling<F> {
+    /// This stack owns the call.
+    Owned {
+        #[pin]
+        inner: F,
+        state: CallState,
+    },
+    /// A stack outside owns it.
+    Passed {
+        #[pin]
+        inner: F,
+    },
+    /// Refused before anything was sent (a required key missing).
+    Refused { error: Option<Error> },
+}
+
+impl<F: fmt::Debug> fmt::Debug for CallFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Calling::Owned { inner, .. } | Calling::Passed { inner } => {
+                f.debug_tuple("CallFuture").field(inner).finish()
+            }
+            Calling::Refused { .. } => f.write_str("CallFuture(refused)"),
+        }
+    }
+}
+
+impl<F, Res, E> Future for CallFuture<F>
+where
+    F: Future<Output = Result<Res, E>>,
+    E: Into<BoxError>,
+    Res: HasExtensions,
+{
+    type Output = Result<Res, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().0.project() {
+            CallingProj::Owned { inner, state } => {
+                let result = {
+                    let _entered = state.enter();
+                    ready!(inner.poll(cx))
+                };
+                Poll::Ready(state.end(result.map_err(Into::into)))
+            }
+            CallingProj::Passed { inner } => {
+                Poll::Ready(ready!(inner.poll(cx)).map_err(|e| Error::new(None, e.into())))
+            }
+            CallingProj::Refused { error } => Poll::Ready(Err(error
+                .take()
+                .expect("CallFuture polled after completion"))),
+        }
     }
 }

@@ -88,6 +88,7 @@ mod transport;
 
 pub use backstop_retry::{Error, ErrorKind};
 pub use builder::{Backstop, DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, Preset};
+pub use call::{CallLayer, CallService};
 #[cfg(feature = "json")]
 pub use dead_letter::JsonLinesSink;
 pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
@@ -96,6 +97,7 @@ pub use transport::{Describe, Transport};
 
 /// The stack's future type.
 pub mod future {
+    pub use crate::call::CallFuture;
     pub use crate::service::BackstopFuture;
 }
 

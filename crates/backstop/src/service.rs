@@ -1,11 +1,10 @@
 //! The composed stack as tower's pieces: [`BackstopLayer`], the [`BackstopService`] it builds
-//! over a client, and its [`BackstopFuture`]. The service does the call's work
-//! ([`CallWork`]) once per logical call, outside the layers it stacks in the README's order:
-//! the deadline, the retry layer, the attempt timeout, then the client as its transport wraps
-//! it.
+//! over a client, and its [`BackstopFuture`]. The call's work ([`CallLayer`]) comes first, once
+//! per logical call, then the layers in the README's order: the deadline, the retry layer, the
+//! attempt timeout, then the client as its transport wraps it.
 
 use crate::{
-    call::{CallState, CallWork},
+    call::{CallFuture, CallLayer, CallService, CallWork},
     transport::{Describe, Transport, TransportSettings, sealed::Wraps},
 };
 use backstop_breaker::{Breaker, BreakerLayer, CircuitBreaker};
@@ -27,7 +26,7 @@ use std::{
     future::Future,
     pin::Pin,
     sync::Arc,
-    task::{Context, Poll, ready},
+    task::{Context, Poll},
     time::Duration,
 };
 use tower::util::Either;
@@ -57,8 +56,8 @@ type Stack<S, C, P, Pol> =
 /// The service a [`BackstopLayer`] builds over the client `S`: every error is an
 /// [`Error`](crate::Error).
 ///
-/// The call's work (idempotency key, call span, errors and dead letters), once per call, around
-/// tower layers in their one order: the deadline ([`DeadlineLayer`]), the retry layer
+/// The call's work ([`CallLayer`]: idempotency key, call span, errors and dead letters), once per
+/// call, around tower layers in their one order: the deadline ([`DeadlineLayer`]), the retry layer
 /// ([`RetryLayer`]), the adaptive throttle ([`ThrottleLayer`]), the breaker ([`BreakerLayer`]),
 /// each attempt's timeout
 /// ([`AttemptTimeoutLayer`], or [`LearnedTimeoutLayer`] when it is learned from latency), and the
@@ -72,8 +71,7 @@ type Stack<S, C, P, Pol> =
 /// (see [`WithDeadline`] for the deadline on a client that never becomes ready), and each
 /// attempt is sent on the handle that was polled ready for it.
 pub struct BackstopService<S, C, P: Transport<S>, I, Pol = StandardPolicy> {
-    inner: Stack<S, C, P, Pol>,
-    call: Arc<CallWork<I>>,
+    inner: CallService<Stack<S, C, P, Pol>, I, P>,
 }
 
 impl<S, C, P: Transport<S>, I, Pol: Clone> Clone for BackstopService<S, C, P, I, Pol>
@@ -84,7 +82,6 @@ where
     fn clone(&self) -> Self {
         BackstopService {
             inner: self.inner.clone(),
-            call: self.call.clone(),
         }
     }
 }
@@ -120,30 +117,11 @@ where
     type Future = BackstopFuture<S, C, P, Req, Pol>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), crate::Error>> {
-        self.inner.poll_ready(cx).map_err(|e| self.call.error(e))
+        self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut req: Req) -> Self::Future {
-        // Another Backstop stack outside owns this call: its work is that stack's, which tells
-        // this attempt's error in its own words.
-        if backstop_retry::retried_outside(&req) {
-            let inner = self.inner.call(req);
-            return BackstopFuture(Calling::Passed { inner });
-        }
-        match self.call.begin(&mut req, P::grpc_method) {
-            Ok(state) => {
-                // The first attempt is sent from here: its span is the call's child.
-                let inner = {
-                    let _entered = state.enter();
-                    self.inner.call(req)
-                };
-                BackstopFuture(Calling::Owned { inner, state })
-            }
-            // Nothing is sent: the ready handle stays here for the next call.
-            Err(refused) => BackstopFuture(Calling::Refused {
-                error: Some(refused),
-            }),
-        }
+    fn call(&mut self, req: Req) -> Self::Future {
+        BackstopFuture(self.inner.call(req))
     }
 }
 
@@ -153,28 +131,11 @@ type Inner<S, C, P, Req, Pol> = TimedFuture<ResponseFuture<Parts<S, C, P, Req, P
 /// Response future of [`BackstopService`].
 #[pin_project]
 pub struct BackstopFuture<S, C, P, Req, Pol = StandardPolicy>(
-    #[pin] Calling<Inner<S, C, P, Req, Pol>>,
+    #[pin] CallFuture<Inner<S, C, P, Req, Pol>>,
 )
 where
     P: Transport<S>,
     Parts<S, C, P, Req, Pol>: Retryable;
-
-#[pin_project(project = CallingProj)]
-enum Calling<F> {
-    /// This stack owns the call.
-    Owned {
-        #[pin]
-        inner: F,
-        state: CallState,
-    },
-    /// A stack outside owns it.
-    Passed {
-        #[pin]
-        inner: F,
-    },
-    /// Refused before anything was sent (a required key missing).
-    Refused { error: Option<crate::Error> },
-}
 
 impl<S, C, P, Req, Pol> fmt::Debug for BackstopFuture<S, C, P, Req, Pol>
 where
@@ -182,10 +143,7 @@ where
     Parts<S, C, P, Req, Pol>: Retryable,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
-            Calling::Owned { inner, .. } | Calling::Passed { inner } => inner.fmt(f),
-            Calling::Refused { .. } => f.write_str("BackstopFuture(refused)"),
-        }
+        self.0.fmt(f)
     }
 }
 
@@ -200,21 +158,7 @@ where
     type Output = Result<ClientResponse<S, P, Req>, crate::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().0.project() {
-            CallingProj::Owned { inner, state } => {
-                let result = {
-                    let _entered = state.enter();
-                    ready!(inner.poll(cx))
-                };
-                Poll::Ready(state.end(result))
-            }
-            CallingProj::Passed { inner } => {
-                Poll::Ready(ready!(inner.poll(cx)).map_err(|e| crate::Error::new(None, e)))
-            }
-            CallingProj::Refused { error } => Poll::Ready(Err(error
-                .take()
-                .expect("BackstopFuture polled after completion"))),
-        }
+        self.project().0.poll(cx)
     }
 }
 
@@ -281,6 +225,12 @@ impl<C, P, I, Pol> BackstopLayer<C, P, I, Pol> {
     /// The attempts per call.
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
+    }
+
+    /// The stack's call's work as a layer of its own, for a stack whose other layers are
+    /// composed by hand: see [`CallLayer`].
+    pub fn call_layer(&self) -> CallLayer<I, P> {
+        CallLayer::new(self.call.clone())
     }
 
     /// The circuit breaker each attempt goes through, if the stack has one.
@@ -352,8 +302,9 @@ impl<S, C: Clone, P: Clone + Transport<S>, I: Clone, Pol: Clone> Layer<S>
             None => Either::Right(gated),
         };
         BackstopService {
-            inner: self.deadline.layer(self.retry.layer(attempt)),
-            call: self.call.clone(),
+            inner: self
+                .call_layer()
+                .layer(self.deadline.layer(self.retry.layer(attempt))),
         }
     }
 }
