@@ -23,8 +23,8 @@
 //!
 //! Stack them in this order, outermost first: idempotency key, deadline, retry (its policy with
 //! the budget), breaker, attempt timeout, the client. Each is a tower `Layer` of its own; the
-//! [`Backstop`] builder stacks them in this order behind the call's work (key, span, one error,
-//! dead letters). By hand:
+//! [`Backstop`] builder stacks them in this order behind the call's work ([`CallLayer`]: key,
+//! span, one error, dead letters). By hand:
 //!
 //! ```
 //! use backstop::{
