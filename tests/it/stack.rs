@@ -327,6 +327,30 @@ async fn the_calls_work_over_a_retry_layer_of_ones_own_keys_every_attempt_once()
     }
 }
 
+/// Under a retry layer the call's work stands aside: the call is the retry layer's, so no key
+/// is minted per attempt (a POST without one is not repeated after a lost reply) and no letter
+/// is written for an attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_calls_work_under_a_retry_layer_stands_aside() {
+    let server = TestServer::start(|_: &Seen| Action::DropReply).await;
+    let sink = Arc::new(MemorySink::default());
+    let call = Backstop::http("call-inside-api")
+        .honours_keys()
+        .dead_letters(sink.clone())
+        .build()
+        .unwrap()
+        .call_layer();
+    let svc = tower::ServiceBuilder::new()
+        .layer(backstop::retry::RetryLayer::http().dependency("call-inside-api"))
+        .layer(call)
+        .service(client());
+    let err = svc.oneshot(post(server.url("/refunds"))).await.unwrap_err();
+    assert_eq!(err.outcome(), Outcome::Unknown, "{err}");
+    assert_eq!(server.requests(), 1, "{err}");
+    assert_eq!(server.seen()[0].header("idempotency-key"), None);
+    assert!(sink.take().is_empty());
+}
+
 /// A call the call's work refuses (a required key missing) sends nothing and keeps the
 /// readiness it was given for the next call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

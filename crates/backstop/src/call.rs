@@ -250,6 +250,11 @@ impl CallState {
 /// attempt the retry layer under it sends carries the same one), opens the call's span, makes
 /// every end one [`Error`], and writes a failed mutating call's dead letter.
 ///
+/// Place it outside the retry layer, as the builder does. Under a retry layer the call belongs
+/// to the stack outside, and this layer stands aside (no key, span or letter of its own; the
+/// error is told by its cause), as a [`BackstopService`](crate::BackstopService) nested in
+/// another one does.
+///
 /// `I` is where the key goes, `P` the kind of request (what the call's telemetry reads of it).
 ///
 /// ```
