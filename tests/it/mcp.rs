@@ -424,6 +424,47 @@ async fn each_policy_s_attempts_after_a_lost_reply() {
     assert_eq!((err.attempts(), err.outcome()), (1, Outcome::NotSent));
 }
 
+/// The stack's call's work over a retry layer of one's own, for tool calls: the key goes in
+/// each attempt's `_meta`, the same on every attempt, and each call's tool policy still decides
+/// whether a lost reply is repeated; one `Error` per call.
+#[tokio::test(start_paused = true)]
+async fn the_calls_work_over_a_retry_layer_of_ones_own_keys_every_tool_attempt() {
+    let (transport, calls) = failing(lost);
+    let call = payments().build().unwrap().call_layer();
+    let retry = backstop::retry::RetryLayer::new(backstop::mcp::McpClassifier)
+        .dependency("payments-mcp")
+        .rng(RngSource::seeded(7))
+        .backoff(Backoff::constant(Duration::from_millis(10)));
+    let tools = tower::ServiceBuilder::new()
+        .layer(call)
+        .layer(retry)
+        .service(transport);
+    let keyed = ToolCall::new("set_refund_note", json!({"refund": "R1"}))
+        .unwrap()
+        .with_policy(ToolPolicy::KeyHonouring);
+    let err: backstop::Error = tools.clone().oneshot(keyed).await.unwrap_err();
+    assert_eq!(
+        (err.attempts(), err.outcome()),
+        (3, Outcome::Unknown),
+        "{err}"
+    );
+    let seen = calls.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3);
+    let first = seen[0].1.clone().expect("a key in _meta");
+    assert!(seen.iter().all(|(_, k)| k.as_ref() == Some(&first)));
+    calls.lock().unwrap().clear();
+    let once = ToolCall::new("issue_refund", json!({"refund": "R1"}))
+        .unwrap()
+        .with_policy(ToolPolicy::NeverRetry);
+    let err = tools.oneshot(once).await.unwrap_err();
+    assert_eq!(
+        (err.attempts(), err.outcome()),
+        (1, Outcome::Unknown),
+        "{err}"
+    );
+    assert_eq!(calls.lock().unwrap().len(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_call_gets_what_is_left_of_the_run_s_deadline() {
     let run = Run::new("run-deadline").deadline(Duration::from_secs(120));
