@@ -352,33 +352,33 @@ async fn the_calls_work_under_a_retry_layer_stands_aside() {
 }
 
 /// A call the call's work refuses (a required key missing) sends nothing and keeps the
-/// readiness it was given for the next call.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// readiness it was given for the next call: over `tower-test`'s mock, which allows one request
+/// and panics at a call on a handle whose readiness was spent, the keyed call that follows goes
+/// out without another `poll_ready`.
+#[tokio::test]
 async fn the_calls_work_refuses_a_call_without_its_required_key_and_sends_nothing() {
-    let server = TestServer::start(|_: &Seen| Action::status(200)).await;
     let call = Backstop::http("call-charges-api")
         .preset(Preset::Create)
         .build()
         .unwrap()
         .call_layer();
-    let mut svc = call.layer(client());
-    let err = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(post(server.url("/charges")))
-        .await
-        .unwrap_err();
+    let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    handle.allow(1);
+    let mut svc = call.layer(mock);
+    let unkeyed = post("http://charges.test/charges".to_owned());
+    let err = svc.ready().await.unwrap().call(unkeyed).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Misconfigured, "{err}");
     assert_eq!(err.outcome(), Outcome::NotSent);
-    assert_eq!(server.requests(), 0);
-    let mut keyed = post(server.url("/charges"));
+    let mut keyed = post("http://charges.test/charges".to_owned());
     keyed
         .headers_mut()
         .insert("idempotency-key", "charge-1".parse().unwrap());
-    let res = svc.call(keyed).await.unwrap();
-    assert_eq!(res.status(), 200);
-    assert_eq!(server.requests(), 1);
+    let answer = svc.call(keyed);
+    // The first request the client sees is the keyed one: the refused call never reached it.
+    let (sent, reply) = handle.next_request().await.expect("the keyed call is sent");
+    assert_eq!(sent.headers()["idempotency-key"], "charge-1");
+    reply.send_response(Response::new(Body::default()));
+    assert_eq!(answer.await.unwrap().status(), 200);
 }
 
 /// A POST that carries its own `Idempotency-Key` header: its dead letter names that key.

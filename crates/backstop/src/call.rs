@@ -368,7 +368,7 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        // Another Backstop stack outside owns this call: its work is that stack's, which tells
+        // A retry layer outside owns this call: its work is the stack's outside, which tells
         // this attempt's error in its own words.
         if backstop_retry::retried_outside(&req) {
             let inner = self.inner.call(req);

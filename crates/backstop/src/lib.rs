@@ -95,7 +95,7 @@ pub use dead_letter::{DeadLetter, DeadLetterSink, MemorySink};
 pub use service::{BackstopLayer, BackstopService};
 pub use transport::{Describe, Transport};
 
-/// The stack's future type.
+/// The response futures of the stack and of its call's work.
 pub mod future {
     pub use crate::call::CallFuture;
     pub use crate::service::BackstopFuture;
