@@ -5,7 +5,7 @@ use crate::{
     Attempt, AttemptRecord, Error, NotCopyable, Policy, Resend, RetryHistory, StopReason,
     error::refused_before_sending,
     obs::AttemptSpan,
-    parts::{EndOf, Ended, Err, Fut, NOT_SENT, Res, Retryable, SharedOf},
+    parts::{EndOf, Fut, NOT_SENT, Res, Retryable, SharedOf},
     resend::Template,
 };
 use backstop_classify::{Classify, Verdict};
@@ -123,15 +123,13 @@ impl<T: Retryable> Call<T> {
             ready!(fut.poll(cx))
         };
         let verdict = self.shared.classifier.classify(result.as_ref());
-        let ended = match result {
-            // A Backstop layer further in refused the attempt: it was not sent.
-            Err(e) if verdict == NOT_SENT => {
-                let e: BoxError = e.into();
-                self.sent &= !refused_before_sending(&*e);
-                Ended::Own(e)
-            }
-            r => Ended::Inner(r),
-        };
+        let ended = result.map_err(Into::into);
+        // A Backstop layer further in refused the attempt: it was not sent.
+        if verdict == NOT_SENT
+            && let Err(e) = &ended
+        {
+            self.sent &= !refused_before_sending(&**e);
+        }
         Poll::Ready((ended, verdict))
     }
 
@@ -165,7 +163,7 @@ impl<T: Retryable> Call<T> {
     /// place a decision is told (the `retrying` event, the budgets' metrics).
     pub(crate) fn decide(
         &mut self,
-        ended: &Ended<Res<T>, Err<T>>,
+        ended: &Result<Res<T>, BoxError>,
         verdict: Verdict,
     ) -> Result<Duration, Option<StopReason>> {
         if self.nested {
@@ -183,7 +181,7 @@ impl<T: Retryable> Call<T> {
         let attempt = Attempt {
             request,
             copyable,
-            response: ended.response(),
+            result: ended.as_ref().map_err(|e| &**e),
             verdict,
             number: self.attempt,
             deadline: self.deadline,
@@ -215,18 +213,16 @@ impl<T: Retryable> Call<T> {
     /// its one attempt's result goes to the layer outside, which tells it).
     pub(crate) fn finish(
         &mut self,
-        ended: Ended<Res<T>, Err<T>>,
+        ended: Result<Res<T>, BoxError>,
         verdict: Verdict,
         stopped: Option<StopReason>,
     ) -> Result<Res<T>, Error> {
         let Some(stopped) = stopped else {
-            return ended
-                .into_result()
-                .map_err(|e| Error::new(Some(&self.dependency), e));
+            return ended.map_err(|e| Error::new(Some(&self.dependency), e));
         };
         // A first attempt that succeeded: no history to keep, the response as it is.
         if self.history.is_empty()
-            && let Ended::Inner(Ok(res)) = ended
+            && let Ok(res) = ended
         {
             crate::obs::finished(&self.dependency, self.attempt, true, false);
             return Ok(res);
@@ -239,7 +235,7 @@ impl<T: Retryable> Call<T> {
             stopped,
         };
         crate::obs::stopped(&history, self.attempt, verdict);
-        match ended.into_result() {
+        match ended {
             Ok(mut res) => {
                 res.extensions_mut().insert(history);
                 Ok(res)

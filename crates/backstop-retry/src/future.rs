@@ -16,8 +16,9 @@ pub use crate::parts::Retryable;
 use crate::{
     Error, Policy, StopReason,
     call::Call,
-    parts::{Ended, Fut, NOT_SENT, Res},
+    parts::{Fut, NOT_SENT, Res},
 };
+use backstop_core::BoxError;
 use pin_project::pin_project;
 use std::{
     fmt,
@@ -107,13 +108,13 @@ impl<T: Retryable> Future for ResponseFuture<T> {
                         // attempt's end stands.
                         Err(why) => {
                             let verdict = call.history.last().map_or(NOT_SENT, |a| a.verdict);
-                            let error = Ended::Own(Box::new(why.clone()));
+                            let error = Err(BoxError::from(why.clone()));
                             (error, verdict, Some(StopReason::NotCopyable(why)))
                         }
                     },
                     Err(error) => {
                         call.begin_attempt(Instant::now());
-                        (Ended::Own(error), NOT_SENT, None)
+                        (Err(error), NOT_SENT, None)
                     }
                 },
                 StateProj::Done => panic!("{POLLED_AFTER}"),

@@ -12,30 +12,6 @@ pub(crate) struct Shared<C, P> {
     pub(crate) resend: P,
 }
 
-/// How an attempt ended: the inner service's result, or this layer's own error.
-pub(crate) enum Ended<T, E> {
-    Inner(Result<T, E>),
-    Own(BoxError),
-}
-
-impl<T, E: Into<BoxError>> Ended<T, E> {
-    /// The result as it came, every error boxed.
-    pub(crate) fn into_result(self) -> Result<T, BoxError> {
-        match self {
-            Ended::Inner(r) => r.map_err(Into::into),
-            Ended::Own(e) => Err(e),
-        }
-    }
-
-    /// The response, when the attempt answered one.
-    pub(crate) fn response(&self) -> Option<&T> {
-        match self {
-            Ended::Inner(Ok(res)) => Some(res),
-            _ => None,
-        }
-    }
-}
-
 /// What the retry layer asks of the service it wraps (`Svc`), the request (`Req`), the
 /// classifier, the copier and the policy: the bounds, written once. Implemented for the tuple
 /// `(S, Req, C, P, Pol)` whenever they hold, and sealed: a layer wrapping
@@ -79,8 +55,9 @@ pub(crate) type Res<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req
 pub(crate) type Err<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Error;
 pub(crate) type Fut<T> = <<T as Retryable>::Svc as Service<<T as Retryable>::Req>>::Future;
 pub(crate) type SharedOf<T> = Shared<<T as Retryable>::Classifier, <T as Retryable>::Resend>;
-/// An attempt's end and its verdict.
-pub(crate) type EndOf<T> = (Ended<Res<T>, Err<T>>, Verdict);
+/// How an attempt ended (the inner service's result, its error boxed, or this layer's own
+/// error), and its verdict.
+pub(crate) type EndOf<T> = (Result<Res<T>, BoxError>, Verdict);
 
 /// The verdict on an attempt that was never sent.
 pub(crate) const NOT_SENT: Verdict = Verdict::Fatal {

@@ -15,15 +15,16 @@ use backstop_core::{
     RetryBudget, Run, UnvouchedKey,
 };
 use rand::rngs::SmallRng;
-use std::{fmt, sync::Arc, time::Duration};
+use std::{error::Error, fmt, sync::Arc, time::Duration};
 use tokio::time::Instant;
 
 /// Decides, after each attempt of a call, whether the call is attempted again and after how
 /// long.
 ///
 /// A retry layer clones its policy for every call and asks the clone after each attempt, the
-/// successful ones included, so a policy can keep state for one call in `&mut self` (a backoff
-/// schedule) and share the rest through `Arc`s. [`StandardPolicy`] is Backstop's; a policy of
+/// successful ones included, with the [`Attempt`]: the request as kept, the response or the
+/// error, the classifier's verdict and the time left. A policy can keep state for one call in
+/// `&mut self` (a backoff schedule) and share the rest through `Arc`s. [`StandardPolicy`] is Backstop's; a policy of
 /// one's own can wrap it and re-judge some attempts, or compose its parts differently.
 ///
 /// A policy of one's own that retries a JSON-RPC error carried inside a successful HTTP response
@@ -103,7 +104,7 @@ pub trait Policy<Req, Res>: Clone {
 pub struct Attempt<'a, Req, Res> {
     pub(crate) request: Option<&'a Req>,
     pub(crate) copyable: Result<(), NotCopyable>,
-    pub(crate) response: Option<&'a Res>,
+    pub(crate) result: Result<&'a Res, &'a (dyn Error + Send + Sync + 'static)>,
     pub(crate) verdict: Verdict,
     pub(crate) number: u32,
     pub(crate) deadline: Option<Deadline>,
@@ -146,7 +147,15 @@ impl<'a, Req, Res> Attempt<'a, Req, Res> {
 
     /// The attempt's response, when it answered one (`None` for an error).
     pub fn response(&self) -> Option<&'a Res> {
-        self.response
+        self.result.ok()
+    }
+
+    /// The attempt's error, when it failed (`None` for a response): the inner service's,
+    /// boxed, or the layer's own (the request could not be copied again, or the service did
+    /// not get ready before the deadline). A policy finds an error type of its own in it with
+    /// `downcast_ref`, or in its chain of sources.
+    pub fn error(&self) -> Option<&'a (dyn Error + Send + Sync + 'static)> {
+        self.result.err()
     }
 
     /// How the attempt was judged by the layer's classifier.

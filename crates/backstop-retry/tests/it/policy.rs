@@ -348,3 +348,121 @@ fn zero_attempts_is_refused_with_the_setting_to_change() {
     assert!(err.to_string().contains("max_attempts"), "{err}");
     assert!(StandardPolicy::new().max_attempts(0).is_err());
 }
+
+/// A tool runner's own error: the tool was busy and did nothing. The HTTP classifier does not
+/// know it, so it judges it fatal with an unknown outcome.
+#[derive(Debug)]
+struct ToolBusy;
+
+impl std::fmt::Display for ToolBusy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the tool was busy and did nothing")
+    }
+}
+
+impl std::error::Error for ToolBusy {}
+
+/// Reads the attempt's error: `ToolBusy` is judged not sent and retryable, and the standard
+/// policy decides the rest.
+#[derive(Clone, Debug)]
+struct BusyIsNotSent(StandardPolicy);
+
+impl<R: HasExtensions> Policy<R, Res> for BusyIsNotSent {
+    fn retry(&mut self, attempt: &Attempt<'_, R, Res>) -> Result<Duration, StopReason> {
+        if attempt.error().is_some_and(|e| e.is::<ToolBusy>()) {
+            let retryable = Verdict::Retryable {
+                outcome: Outcome::NotSent,
+                after: None,
+            };
+            return self.0.retry(&attempt.with_verdict(retryable));
+        }
+        self.0.retry(attempt)
+    }
+}
+
+/// Busy on the first attempt, then answers; counts attempts.
+fn busy_once(
+    calls: Arc<AtomicU32>,
+) -> impl Service<Req, Response = Res, Error = BoxError, Future: Send> + Clone {
+    service_fn(move |_req: Req| {
+        let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                return Err::<Res, BoxError>(Box::new(ToolBusy));
+            }
+            Ok(Response::new(String::from(OK)))
+        }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_policy_reads_the_attempts_error_and_retries_one_the_classifier_calls_fatal() {
+    // A POST with no key and no replay-safe mark: only an error known not to have been acted
+    // on may be repeated.
+    let unmarked = || {
+        Request::post("http://tools.local/run")
+            .body(String::from("{}"))
+            .unwrap()
+    };
+    let calls = Arc::new(AtomicU32::new(0));
+    let res = RetryLayer::http()
+        .dependency("tools")
+        .policy(BusyIsNotSent(StandardPolicy::new()))
+        .layer(busy_once(calls.clone()))
+        .oneshot(unmarked())
+        .await
+        .unwrap();
+    assert_eq!(res.body(), OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the busy attempt retried");
+
+    // The standard policy alone follows the classifier: one attempt, and the error says so.
+    let calls = Arc::new(AtomicU32::new(0));
+    let err = RetryLayer::http()
+        .dependency("tools")
+        .layer(busy_once(calls.clone()))
+        .oneshot(unmarked())
+        .await
+        .unwrap_err();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(err.to_string().contains("the tool was busy"), "{err}");
+}
+
+/// What a policy saw of an attempt's result: whether it had a response, and its error's words.
+type Side = (bool, Option<String>);
+
+/// Records each attempt's side, and never retries.
+#[derive(Clone, Default)]
+struct Sides(Arc<Mutex<Vec<Side>>>);
+
+impl Policy<Req, Res> for Sides {
+    fn retry(&mut self, attempt: &Attempt<'_, Req, Res>) -> Result<Duration, StopReason> {
+        let error = attempt.error().map(|e| e.to_string());
+        self.0
+            .lock()
+            .unwrap()
+            .push((attempt.response().is_some(), error));
+        Err(StopReason::Succeeded)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_has_a_response_or_an_error_never_both() {
+    let sides = Sides::default();
+    let calls = Arc::new(AtomicU32::new(0));
+    let mut svc = RetryLayer::http()
+        .dependency("tools")
+        .policy(sides.clone())
+        .layer(busy_once(calls));
+    let _ = svc.ready().await.unwrap().call(read_only("{}")).await;
+    let _ = svc.ready().await.unwrap().call(read_only("{}")).await;
+    assert_eq!(
+        *sides.0.lock().unwrap(),
+        vec![
+            (
+                false,
+                Some(String::from("the tool was busy and did nothing"))
+            ),
+            (true, None),
+        ]
+    );
+}
