@@ -24,8 +24,9 @@ use tokio::time::Instant;
 /// A retry layer clones its policy for every call and asks the clone after each attempt, the
 /// successful ones included, with the [`Attempt`]: the request as kept, the response or the
 /// error, the classifier's verdict and the time left. A policy can keep state for one call in
-/// `&mut self` (a backoff schedule) and share the rest through `Arc`s. [`StandardPolicy`] is Backstop's; a policy of
-/// one's own can wrap it and re-judge some attempts, or compose its parts differently.
+/// `&mut self` (a backoff schedule) and share the rest through `Arc`s. [`StandardPolicy`] is
+/// Backstop's; a policy of one's own can wrap it and re-judge some attempts, or compose its
+/// parts differently.
 ///
 /// A policy of one's own that retries a JSON-RPC error carried inside a successful HTTP response
 /// (an MCP server's internal error, `-32603`, after a worker restart), and leaves every other
